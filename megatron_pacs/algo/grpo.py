@@ -1,0 +1,131 @@
+"""The GRPO baseline loss (spec Part A item 7): group-normalised outcome advantage, PPO clipped surrogate.
+
+    adv_i  = (R_i - mean_g R) / (std_g R + 1e-6)            # per group, std unbiased; no std: R_i - mean_g R
+    ratio  = exp(logp - logp_old)                           # per token
+    l_t    = max(-adv * ratio, -adv * clip(ratio, 1 - eps, 1 + eps))   (dual clip at c for adv < 0)
+    L      = (1 / S) * sum_i sum_t mask_it * l_it / T_max  # "seq-mean-token-sum-norm" (Dr. GRPO)
+
+T_max is a constant (the configured maximum response length), so the value does not depend on the padding of
+a micro-batch. verl's ``seq-mean-token-sum-norm`` divides each micro-batch's token sum by its padded width and
+averages micro-batches, i.e. our L times the per-GPU micro-batch size: a constant factor that Adam normalises
+away. Advantages depend only on rewards, so they are computed once per batch (:func:`grpo_advantages`) and the
+token loss can then be split across micro-batches freely.
+
+Shapes: S responses (groups contiguous), T response tokens (padded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_pacs.algo.common import (
+    LossOutput,
+    as_float_vector,
+    check_1d,
+    check_finite,
+    check_groups,
+    check_rewards,
+    mean_entry,
+    stat_entries,
+)
+
+__all__ = ["grpo_advantages", "grpo_loss"]
+
+GRPO_ADV_EPS = 1e-6
+
+
+def grpo_advantages(rewards: torch.Tensor, *, group_size: int, norm_by_std: bool = True) -> torch.Tensor:
+    """Group-normalised outcome advantages.
+
+    Args:
+        rewards: ``[S]`` rewards, groups of ``group_size`` contiguous.
+        group_size: N >= 2.
+        norm_by_std: Divide by the group's unbiased std (+1e-6); False gives Dr. GRPO's mean-centring only.
+
+    Returns:
+        ``[S]`` float32 advantages (no grad).
+    """
+    check_1d("rewards", torch.as_tensor(rewards))
+    rewards = torch.as_tensor(rewards).float()
+    check_finite("rewards", rewards)
+    check_groups(rewards.shape[0], group_size, need_pairs=True)
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(-1, keepdim=True)
+    if norm_by_std:
+        adv = adv / (r.std(-1, keepdim=True) + GRPO_ADV_EPS)
+    return adv.reshape(-1)
+
+
+def grpo_loss(
+    token_logp: torch.Tensor,
+    token_old_logp: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    max_response_len: int,
+    clip_ratio: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    rewards: torch.Tensor | None = None,
+) -> LossOutput:
+    """PPO clipped surrogate with GRPO advantages, as a global sum over responses.
+
+    Args:
+        token_logp: ``[S, T]`` current-policy token log-probs, with grad.
+        token_old_logp: ``[S, T]`` rollout-policy token log-probs.
+        response_mask: ``[S, T]`` 1 for response tokens.
+        advantages: ``[S]`` from :func:`grpo_advantages` (computed over whole groups).
+        max_response_len: T_max, the constant token-sum normaliser (the configured max response length).
+        clip_ratio: PPO epsilon (verl default 0.2).
+        clip_ratio_c: Dual-clip bound for negative advantages (verl default 3.0); None disables it.
+        rewards: Optional ``[S]`` rewards in [0, 1], only for the reward metric.
+
+    Returns:
+        ``LossOutput(loss_sum, count=S, metrics)``; ``loss_sum / count`` is L above.
+    """
+    if token_logp.shape != token_old_logp.shape or token_logp.shape != response_mask.shape:
+        raise ValueError(
+            f"token_logp {tuple(token_logp.shape)}, token_old_logp {tuple(token_old_logp.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must share one [S, T] shape"
+        )
+    num = token_logp.shape[0]
+    adv = as_float_vector("advantages", advantages, token_logp)
+    check_finite("advantages", adv)
+    if max_response_len <= 0:
+        raise ValueError(f"max_response_len={max_response_len} must be > 0 (the configured max response tokens)")
+    if not 0 < clip_ratio < 1:
+        raise ValueError(f"clip_ratio={clip_ratio} must lie in (0, 1); PPO's usual value is 0.2")
+    if clip_ratio_c is not None and clip_ratio_c <= 1:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (dual clip) or None to disable it")
+    mask = response_mask.bool()
+    check_finite("token_old_logp", torch.where(mask, token_old_logp, 0))
+    check_finite("token_logp", torch.where(mask, token_logp.detach(), 0))
+
+    # Masked positions hold 0 before the exp so padding can never overflow; they are dropped again below.
+    log_ratio = torch.where(mask, token_logp.float() - token_old_logp.float(), 0).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    a = adv[:, None]
+    surr = -a * ratio
+    surr_clipped = -a * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
+    tok_loss = torch.maximum(surr, surr_clipped)
+    lower_clipped = torch.zeros_like(tok_loss, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -a * clip_ratio_c
+        lower_clipped = (a < 0) & (tok_loss > bound)
+        tok_loss = torch.where(a < 0, torch.minimum(tok_loss, bound), tok_loss)
+    tok_loss = torch.where(mask, tok_loss, 0)
+    loss_sum = tok_loss.sum() / max_response_len
+
+    with torch.no_grad():
+        n_tok = int(mask.sum())
+        m = {
+            "grpo/loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(num))]),
+            "grpo/clip_frac": mean_entry(((surr_clipped > surr) & mask).sum().float(), n_tok, tok_loss),
+            "grpo/clip_frac_lower": mean_entry((lower_clipped & mask).sum().float(), n_tok, tok_loss),
+            "grpo/approx_kl": mean_entry(torch.where(mask, -log_ratio, 0).sum(), n_tok, tok_loss),
+        }
+        m.update(stat_entries("grpo/advantage", adv))
+        if rewards is not None:
+            r = as_float_vector("rewards", rewards, token_logp)
+            check_rewards(r)
+            m["grpo/reward_mean"] = mean_entry(r.sum(), num, tok_loss)
+    return LossOutput(loss_sum=loss_sum, count=num, metrics=m)

@@ -1,0 +1,73 @@
+"""Dataset preparation: source file in, canonical prompt file out (the library behind tools/prepare_data.py)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_pacs.data.formats import read_prompt_rows, write_rows
+from megatron_pacs.data.prompts import PromptRow, apply_chat_template
+
+__all__ = ["PrepareReport", "filter_by_prompt_length", "prepare_dataset"]
+
+
+@dataclass
+class PrepareReport:
+    """What a preparation run did: rows written, malformed rows skipped, over-long prompts dropped."""
+
+    num_written: int
+    num_bad_skipped: int
+    num_too_long: int
+    output: str
+
+
+def filter_by_prompt_length(
+    rows: list[PromptRow], tokenizer: Any, max_prompt_length: int
+) -> tuple[list[PromptRow], int]:
+    """Drop rows whose chat-templated prompt (with the generation prompt) exceeds ``max_prompt_length`` tokens.
+
+    Returns:
+        ``(kept_rows, num_dropped)``.
+    """
+    if max_prompt_length <= 0:
+        raise ValueError(f"max_prompt_length={max_prompt_length} must be > 0 tokens")
+    kept = [r for r in rows if len(apply_chat_template(tokenizer, r.prompt)) <= max_prompt_length]
+    return kept, len(rows) - len(kept)
+
+
+def prepare_dataset(
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    *,
+    data_source: str | None = None,
+    skip_bad_rows: bool = False,
+    tokenizer_dir: str | None = None,
+    max_prompt_length: int | None = None,
+) -> PrepareReport:
+    """Convert ``input_path`` to the canonical format at ``output_path`` (``.jsonl`` or ``.parquet``).
+
+    Args:
+        input_path: Source file (see :mod:`megatron_pacs.data.formats` for the shapes).
+        output_path: Destination; written atomically, the input is never modified.
+        data_source: Name stored in every row (default: the input file's stem).
+        skip_bad_rows: Skip and count malformed rows instead of failing on the first.
+        tokenizer_dir: A Hugging Face tokenizer directory, for the prompt-length filter.
+        max_prompt_length: Drop prompts longer than this many tokens (needs ``tokenizer_dir``).
+    """
+    if (tokenizer_dir is None) != (max_prompt_length is None):
+        raise ValueError("--tokenizer and --max-prompt-length go together: give both to filter long prompts")
+    if Path(output_path).resolve() == Path(input_path).resolve():
+        raise ValueError(f"output {output_path} is the input file; choose another output path")
+    rows, skipped = read_prompt_rows(input_path, data_source=data_source, skip_bad_rows=skip_bad_rows)
+    too_long = 0
+    if tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        rows, too_long = filter_by_prompt_length(rows, tok, max_prompt_length)
+    if not rows:
+        raise ValueError(f"{input_path}: no rows left to write ({skipped} malformed, {too_long} too long)")
+    write_rows(rows, output_path)
+    return PrepareReport(len(rows), skipped, too_long, str(output_path))

@@ -1,0 +1,228 @@
+"""Score a batch of responses in a pool of worker processes, with a hard per-item timeout.
+
+``concurrent.futures`` cannot stop a task that hangs (a pathological LaTeX parse can run for minutes), so each
+worker here has its own pipe and the parent enforces a deadline per item: a worker past its deadline is killed
+and replaced, its item scores 0.0 and is counted as a timeout. A worker that dies scores its item 0.0 as an
+error. The step is never held longer than about ``timeout_s`` per item.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from megatron_pacs.rewards.math_verify import ERROR, OK, TIMEOUT, score_with_status
+from megatron_pacs.utils.logging import get_logger
+
+__all__ = ["RewardScorer", "ScoreResult"]
+
+log = get_logger("rewards")
+
+RewardFn = Callable[[Any, Any], "float | tuple[float, str]"]
+
+
+@dataclass
+class ScoreResult:
+    """Scores of one batch, in input order, with the failure counts.
+
+    Attributes:
+        scores: One float per response.
+        num_errors: Items scored 0.0 because of an error (bad input, an exception, a crashed worker).
+        num_timeouts: Items scored 0.0 because they ran past the timeout.
+        statuses: Per item ``"ok"``, ``"error"`` or ``"timeout"``.
+    """
+
+    scores: list[float]
+    num_errors: int = 0
+    num_timeouts: int = 0
+    statuses: list[str] = field(default_factory=list)
+
+    def metrics(self, prefix: str = "reward") -> dict[str, float]:
+        """``{prefix}/mean``, ``{prefix}/num_errors``, ``{prefix}/num_timeouts``."""
+        mean = sum(self.scores) / len(self.scores) if self.scores else 0.0
+        return {f"{prefix}/mean": mean, f"{prefix}/num_errors": self.num_errors, f"{prefix}/num_timeouts": self.num_timeouts}
+
+
+def _call(fn: RewardFn, response: Any, ground_truth: Any) -> tuple[float, str]:
+    try:
+        out = fn(response, ground_truth)
+    except Exception:  # noqa: BLE001 - a reward that raises scores 0 and is counted
+        return 0.0, ERROR
+    if isinstance(out, tuple):
+        return float(out[0]), str(out[1])
+    return float(out), OK
+
+
+def _worker_main(conn: Connection, fn: RewardFn) -> None:
+    """Worker loop: warm up, say ready, then answer ``(idx, response, gt)`` with ``(idx, score, status)``."""
+    _call(fn, "\\boxed{1}", "1")  # import and build the verifier before the first timed item
+    conn.send("ready")
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        idx, response, ground_truth = msg
+        conn.send((idx, *_call(fn, response, ground_truth)))
+
+
+class _Worker:
+    def __init__(self, ctx, fn: RewardFn) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True, name="megatron_pacs-reward")
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.item: tuple[int, float] | None = None  # (index, deadline) of the item in flight
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class RewardScorer:
+    """A reusable pool that scores (response, ground truth) pairs with a per-item timeout.
+
+    Args:
+        num_workers: Worker processes; 0 scores serially in this process (math-verify's own time limits only,
+            no hard timeout).
+        timeout_s: Wall-clock limit per item, measured from when a ready worker receives it.
+        reward_fn: A picklable ``(response, ground_truth) -> float | (float, status)``; default math-verify.
+        start_timeout_s: How long a worker may take to import and warm up.
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        reward_fn: RewardFn = score_with_status,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be >= 0 (0 scores in this process)")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.reward_fn = reward_fn
+        self.start_timeout_s = start_timeout_s
+        self.total_errors = 0
+        self.total_timeouts = 0
+        # spawn, not fork: the trainer process holds threads (Ray, torch) that fork would copy half-initialised.
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for w in self._workers:
+            w.proc.join(timeout=2)
+            if w.proc.is_alive():
+                w.kill()
+        self._workers = []
+
+    def score(self, responses: Sequence[Any], ground_truths: Sequence[Any]) -> ScoreResult:
+        """Score ``responses[i]`` against ``ground_truths[i]``.
+
+        Args:
+            responses: Decoded responses; a non-string scores 0.0 as an error.
+            ground_truths: Final answers (strings or numbers), one per response.
+
+        Returns:
+            A :class:`ScoreResult` in input order.
+        """
+        if len(responses) != len(ground_truths):
+            raise ValueError(
+                f"got {len(responses)} responses but {len(ground_truths)} ground truths; pass one ground truth per "
+                "response (repeat a prompt's answer for each of its samples)"
+            )
+        results: list[tuple[float, str] | None] = [None] * len(responses)
+        todo: deque[int] = deque()
+        for i, resp in enumerate(responses):
+            if isinstance(resp, str):
+                todo.append(i)
+            else:
+                results[i] = (0.0, ERROR)
+        if self.num_workers == 0:
+            for i in todo:
+                results[i] = _call(self.reward_fn, responses[i], ground_truths[i])
+        elif todo:
+            self._run_pool(todo, responses, ground_truths, results)
+        scores = [r[0] for r in results]  # type: ignore[index]
+        statuses = [r[1] for r in results]  # type: ignore[index]
+        out = ScoreResult(scores, statuses.count(ERROR), statuses.count(TIMEOUT), statuses)
+        self.total_errors += out.num_errors
+        self.total_timeouts += out.num_timeouts
+        if out.num_errors or out.num_timeouts:
+            log.warning(
+                "reward: %d of %d items scored 0.0 (%d errors, %d timeouts after %.1fs)",
+                out.num_errors + out.num_timeouts, len(scores), out.num_errors, out.num_timeouts, self.timeout_s,
+            )
+        return out
+
+    def _ensure_workers(self) -> None:
+        self._workers = [w for w in self._workers if w.proc.is_alive()]
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._ctx, self.reward_fn))
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.reward_fn)
+
+    def _run_pool(self, todo: deque[int], responses, ground_truths, results) -> None:
+        self._ensure_workers()
+        start_deadline = time.monotonic() + self.start_timeout_s
+        while todo or any(w.item is not None for w in self._workers):
+            now = time.monotonic()
+            for w in self._workers:
+                if w.ready and w.item is None and todo:
+                    i = todo.popleft()
+                    w.conn.send((i, responses[i], ground_truths[i]))
+                    w.item = (i, now + self.timeout_s)
+            if not any(w.ready for w in self._workers) and now > start_deadline:
+                raise RuntimeError(
+                    f"no reward worker started within {self.start_timeout_s}s; check that math-verify imports "
+                    "(python -c 'import math_verify') or raise start_timeout_s"
+                )
+            deadlines = [w.item[1] for w in self._workers if w.item is not None]
+            wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.5
+            for conn in wait([w.conn for w in self._workers], timeout=wait_s):
+                w = next(w for w in self._workers if w.conn is conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):  # the worker died: its item is an error, the worker is replaced
+                    if w.item is not None:
+                        results[w.item[0]] = (0.0, ERROR)
+                    self._replace(w)
+                    continue
+                if msg == "ready":
+                    w.ready = True
+                else:
+                    idx, score, status = msg
+                    results[idx] = (score, status)
+                    w.item = None
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.item is not None and now > w.item[1]:
+                    results[w.item[0]] = (0.0, TIMEOUT)
+                    self._replace(w)
