@@ -38,6 +38,7 @@ bench: install
 	$(PY) benchmarks/bench_algo.py
 
 demo: install
+	@test -f megatron_pacs/demo.py || { echo "make demo: the trainer is not built yet (see README, Status)"; exit 2; }
 	$(PY) -m megatron_pacs.demo
 
 clean:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LossOutput", "masked_sequence_sum", "check_choice", "check_finite", "check_groups", "check_rewards"]
+__all__ = ["LossOutput", "check_choice", "check_finite", "check_groups", "check_rewards", "masked_sequence_sum"]
 
 
 @dataclass

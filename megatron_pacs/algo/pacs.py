@@ -39,9 +39,9 @@ from megatron_pacs.algo.registry import Registry
 
 __all__ = [
     "ADVANTAGES",
+    "GRPO_EPS",
     "SCORES",
     "WEIGHTS",
-    "GRPO_EPS",
     "compute_scores",
     "group_advantages",
     "group_weights",

@@ -25,7 +25,7 @@ from typing import Any
 
 from megatron_pacs.data.prompts import PromptRow, build_messages
 
-__all__ = ["BadRowError", "read_records", "to_prompt_row", "read_prompt_rows", "write_rows"]
+__all__ = ["BadRowError", "read_prompt_rows", "read_records", "to_prompt_row", "write_rows"]
 
 QUESTION_KEYS = ("problem", "Problem", "question", "Question")
 ANSWER_KEYS = ("answer", "Answer", "final_answer", "ground_truth")
@@ -50,8 +50,7 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        for i, rec in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield i, rec
+        yield from enumerate(pq.read_table(path).to_pylist(), start=1)
         return
     if suffix not in (".json", ".jsonl"):
         raise ValueError(f"{path}: unsupported file type {suffix!r}; use .json, .jsonl or .parquet")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["INSTRUCTION", "PromptRow", "build_messages", "apply_chat_template"]
+__all__ = ["INSTRUCTION", "PromptRow", "apply_chat_template", "build_messages"]
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 

@@ -10,13 +10,17 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["math_verify_reward", "score_with_status", "normalize_ground_truth"]
+__all__ = ["math_verify_reward", "normalize_ground_truth", "score_with_status"]
 
-OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+OK, ERROR, TIMEOUT, TOO_LONG = "ok", "error", "timeout", "too_long"
 
 
 @lru_cache(maxsize=1)
 def _verifier():
+    import logging
+
+    # math-verify logs every unparsable prediction in full at WARNING (a 1 MB response becomes a 1 MB log line).
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     from math_verify.metric import math_metric
     from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
 

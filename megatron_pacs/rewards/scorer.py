@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from megatron_pacs.rewards.math_verify import ERROR, OK, TIMEOUT, score_with_status
+from megatron_pacs.rewards.math_verify import ERROR, OK, TIMEOUT, TOO_LONG, score_with_status
 from megatron_pacs.utils.logging import get_logger
 
 __all__ = ["RewardScorer", "ScoreResult"]
@@ -34,18 +34,24 @@ class ScoreResult:
         scores: One float per response.
         num_errors: Items scored 0.0 because of an error (bad input, an exception, a crashed worker).
         num_timeouts: Items scored 0.0 because they ran past the timeout.
-        statuses: Per item ``"ok"``, ``"error"`` or ``"timeout"``.
+        num_too_long: Items scored 0.0 without parsing because they exceed ``max_chars``.
+        statuses: Per item ``"ok"``, ``"error"``, ``"timeout"`` or ``"too_long"``.
     """
 
     scores: list[float]
     num_errors: int = 0
     num_timeouts: int = 0
+    num_too_long: int = 0
     statuses: list[str] = field(default_factory=list)
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
-        """``{prefix}/mean``, ``{prefix}/num_errors``, ``{prefix}/num_timeouts``."""
-        mean = sum(self.scores) / len(self.scores) if self.scores else 0.0
-        return {f"{prefix}/mean": mean, f"{prefix}/num_errors": self.num_errors, f"{prefix}/num_timeouts": self.num_timeouts}
+        """``{prefix}/mean`` and the failure counts, for the metric logger."""
+        return {
+            f"{prefix}/mean": sum(self.scores) / len(self.scores) if self.scores else 0.0,
+            f"{prefix}/num_errors": float(self.num_errors),
+            f"{prefix}/num_timeouts": float(self.num_timeouts),
+            f"{prefix}/num_too_long": float(self.num_too_long),
+        }
 
 
 def _call(fn: RewardFn, response: Any, ground_truth: Any) -> tuple[float, str]:
@@ -97,6 +103,8 @@ class RewardScorer:
         timeout_s: Wall-clock limit per item, measured from when a ready worker receives it.
         reward_fn: A picklable ``(response, ground_truth) -> float | (float, status)``; default math-verify.
         start_timeout_s: How long a worker may take to import and warm up.
+        max_chars: Responses longer than this score 0.0 unparsed (status ``too_long``); None disables the
+            guard. The default is far above any 4,096-token response and stops megabyte inputs early.
 
     Use as a context manager, or call :meth:`close`.
     """
@@ -107,6 +115,7 @@ class RewardScorer:
         timeout_s: float = 10.0,
         reward_fn: RewardFn = score_with_status,
         start_timeout_s: float = 120.0,
+        max_chars: int | None = 100_000,
     ) -> None:
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers} must be >= 0 (0 scores in this process)")
@@ -116,8 +125,10 @@ class RewardScorer:
         self.timeout_s = timeout_s
         self.reward_fn = reward_fn
         self.start_timeout_s = start_timeout_s
+        self.max_chars = max_chars
         self.total_errors = 0
         self.total_timeouts = 0
+        self.total_too_long = 0
         # spawn, not fork: the trainer process holds threads (Ray, torch) that fork would copy half-initialised.
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -159,10 +170,12 @@ class RewardScorer:
         results: list[tuple[float, str] | None] = [None] * len(responses)
         todo: deque[int] = deque()
         for i, resp in enumerate(responses):
-            if isinstance(resp, str):
-                todo.append(i)
-            else:
+            if not isinstance(resp, str):
                 results[i] = (0.0, ERROR)
+            elif self.max_chars is not None and len(resp) > self.max_chars:
+                results[i] = (0.0, TOO_LONG)
+            else:
+                todo.append(i)
         if self.num_workers == 0:
             for i in todo:
                 results[i] = _call(self.reward_fn, responses[i], ground_truths[i])
@@ -170,13 +183,19 @@ class RewardScorer:
             self._run_pool(todo, responses, ground_truths, results)
         scores = [r[0] for r in results]  # type: ignore[index]
         statuses = [r[1] for r in results]  # type: ignore[index]
-        out = ScoreResult(scores, statuses.count(ERROR), statuses.count(TIMEOUT), statuses)
+        out = ScoreResult(scores, statuses.count(ERROR), statuses.count(TIMEOUT), statuses.count(TOO_LONG), statuses)
         self.total_errors += out.num_errors
         self.total_timeouts += out.num_timeouts
-        if out.num_errors or out.num_timeouts:
+        self.total_too_long += out.num_too_long
+        if out.num_errors or out.num_timeouts or out.num_too_long:
             log.warning(
-                "reward: %d of %d items scored 0.0 (%d errors, %d timeouts after %.1fs)",
-                out.num_errors + out.num_timeouts, len(scores), out.num_errors, out.num_timeouts, self.timeout_s,
+                "reward: %d errors, %d timeouts (> %.1fs), %d over %s chars among %d items; all scored 0.0",
+                out.num_errors,
+                out.num_timeouts,
+                self.timeout_s,
+                out.num_too_long,
+                self.max_chars,
+                len(scores),
             )
         return out
 

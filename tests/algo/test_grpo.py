@@ -14,7 +14,9 @@ def test_advantages_by_hand():
     sd = math.sqrt((0.75**2 + 3 * 0.25**2) / 3)
     assert adv[:4].tolist() == pytest.approx([0.75 / (sd + 1e-6)] + [-0.25 / (sd + 1e-6)] * 3, rel=1e-6)
     assert adv[4:].tolist() == [0.0] * 4  # an all-correct group has no signal
-    assert grpo_advantages(r, group_size=4, norm_by_std=False)[:4].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    assert grpo_advantages(r, group_size=4, norm_by_std=False)[:4].tolist() == pytest.approx(
+        [0.75, -0.25, -0.25, -0.25]
+    )
 
 
 def test_on_policy_loss_is_minus_advantage_token_sum_over_tmax():
@@ -57,16 +59,23 @@ def test_microbatch_invariance_and_padding_independence():
     adv = grpo_advantages((torch.rand(S) > 0.5).double(), group_size=4)
     whole = grpo_loss(logp, old, mask, adv, max_response_len=16)
     (g_whole,) = torch.autograd.grad(whole.loss, logp)
-    parts = [grpo_loss(logp[i : i + 5], old[i : i + 5], mask[i : i + 5], adv[i : i + 5], max_response_len=16)
-             for i in range(0, S, 5)]
+    parts = [
+        grpo_loss(logp[i : i + 5], old[i : i + 5], mask[i : i + 5], adv[i : i + 5], max_response_len=16)
+        for i in range(0, S, 5)
+    ]
     loss = sum(p.loss_sum for p in parts) / sum(p.count for p in parts)
     (g_parts,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(loss, whole.loss)
     torch.testing.assert_close(g_parts, g_whole)
     # Extra padding columns (with garbage values) change nothing.
     pad = torch.full((S, 3), float("nan"), dtype=torch.float64)
-    padded = grpo_loss(torch.cat([logp, pad], 1), torch.cat([old, pad], 1),
-                       torch.cat([mask, torch.zeros(S, 3, dtype=torch.bool)], 1), adv, max_response_len=16)
+    padded = grpo_loss(
+        torch.cat([logp, pad], 1),
+        torch.cat([old, pad], 1),
+        torch.cat([mask, torch.zeros(S, 3, dtype=torch.bool)], 1),
+        adv,
+        max_response_len=16,
+    )
     torch.testing.assert_close(padded.loss, whole.loss)
 
 
@@ -78,5 +87,10 @@ def test_errors():
     with pytest.raises(ValueError, match="max_response_len=0"):
         grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2), max_response_len=0)
     with pytest.raises(ValueError, match="advantages contains NaN"):
-        grpo_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([0.0, float("nan")]),
-                  max_response_len=3)
+        grpo_loss(
+            torch.zeros(2, 3),
+            torch.zeros(2, 3),
+            torch.ones(2, 3),
+            torch.tensor([0.0, float("nan")]),
+            max_response_len=3,
+        )

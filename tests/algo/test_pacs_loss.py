@@ -47,7 +47,7 @@ def bce(a: float, r: float) -> float:
 @pytest.mark.parametrize("advantage", sorted(A_HAND))
 @pytest.mark.parametrize("weights", sorted(W_HAND))
 def test_golden_values_by_hand(advantage, weights):
-    expected = sum(w * bce(a, r) for w, a, r in zip(W_HAND[weights], A_HAND[advantage], R.tolist())) / 4
+    expected = sum(w * bce(a, r) for w, a, r in zip(W_HAND[weights], A_HAND[advantage], R.tolist(), strict=False)) / 4
     out = pacs_loss(L, L_OLD, R, group_size=4, beta=0.5, advantage=advantage, weights=weights)
     assert out.count == 4
     assert out.loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -59,8 +59,9 @@ def test_golden_mean_logp_score():
     assert s.tolist() == pytest.approx([1.0, 0.0, 0.0, -0.5])
     # naive + none: the BCE on s directly
     expected = (bce(1.0, 1) + bce(0.0, 0) * 2 + bce(-0.5, 0)) / 4
-    out = pacs_loss(L, None, R, group_size=4, beta=2.0, score="mean_logp", advantage="naive", weights="none",
-                    response_lens=lens)
+    out = pacs_loss(
+        L, None, R, group_size=4, beta=2.0, score="mean_logp", advantage="naive", weights="none", response_lens=lens
+    )
     assert out.loss.item() == pytest.approx(expected, rel=1e-12)
 
 
