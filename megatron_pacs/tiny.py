@@ -11,7 +11,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "arithmetic_corpus", "build_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "arithmetic_corpus", "build_tiny_model", "build_tokenizer", "tiny_hf_config"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -73,3 +73,67 @@ def build_tokenizer(vocab_size: int = 2048, seed: int = 0) -> Any:
     )
     hf_tok.chat_template = CHAT_TEMPLATE
     return hf_tok
+
+
+def tiny_hf_config(
+    family: str = "qwen2",
+    *,
+    vocab_size: int = 512,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tied: bool = True,
+    max_positions: int = 512,
+) -> Any:
+    """A small random-init-ready config of a supported family: ``qwen2``, ``qwen3`` or ``llama``."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "qwen2":
+        return Qwen2Config(rope_theta=1_000_000.0, **common)
+    if family == "qwen3":
+        return Qwen3Config(rope_theta=1_000_000.0, head_dim=hidden // heads, **common)
+    if family == "llama":
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192, "rope_theta": 500_000.0}  # fmt: skip
+        return LlamaConfig(rope_parameters=scaling, **common)
+    raise ValueError(f"family={family!r} is not one of ['qwen2', 'qwen3', 'llama']")
+
+
+def build_tiny_model(out_dir: str, config: Any, *, seed: int = 0, tokenizer: Any = None, scale: float = 1.0) -> Any:
+    """Random-init a causal LM from ``config`` and ``save_pretrained`` it (safetensors) with the tokenizer.
+
+    Norm weights and biases get random values too (not ones and zeros), so a mapping that mixes them up is seen.
+
+    Returns:
+        The model, in eval mode.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif scale != 1.0:
+                p.mul_(scale)
+    model.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return model

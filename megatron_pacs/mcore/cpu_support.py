@@ -1,0 +1,137 @@
+"""Run Megatron-Core on a CPU-only torch build (gloo), for tests and the tiny CPU demo.
+
+Megatron-Core assumes CUDA in a few dozen places. Each shim below names what it fixes; all are applied by
+:func:`apply_cpu_support`, which does nothing when CUDA is available, so GPU runs never see them. No file of
+megatron.core is edited. Verified on megatron-core 0.16.1 and 0.19.2 (see the project notes on the CPU stack).
+
+1. ``torch.cuda.current_device`` returns the CPU device (RoPE buffers, TP all-gather buffers, p2p shapes).
+2. The CUDA RNG calls map to the CPU generator, so Megatron's RNG tracker and activation recompute work.
+3. ``torch.cuda`` streams, events and synchronize become no-ops (DDP grad sync, p2p, checkpointing).
+4. megatron-core 0.16.1: ``moe_utils.te_general_gemm`` is defined (its absence is a NameError without TE).
+5. :func:`cuda_to_cpu` is a ``TorchFunctionMode`` that rewrites ``device="cuda"`` allocations to CPU; wrap the
+   schedule, optimizer and checkpoint calls in it (the schedules allocate ``torch.zeros(..., device="cuda")``).
+
+Callers also pass an explicit causal mask (the default one is built on "cuda") and set ``batch_p2p_sync=False``
+and ``clip_grad=0.0`` (the Megatron optimizer's clip asserts CUDA tensor types) on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["apply_cpu_support", "cpu_support_active", "cuda_to_cpu"]
+
+_applied = False
+
+
+def cpu_support_active() -> bool:
+    """True once the CPU shims are installed (never on a machine with CUDA)."""
+    return _applied
+
+
+def apply_cpu_support() -> bool:
+    """Install the CPU shims when CUDA is absent; idempotent.
+
+    Returns:
+        True if the shims are active (CPU), False on a CUDA machine.
+    """
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    torch.cuda.current_stream = lambda *a, **k: _NoOpStream()
+    torch.cuda.Stream = _NoOpStream
+    torch.cuda.Event = _NoOpEvent
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
+    try:
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+    except ImportError:
+        pass
+    _applied = True
+    return True
+
+
+def _to_cpu(device):
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")  # device=0 means cuda:0
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple(_to_cpu(a) if isinstance(a, str | torch.device) else a for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_to_cpu() -> Iterator[None]:
+    """Inside the block, hard-coded CUDA allocations land on the CPU; a no-op unless the CPU shims are active."""
+    if not _applied:
+        yield
+        return
+    with _CudaToCpuMode():
+        yield
+
+
+class _NoOpStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU, where every op is synchronous."""
+
+    def __init__(self, *a, **k) -> None:
+        pass
+
+    def wait_event(self, *a, **k) -> None:
+        pass
+
+    def wait_stream(self, *a, **k) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *a, **k) -> _NoOpEvent:
+        return _NoOpEvent()
+
+
+class _NoOpEvent:
+    def __init__(self, *a, **k) -> None:
+        pass
+
+    def record(self, *a, **k) -> None:
+        pass
+
+    def wait(self, *a, **k) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True

@@ -1,0 +1,306 @@
+"""Megatron-Core ``GPTModel`` from a Hugging Face config: Qwen2/Qwen2.5, Qwen3 and Llama-3 families.
+
+Layer specs: Transformer Engine on GPU when it imports; on GPU without TE, the local spec with core attention
+through ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN backends); the local spec on CPU.
+Norms are an RMSNorm with Hugging Face's numerics (normalise in fp32, cast back, then scale), tagged for sequence
+parallelism, so the local spec matches HF and works with ``sequence_parallel=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_pacs.mcore.parallel import ParallelConfig, ParallelGroups
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "build_gpt_model", "hf_to_transformer_config", "rope_settings", "te_available"]
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SPECS = ("auto", "te", "sdpa", "local")
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's PyTorch layers import (GPU clusters)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - a half-installed TE raises all sorts of errors
+        return False
+    return True
+
+
+class HFRMSNorm(torch.nn.Module):
+    """RMSNorm with Hugging Face's numerics, accepted by Megatron with ``sequence_parallel=True``."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # finalize_model_grads all-reduces the grads of sequence-parallel params over TP.
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SDPAttention(MegatronModule):
+    """Megatron core attention through ``F.scaled_dot_product_attention`` (flash / cuDNN / efficient kernels).
+
+    Same interface as Megatron's ``DotProductAttention``: query ``[sq, b, heads, d]``, key/value
+    ``[sk, b, groups, d]`` (GQA), returns ``[sq, b, heads * d]``. The mask follows Megatron (True = masked).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        **_: Any,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("the SDPA attention spec does not support context parallelism; use the TE spec")
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):  # fmt: skip
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("the SDPA attention spec supports neither packed sequences nor attention bias")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        mask_type = attn_mask_type or self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal and (attention_mask is None or q.shape[2] == k.shape[2])
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=None if causal else ~attention_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )  # fmt: skip
+        b, h, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+def _get(hf_config: Any, name: str, default: Any = None) -> Any:
+    return getattr(hf_config, name, default)
+
+
+def rope_settings(hf_config: Any) -> dict[str, Any]:
+    """GPTModel RoPE arguments from the checkpoint: theta and the scaling Megatron can express exactly.
+
+    Raises:
+        ValueError: for scaling types Megatron's RoPE cannot reproduce (yarn, dynamic, llama3 with
+            non-default frequency factors).
+    """
+    params = _get(hf_config, "rope_parameters") or {}
+    scaling = _get(hf_config, "rope_scaling") or {}
+    if not scaling and params.get("rope_type", "default") != "default":
+        scaling = params
+    theta = _get(hf_config, "rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0
+    out: dict[str, Any] = {"rotary_base": theta, "rope_scaling": False, "seq_len_interpolation_factor": None}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return out
+    if kind == "linear":
+        out["seq_len_interpolation_factor"] = float(scaling["factor"])
+        return out
+    if kind == "llama3":
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        bad = {k: scaling.get(k) for k, v in expected.items() if float(scaling.get(k, v)) != float(v)}
+        if bad:
+            raise ValueError(
+                f"rope_scaling {bad} differs from the Llama-3.1 defaults {expected} that Megatron's RoPE implements"
+            )
+        out.update(rope_scaling=True, rope_scaling_factor=float(scaling["factor"]))
+        return out
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+
+
+def hf_to_transformer_config(
+    hf_config: Any,
+    parallel: ParallelConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    recompute: bool = False,
+    **overrides: Any,
+) -> TransformerConfig:
+    """Translate a Hugging Face causal-LM config into Megatron's ``TransformerConfig``.
+
+    Args:
+        hf_config: A ``transformers`` config of a supported family (``SUPPORTED_MODEL_TYPES``).
+        parallel: The TP / PP / VPP / SP layout.
+        dtype: ``torch.float32`` or ``torch.bfloat16`` parameters and compute.
+        recompute: Full activation recompute of every layer.
+        **overrides: Extra ``TransformerConfig`` fields (e.g. ``calculate_per_token_loss=True``).
+    """
+    model_type = _get(hf_config, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype={dtype} is not supported; use torch.float32 or torch.bfloat16")
+    if _get(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported; these families use 'silu' (SwiGLU)")
+    tp = parallel.tensor_model_parallel_size
+    heads, groups = hf_config.num_attention_heads, _get(hf_config, "num_key_value_heads") or hf_config.num_attention_heads
+    if heads % tp or groups % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} must divide num_attention_heads={heads} and "
+            f"num_key_value_heads={groups}"
+        )
+    if hf_config.vocab_size % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} must divide vocab_size={hf_config.vocab_size}")
+    if hf_config.num_hidden_layers % parallel.pipeline_model_parallel_size:
+        raise ValueError(
+            f"pipeline_model_parallel_size={parallel.pipeline_model_parallel_size} must divide "
+            f"num_hidden_layers={hf_config.num_hidden_layers}"
+        )
+    on_cpu = not torch.cuda.is_available()
+    kw: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=_get(hf_config, "head_dim") or hf_config.hidden_size // heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=_get(hf_config, "rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)),
+        qk_layernorm=model_type == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        overlap_p2p_comm=parallel.overlap_p2p_comm,
+        batch_p2p_comm=parallel.batch_p2p_comm,
+        use_cpu_initialization=on_cpu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    if on_cpu:
+        kw["batch_p2p_sync"] = False
+    if recompute:
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def _local_spec(config: TransformerConfig, core_attention: type | None, vp_stage: int | None):
+    layer = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    layer.submodules.input_layernorm = HFRMSNorm
+    layer.submodules.pre_mlp_layernorm = HFRMSNorm
+    attn = layer.submodules.self_attention.submodules
+    if config.qk_layernorm:
+        attn.q_layernorm = HFRMSNorm
+        attn.k_layernorm = HFRMSNorm
+    if core_attention is not None:
+        attn.core_attention = core_attention
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=HFRMSNorm)
+
+
+def _te_spec(config: TransformerConfig):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+
+
+def resolve_spec(spec: str) -> str:
+    """``auto`` -> ``te`` (GPU with TE), ``sdpa`` (GPU without TE) or ``local`` (CPU)."""
+    if spec not in SPECS:
+        raise ValueError(f"spec={spec!r} is not valid; choose one of {list(SPECS)}")
+    if spec != "auto":
+        if spec == "te" and not te_available():
+            raise ValueError("spec='te' needs Transformer Engine (pip install -e '.[gpu]' on a CUDA machine)")
+        return spec
+    if not torch.cuda.is_available():
+        return "local"
+    return "te" if te_available() else "sdpa"
+
+
+def build_gpt_model(
+    hf_config: Any,
+    groups: ParallelGroups,
+    *,
+    dtype: torch.dtype = torch.float32,
+    recompute: bool = False,
+    spec: str = "auto",
+    **config_overrides: Any,
+) -> list[GPTModel]:
+    """Build this rank's model chunks (one, or one per virtual stage), with random weights.
+
+    Load weights with :func:`megatron_pacs.mcore.weights.load_hf_weights`.
+
+    Args:
+        hf_config: Hugging Face config (``AutoConfig.from_pretrained(dir)``).
+        groups: From :func:`megatron_pacs.mcore.parallel.init_parallel`.
+        dtype: Parameter dtype.
+        recompute: Full activation recompute.
+        spec: ``auto`` | ``te`` | ``sdpa`` | ``local``.
+        **config_overrides: Passed to :func:`hf_to_transformer_config`.
+
+    Returns:
+        Model chunks in virtual-stage order, on the current device.
+    """
+    config = hf_to_transformer_config(hf_config, groups.config, dtype=dtype, recompute=recompute, **config_overrides)
+    kind = resolve_spec(spec)
+    rope = rope_settings(hf_config)
+    vpp = groups.config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        if kind == "te":
+            layer_spec = _te_spec(config)
+        else:
+            layer_spec = _local_spec(config, SDPAttention if kind == "sdpa" else None, vp_stage)
+        first_chunk = vp_stage in (None, 0)
+        last_chunk = vp_stage is None or vp_stage == vpp - 1
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=hf_config.vocab_size,
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=groups.is_first_stage and first_chunk,
+            post_process=groups.is_last_stage and last_chunk,
+            share_embeddings_and_output_weights=bool(_get(hf_config, "tie_word_embeddings", False)),
+            position_embedding_type="rope",
+            rotary_base=rope["rotary_base"],
+            rope_scaling=rope["rope_scaling"],
+            rope_scaling_factor=rope.get("rope_scaling_factor", 8.0),
+            seq_len_interpolation_factor=rope["seq_len_interpolation_factor"],
+            parallel_output=True,
+            pg_collection=groups.pg_collection,
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            model = model.cuda()
+        chunks.append(model)
+    return chunks

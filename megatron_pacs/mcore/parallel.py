@@ -1,0 +1,180 @@
+"""Parallel state: the one place that initialises Megatron's process groups and reads its globals.
+
+Everything else in the project receives a :class:`ParallelGroups` (or a single process group) as an argument.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_pacs.mcore.cpu_support import apply_cpu_support
+
+__all__ = ["ParallelConfig", "ParallelGroups", "destroy_parallel", "init_parallel"]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Model-parallel layout; data parallelism takes the remaining ranks (DP = world / (TP * PP))."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: shards attention heads, MLP columns and the vocabulary across this many ranks."""
+    pipeline_model_parallel_size: int = 1
+    """PP: splits the layers into this many stages."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage for the interleaved 1F1B schedule (None: not interleaved)."""
+    sequence_parallel: bool = False
+    """Shard the sequence dimension of norms and dropout across TP ranks (needs TP > 1)."""
+    overlap_p2p_comm: bool = False
+    """Overlap pipeline sends/receives with compute; required (with ``batch_p2p_comm=False``) when interleaved."""
+    batch_p2p_comm: bool = True
+    """Batch pipeline sends/receives into one call; must be False when ``overlap_p2p_comm``."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            if vpp < 2:
+                raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} must be >= 2, or None to disable it")
+            if self.pipeline_model_parallel_size < 2:
+                raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
+            # With the defaults Megatron's interleaved schedule runs but computes wrong losses and gradients
+            # (no error or warning): refuse that combination instead of training on it.
+            if not self.overlap_p2p_comm or self.batch_p2p_comm:
+                raise ValueError(
+                    "interleaved pipelining (virtual_pipeline_model_parallel_size set) needs overlap_p2p_comm=True "
+                    "and batch_p2p_comm=False; with other settings Megatron silently computes wrong gradients"
+                )
+        if self.overlap_p2p_comm and self.batch_p2p_comm:
+            raise ValueError("overlap_p2p_comm=True needs batch_p2p_comm=False")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1; disable it at TP=1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP * PP: ranks holding one copy of the model."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP for ``world_size`` ranks, or a ``ValueError`` naming the sizes when the layout does not divide."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size * "
+                f"pipeline_model_parallel_size = {self.tensor_model_parallel_size} * "
+                f"{self.pipeline_model_parallel_size}; change the layout or the number of ranks"
+            )
+        return world_size // self.model_parallel_size
+
+
+@dataclass
+class ParallelGroups:
+    """The process groups and ranks of this process, handed to model, log-prob and weight code."""
+
+    config: ParallelConfig
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    dp_size: int
+    pg_collection: object = field(repr=False)
+    """Megatron's ``ProcessGroupCollection`` for model constructors that accept one."""
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.config.pipeline_model_parallel_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def last_stage_global_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's pipeline (the source of broadcasts)."""
+        return dist.get_process_group_ranks(self.pp_group)[-1]
+
+
+def _init_process_group(backend: str | None, timeout_minutes: int) -> None:
+    if dist.is_initialized():
+        return
+    for key, default in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, default)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+
+
+def init_parallel(
+    config: ParallelConfig, *, seed: int = 1234, backend: str | None = None, timeout_minutes: int = 30
+) -> ParallelGroups:
+    """Initialise torch.distributed (if needed) and Megatron's TP / PP / DP groups.
+
+    Under ``torchrun`` the rendezvous comes from the environment; a plain single process gets a world of one.
+    Uses NCCL on GPU and gloo on CPU (where the CPU support layer is installed first).
+
+    Args:
+        config: The layout.
+        seed: Base seed for Megatron's model-parallel RNG streams.
+        backend: Override the process-group backend.
+        timeout_minutes: Collective timeout.
+
+    Returns:
+        The groups and ranks of this process.
+    """
+    apply_cpu_support()
+    _init_process_group(backend, timeout_minutes)
+    world = dist.get_world_size()
+    dp_size = config.data_parallel_size(world)
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    groups = ParallelGroups(
+        config=config,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=dp_size,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    return groups
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

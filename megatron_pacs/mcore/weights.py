@@ -1,0 +1,164 @@
+"""HF <-> Megatron weights, exact both ways, on the TP/PP-sharded model.
+
+The name and layout mapping (QKV interleaving for GQA, gate/up fusion, TP splits) comes from mbridge; this module
+adds only what mbridge lacks for the local layer spec (separate ``input_layernorm`` / ``pre_mlp_layernorm``
+parameters, where its mappings know only Transformer Engine's fused names) and keeps its per-class mapping
+tables per instance (mbridge edits a class-level dict for tied embeddings, which would leak into the next model).
+
+Loading reads one safetensors tensor at a time on TP rank 0 of each stage and scatters the shards. Export is a
+streaming iterator of ``(hf_name, tensor)`` gathered over TP and PP: every rank must drain it (collectives).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from mbridge.core.parallel_states import ParallelStates
+from mbridge.models.llama import LLaMABridge
+from mbridge.models.qwen2 import Qwen2Bridge
+from mbridge.models.qwen3 import Qwen3Bridge
+
+from megatron_pacs.mcore.cpu_support import cuda_to_cpu
+from megatron_pacs.mcore.parallel import ParallelGroups
+
+__all__ = ["export_hf_weights", "hf_state_dict_names", "load_hf_weights", "make_bridge"]
+
+_LOCAL_SPEC_NAMES = {
+    "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
+    "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
+}
+
+
+def _local_spec_bridge(base: type) -> type:
+    class LocalSpecBridge(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            for table in ("_DIRECT_MAPPING", "_ATTENTION_MAPPING", "_MLP_MAPPING", "_OTHER_MAPPING"):
+                setattr(self, table, copy.deepcopy(getattr(base, table, {})))
+            self._OTHER_MAPPING.update({"input_layernorm.weight": _LOCAL_SPEC_NAMES["input_layernorm.weight"]})
+            self._MLP_MAPPING.update({"pre_mlp_layernorm.weight": _LOCAL_SPEC_NAMES["pre_mlp_layernorm.weight"]})
+            super().__init__(*args, **kwargs)
+
+    LocalSpecBridge.__name__ = f"LocalSpec{base.__name__}"
+    return LocalSpecBridge
+
+
+_BRIDGES = {
+    "qwen2": _local_spec_bridge(Qwen2Bridge),
+    "qwen3": _local_spec_bridge(Qwen3Bridge),
+    "llama": _local_spec_bridge(LLaMABridge),
+}
+
+
+def _parallel_states(groups: ParallelGroups) -> ParallelStates:
+    return ParallelStates(
+        tp_size=groups.tp_size,
+        tp_rank=groups.tp_rank,
+        pp_size=groups.pp_size,
+        pp_rank=groups.pp_rank,
+        vpp_size=groups.config.virtual_pipeline_model_parallel_size or 1,
+        tp_group=groups.tp_group,
+        pp_group=groups.pp_group,
+        etp_group=groups.tp_group,
+    )
+
+
+def make_bridge(hf_config: Any, groups: ParallelGroups, dtype: torch.dtype = torch.float32) -> Any:
+    """An mbridge bridge for ``hf_config``'s family, aware of the local-spec norm names."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _BRIDGES:
+        raise ValueError(f"no weight mapping for model_type={model_type!r}; supported: {sorted(_BRIDGES)}")
+    if getattr(hf_config, "rope_theta", None) is None:
+        # transformers 5 moved rope_theta into rope_parameters; mbridge reads the attribute.
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        hf_config.rope_theta = params.get("rope_theta", 10000.0)
+    return _BRIDGES[model_type](hf_config, dtype=dtype, parallel_states=_parallel_states(groups))
+
+
+def _check_checkpoint(hf_dir: str, expected: set[str]) -> None:
+    """Fail with the missing or misshaped tensor's name before touching the model."""
+    import json
+
+    from safetensors import safe_open
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{hf_dir} holds no model.safetensors or model.safetensors.index.json")
+    present: set[str] = set()
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"{hf_dir}: the index names {name}, which is missing")
+        try:
+            with safe_open(path, "pt") as f:
+                present.update(f.keys())
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"{path} is not a readable safetensors file (truncated?): {e}") from None
+    missing = sorted(expected - present)
+    if missing:
+        raise ValueError(f"{hf_dir} is missing {len(missing)} tensors, first {missing[:3]}")
+
+
+def hf_state_dict_names(hf_config: Any) -> set[str]:
+    """The tensor names a Hugging Face checkpoint of this config holds (no ``lm_head`` when tied)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    names = set(model.state_dict().keys())
+    if getattr(hf_config, "tie_word_embeddings", False):
+        names.discard("lm_head.weight")
+    return names
+
+
+def load_hf_weights(models: list[torch.nn.Module], hf_dir: str, groups: ParallelGroups, hf_config: Any) -> None:
+    """Load a Hugging Face safetensors checkpoint into this rank's model chunks, exactly.
+
+    Args:
+        models: Chunks from :func:`megatron_pacs.mcore.model.build_gpt_model`.
+        hf_dir: Directory with ``config.json`` and safetensors (sharded with an index, or single).
+        groups: The parallel groups the models were built with.
+        hf_config: The checkpoint's config.
+
+    Raises:
+        ValueError: naming the missing tensor, or the parameter whose shape differs from the checkpoint's.
+    """
+    _check_checkpoint(hf_dir, hf_state_dict_names(hf_config))
+    bridge = make_bridge(hf_config, groups, dtype=models[0].config.params_dtype)
+    with cuda_to_cpu():
+        try:
+            bridge.load_weights(models, hf_dir, memory_efficient=True)
+        except RuntimeError as e:
+            if "size" in str(e) or "shape" in str(e):
+                raise ValueError(f"{hf_dir}: a tensor's shape does not match the model built from its config: {e}")
+            raise
+
+
+def export_hf_weights(
+    models: list[torch.nn.Module], groups: ParallelGroups, hf_config: Any
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream this model's weights as ``(hf_name, full tensor)`` in Hugging Face layout.
+
+    Gathered over TP and broadcast over PP one tensor at a time (bounded memory). Every rank must iterate to the
+    end. Tied embeddings yield ``model.embed_tokens.weight`` once and no ``lm_head.weight``, like HF checkpoints.
+    """
+    bridge = make_bridge(hf_config, groups, dtype=models[0].config.params_dtype)
+    seen: set[str] = set()
+    stream = bridge.export_weights(models)
+    while True:
+        with cuda_to_cpu():  # entered per tensor: the consumer's code between yields runs outside the mode
+            item = next(stream, None)
+        if item is None:
+            return
+        name, tensor = item
+        if name not in seen:
+            seen.add(name)
+            yield name, tensor
