@@ -1,0 +1,137 @@
+"""Token log-probs (and entropy) from vocab-parallel logits, never gathering the vocabulary.
+
+With tensor parallelism the output layer leaves each rank a ``[T, V/TP]`` shard of the logits. For each chunk of
+tokens this computes the max and the sum of exponentials locally, all-reduces them over the TP group (two
+collectives per chunk), and picks the label's logit on the rank that owns it. Only chunk-sized fp32 buffers are
+allocated: no full ``[T, V]`` tensor and no fp32 copy of the shard. The backward recomputes the softmax per chunk
+from the saved logsumexp and needs no communication (Megatron's column-parallel output layer all-reduces the
+input gradient itself).
+
+Shapes: T tokens, Vp = V / TP vocabulary entries on this rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["vocab_parallel_logprobs"]
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start, chunk_size, temperature, with_entropy):
+        num_tokens, vp = logits.shape
+        cdt = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32 per chunk; fp64 stays fp64
+        logp = logits.new_empty(num_tokens, dtype=cdt)
+        lse = torch.empty_like(logp)
+        mean_x = torch.empty_like(logp) if with_entropy else None
+        entropy = torch.empty_like(logp) if with_entropy else None
+        for s in range(0, num_tokens, chunk_size):
+            e = min(s + chunk_size, num_tokens)
+            x = logits[s:e].to(cdt, copy=True)
+            if temperature != 1.0:
+                x.div_(temperature)
+            m = x.max(dim=-1).values
+            _all_reduce(m, dist.ReduceOp.MAX, group)
+            x.sub_(m[:, None])
+            local = labels[s:e] - vocab_start
+            owned = (local >= 0) & (local < vp)
+            target = x.gather(1, local.clamp(0, vp - 1)[:, None]).squeeze(1) * owned
+            ex = torch.exp(x)
+            parts = [ex.sum(-1), target]
+            if with_entropy:
+                parts.append((ex * x).sum(-1))
+            stats = torch.stack(parts)
+            _all_reduce(stats, dist.ReduceOp.SUM, group)
+            log_z = torch.log(stats[0])
+            logp[s:e] = stats[1] - log_z
+            lse[s:e] = m + log_z
+            if with_entropy:
+                ex_shifted = stats[2] / stats[0]  # E_p[x - m]
+                entropy[s:e] = log_z - ex_shifted
+                mean_x[s:e] = ex_shifted + m
+        ctx.save_for_backward(logits, labels, lse, *(() if mean_x is None else (mean_x,)))
+        ctx.vocab_start, ctx.chunk_size, ctx.temperature, ctx.cdt = vocab_start, chunk_size, temperature, cdt
+        ctx.with_entropy = with_entropy
+        if with_entropy:
+            return logp, entropy
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        logits, labels, lse, *rest = ctx.saved_tensors
+        mean_x = rest[0] if rest else None
+        num_tokens, vp = logits.shape
+        grad = torch.empty_like(logits)
+        for s in range(0, num_tokens, ctx.chunk_size):
+            e = min(s + ctx.chunk_size, num_tokens)
+            x = logits[s:e].to(ctx.cdt, copy=True)
+            if ctx.temperature != 1.0:
+                x.div_(ctx.temperature)
+            p = torch.exp(x - lse[s:e, None])
+            # d logp / dx = onehot(label) - p;  d H / dx = -p * (x - E_p[x])
+            g = -p * grad_logp[s:e, None]
+            if ctx.with_entropy and grad_entropy is not None:
+                g.sub_(p * (x - mean_x[s:e, None]) * grad_entropy[s:e, None])
+            local = labels[s:e] - ctx.vocab_start
+            owned = (local >= 0) & (local < vp)
+            g.scatter_add_(1, local.clamp(0, vp - 1)[:, None], (grad_logp[s:e] * owned)[:, None])
+            if ctx.temperature != 1.0:
+                g.div_(ctx.temperature)
+            grad[s:e] = g.to(grad.dtype)
+        return grad, None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each label under softmax(logits / temperature) over the full (sharded) vocabulary.
+
+    Args:
+        logits_shard: ``[..., Vp]`` this rank's contiguous slice of the vocabulary (rank r holds entries
+            ``[r * Vp, (r + 1) * Vp)``), any float dtype; differentiable.
+        labels: ``[...]`` global token ids.
+        tp_group: The tensor-parallel group the vocabulary is split over (None or size 1: no split).
+        chunk_size: Tokens per chunk; bounds the fp32 working memory to ``2 * chunk_size * Vp`` floats.
+        temperature: Sampling temperature the log-probs refer to (the rollout's).
+        return_entropy: Also return the entropy of each token's distribution (differentiable).
+
+    Returns:
+        ``[...]`` log-probs, and ``[...]`` entropies when ``return_entropy``; float32 (float64 for float64
+        logits).
+    """
+    if logits_shard.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must match the leading dims of logits {tuple(logits_shard.shape)}"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    lead = labels.shape
+    vp = logits_shard.shape[-1]
+    rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
+    out = _VocabParallelLogProbs.apply(
+        logits_shard.reshape(-1, vp),
+        labels.reshape(-1).long(),
+        tp_group,
+        rank * vp,
+        chunk_size,
+        float(temperature),
+        return_entropy,
+    )
+    if return_entropy:
+        return out[0].view(lead), out[1].view(lead)
+    return out.view(lead)
