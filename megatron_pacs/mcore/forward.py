@@ -20,8 +20,9 @@ from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
 from megatron_pacs.mcore.parallel import ParallelGroups
 
-__all__ = ["MicroBatch", "make_micro_batches", "model_token_logprobs", "sequence_logprobs"]
+__all__ = ["MicroBatch", "make_micro_batches", "model_token_logprobs", "run_schedule", "sequence_logprobs"]
 
+# (logits_shard [b, L, Vp], micro_batch) -> (loss_sum, count, report): Megatron's 3-tuple loss convention.
 LossFn = Callable[[torch.Tensor, "MicroBatch"], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -61,7 +62,7 @@ def model_token_logprobs(
                                    temperature=temperature)  # fmt: skip
 
 
-def _forward_step_factory(groups: ParallelGroups, loss_fn: LossFn, temperature: float):
+def _forward_step_factory(loss_fn: LossFn):
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         device = next(model.parameters()).device
@@ -72,25 +73,22 @@ def _forward_step_factory(groups: ParallelGroups, loss_fn: LossFn, temperature: 
         causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), 1)[None, None]
         output = model(tokens, position_ids, causal)
 
-        def loss_func(output_tensor):
-            token_logp = model_token_logprobs(output_tensor, mb, groups.tp_group, temperature)
-            return loss_fn(token_logp, mb)
-
-        return output, loss_func
+        return output, lambda output_tensor: loss_fn(output_tensor, mb)
 
     return forward_step
 
 
 def run_schedule(
     models: list[torch.nn.Module],
-    groups: ParallelGroups,
     micro_batches: list[MicroBatch],
     loss_fn: LossFn,
     *,
     forward_only: bool,
-    temperature: float = 1.0,
 ) -> list[dict[str, torch.Tensor]]:
     """Run Megatron's forward(-backward) schedule over ``micro_batches``.
+
+    ``loss_fn(logits_shard [b, L, Vp], micro_batch) -> (loss_sum, count, report)`` runs on the last stage, in
+    Megatron's 3-tuple convention.
 
     Returns:
         On the last pipeline stage, the report dicts of ``loss_fn``, one per micro-batch; ``[]`` elsewhere.
@@ -103,7 +101,7 @@ def run_schedule(
         data_iterator = iter(micro_batches)
     with cuda_to_cpu():
         return get_forward_backward_func()(
-            forward_step_func=_forward_step_factory(groups, loss_fn, temperature),
+            forward_step_func=_forward_step_factory(loss_fn),
             data_iterator=data_iterator,
             model=models,
             num_microbatches=len(micro_batches),
@@ -113,11 +111,15 @@ def run_schedule(
         )
 
 
-def _seq_sum_loss(token_logp: torch.Tensor, mb: MicroBatch):
-    mask = mb.score_mask[:, 1:].to(token_logp.device)
-    seq = torch.where(mask, token_logp, torch.zeros_like(token_logp)).sum(-1)
-    count = torch.tensor(mask.shape[0], dtype=torch.int, device=token_logp.device)
-    return seq.sum(), count, {"seq_logp": seq.detach(), "index": mb.index.to(token_logp.device)}
+def _seq_sum_loss_fn(tp_group: dist.ProcessGroup, temperature: float) -> LossFn:
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+        token_logp = model_token_logprobs(logits, mb, tp_group, temperature)
+        mask = mb.score_mask[:, 1:].to(token_logp.device)
+        seq = torch.where(mask, token_logp, torch.zeros_like(token_logp)).sum(-1)
+        count = torch.tensor(mask.shape[0], dtype=torch.int, device=token_logp.device)
+        return seq.sum(), count, {"seq_logp": seq.detach(), "index": mb.index.to(token_logp.device)}
+
+    return loss_fn
 
 
 @torch.no_grad()
@@ -148,10 +150,9 @@ def sequence_logprobs(
     """
     for m in models:
         m.eval()
-    reports = run_schedule(
-        models, groups, make_micro_batches(tokens, score_mask, micro_batch_size), _seq_sum_loss,
-        forward_only=True, temperature=temperature,
-    )  # fmt: skip
+    micro_batches = make_micro_batches(tokens, score_mask, micro_batch_size)
+    loss_fn = _seq_sum_loss_fn(groups.tp_group, temperature)
+    reports = run_schedule(models, micro_batches, loss_fn, forward_only=True)
     device = next(models[0].parameters()).device
     result = torch.zeros(tokens.shape[0], dtype=torch.float32, device=device)
     if groups.is_last_stage:

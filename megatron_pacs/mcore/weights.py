@@ -25,7 +25,7 @@ from mbridge.models.qwen3 import Qwen3Bridge
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.parallel import ParallelGroups
 
-__all__ = ["export_hf_weights", "hf_state_dict_names", "load_hf_weights", "make_bridge"]
+__all__ = ["export_hf_weights", "hf_state_dict_shapes", "load_hf_weights", "make_bridge"]
 
 _LOCAL_SPEC_NAMES = {
     "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
@@ -78,7 +78,7 @@ def make_bridge(hf_config: Any, groups: ParallelGroups, dtype: torch.dtype = tor
     return _BRIDGES[model_type](hf_config, dtype=dtype, parallel_states=_parallel_states(groups))
 
 
-def _check_checkpoint(hf_dir: str, expected: set[str]) -> None:
+def _check_checkpoint(hf_dir: str, expected: dict[str, tuple[int, ...]]) -> None:
     """Fail with the missing or misshaped tensor's name before touching the model."""
     import json
 
@@ -92,31 +92,34 @@ def _check_checkpoint(hf_dir: str, expected: set[str]) -> None:
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{hf_dir} holds no model.safetensors or model.safetensors.index.json")
-    present: set[str] = set()
+    present: dict[str, tuple[int, ...]] = {}
     for name in files:
         path = os.path.join(hf_dir, name)
         if not os.path.isfile(path):
             raise ValueError(f"{hf_dir}: the index names {name}, which is missing")
         try:
             with safe_open(path, "pt") as f:
-                present.update(f.keys())
+                present.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"{path} is not a readable safetensors file (truncated?): {e}") from None
-    missing = sorted(expected - present)
+    missing = sorted(set(expected) - set(present))
     if missing:
         raise ValueError(f"{hf_dir} is missing {len(missing)} tensors, first {missing[:3]}")
+    for key, shape in expected.items():
+        if present[key] != shape:
+            raise ValueError(f"{hf_dir}: tensor {key} has shape {present[key]}, the config implies {shape}")
 
 
-def hf_state_dict_names(hf_config: Any) -> set[str]:
-    """The tensor names a Hugging Face checkpoint of this config holds (no ``lm_head`` when tied)."""
+def hf_state_dict_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors a Hugging Face checkpoint of this config holds (no ``lm_head`` when tied)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    names = set(model.state_dict().keys())
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
-        names.discard("lm_head.weight")
-    return names
+        shapes.pop("lm_head.weight", None)
+    return shapes
 
 
 def load_hf_weights(models: list[torch.nn.Module], hf_dir: str, groups: ParallelGroups, hf_config: Any) -> None:
@@ -131,7 +134,7 @@ def load_hf_weights(models: list[torch.nn.Module], hf_dir: str, groups: Parallel
     Raises:
         ValueError: naming the missing tensor, or the parameter whose shape differs from the checkpoint's.
     """
-    _check_checkpoint(hf_dir, hf_state_dict_names(hf_config))
+    _check_checkpoint(hf_dir, hf_state_dict_shapes(hf_config))
     bridge = make_bridge(hf_config, groups, dtype=models[0].config.params_dtype)
     with cuda_to_cpu():
         try:

@@ -1,0 +1,193 @@
+"""Checkpoints: Megatron distributed checkpoints of the model (any TP/PP layout in or out) and Hugging Face
+safetensors directories, both written to a temporary folder and renamed only when complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_pacs.mcore.cpu_support import cuda_to_cpu
+
+__all__ = ["load_model_checkpoint", "save_hf_checkpoint", "save_model_checkpoint", "HF_SIDE_FILES"]
+
+META_FILE = "megatron_pacs.json"
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sharded_state_dict(models: list[torch.nn.Module]) -> dict[str, Any]:
+    if len(models) == 1:
+        return {"model": models[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+
+
+def _broadcast_path(path: str | None) -> str:
+    obj = [path]
+    if dist.is_initialized():
+        dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+def save_model_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.PathLike, metadata: dict) -> None:
+    """Save the model chunks as a Megatron distributed checkpoint, atomically.
+
+    All ranks write their shards into a sibling temporary folder; rank 0 adds ``megatron_pacs.json``
+    (``metadata``) and renames the folder into place after every rank is done, so a checkpoint interrupted
+    mid-write never appears under ``ckpt_dir``. Collective: call on every rank.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    tmp = None
+    if _rank() == 0:
+        ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{ckpt_dir.name}.tmp-", dir=ckpt_dir.parent)
+    tmp = _broadcast_path(tmp)
+    with cuda_to_cpu():
+        dist_checkpointing.save(_sharded_state_dict(models), tmp)
+    _barrier()
+    if _rank() == 0:
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(metadata, f, indent=2, default=str)
+        if ckpt_dir.exists():
+            shutil.rmtree(ckpt_dir)
+        os.replace(tmp, ckpt_dir)
+    _barrier()
+
+
+def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
+    """The ``megatron_pacs.json`` of a checkpoint, or a ``ValueError`` saying the folder is not one."""
+    path = Path(ckpt_dir) / META_FILE
+    if not path.is_file():
+        raise ValueError(f"{ckpt_dir} is not a complete megatron_pacs checkpoint (no {META_FILE})")
+    return json.loads(path.read_text())
+
+
+def load_model_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.PathLike) -> dict:
+    """Load a distributed checkpoint into the model chunks, resharding to their TP/PP layout.
+
+    Returns:
+        The checkpoint's metadata.
+
+    Raises:
+        ValueError: naming the missing or misshaped tensor when the checkpoint does not fit the model.
+    """
+    meta = read_checkpoint_metadata(ckpt_dir)
+    sharded = _sharded_state_dict(models)
+    try:
+        with cuda_to_cpu():
+            state = dist_checkpointing.load(sharded, str(ckpt_dir))
+    except Exception as e:  # noqa: BLE001 - Megatron raises several exception types here
+        raise ValueError(f"{ckpt_dir} does not fit the model: {type(e).__name__}: {e}") from None
+    for i, m in enumerate(models):
+        key = "model" if len(models) == 1 else f"model{i}"
+        missing, unexpected = m.load_state_dict(state[key], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"{ckpt_dir}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return meta
+
+
+def save_hf_checkpoint(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | os.PathLike,
+    *,
+    side_files_from: str | os.PathLike | None = None,
+    hf_config: Any = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    total: int | None = None,
+) -> None:
+    """Write ``(hf_name, tensor)`` pairs as a Hugging Face directory: safetensors shards with an index, the
+    config, and tokenizer files. Streams: at most one shard is held in memory.
+
+    Collective when the iterator is (weights export): every rank must call it; only rank 0 writes. The
+    directory appears complete or not at all (temporary folder, then rename).
+
+    Args:
+        named_tensors: e.g. :func:`megatron_pacs.mcore.weights.export_hf_weights`.
+        out_dir: Destination (replaced if it exists; callers check ``--force``).
+        side_files_from: A HF directory whose config, generation config and tokenizer files are copied.
+        hf_config: A config to save instead of copying ``config.json``.
+        max_shard_bytes: Shard size limit.
+        dtype: Cast tensors to this dtype (default: keep).
+        progress: Show a progress bar on rank 0.
+        total: Expected tensor count, for the progress bar.
+    """
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    writer = _rank() == 0
+    out_dir = Path(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent)) if writer else None
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, shards, weight_map, total_size = 0, [], {}, 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"part-{len(shards):05d}.safetensors"
+            save_file(shard, tmp / name, metadata={"format": "pt"})
+            shards.append((name, list(shard)))
+        shard, shard_bytes = {}, 0
+
+    bar = tqdm(total=total, desc="export", unit="tensor", disable=not (writer and progress))
+    for name, tensor in named_tensors:
+        bar.update(1)
+        if not writer:
+            continue
+        t = tensor.detach().to("cpu", dtype=dtype or tensor.dtype).contiguous()
+        size = t.numel() * t.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:
+            flush()
+        shard[name] = t
+        shard_bytes += size
+        total_size += size
+    bar.close()
+    if writer:
+        flush()
+        n = len(shards)
+        for i, (part, names) in enumerate(shards):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp / part, tmp / final)
+            weight_map.update(dict.fromkeys(names, final))
+        if n > 1:
+            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if side_files_from is not None:
+            for fname in HF_SIDE_FILES:
+                src = Path(side_files_from) / fname
+                if src.is_file():
+                    shutil.copy2(src, tmp / fname)
+        if hf_config is not None:
+            hf_config.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    _barrier()

@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""Convert checkpoints between Hugging Face and Megatron-Core (distributed checkpoint, any TP/PP layout).
+
+Examples:
+    # HF -> Megatron at TP=2, PP=1 (launches 2 local ranks itself, or run it under torchrun)
+    python tools/convert_checkpoint.py hf-to-mcore --hf-dir /models/Qwen2.5-7B --out ckpt/qwen7b-tp2 \\
+        --tensor-model-parallel-size 2
+    # Megatron (any layout) -> HF directory loadable by transformers and vLLM
+    python tools/convert_checkpoint.py mcore-to-hf --load ckpt/qwen7b-tp2 --hf-config /models/Qwen2.5-7B \\
+        --out hf/qwen7b-step300
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_pacs.mcore.launch import ensure_world
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron distributed checkpoint")
+    a.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
+    a.add_argument("--out", required=True, help="checkpoint directory to write")
+    a.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    a.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    a.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype of the checkpoint")
+    b = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint (any layout) -> HF directory")
+    b.add_argument("--load", required=True, help="checkpoint directory (written by hf-to-mcore or the trainer)")
+    b.add_argument("--hf-config", required=True, help="HF directory with the config and tokenizer files")
+    b.add_argument("--out", required=True, help="HF directory to write")
+    b.add_argument("--tensor-model-parallel-size", type=int, default=1, help="ranks to load with (resharded)")
+    b.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    b.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="output dtype (default: as stored)")
+    b.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    for sp in (a, b):
+        sp.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
+    return p.parse_args(argv)
+
+
+def _check_output(out: str, force: bool) -> None:
+    path = Path(out)
+    if path.exists() and any(path.iterdir()) and not force:
+        raise ValueError(f"output {out} exists and is not empty; pass --force to overwrite it")
+
+
+def _setup(args):
+    from transformers import AutoConfig
+
+    from megatron_pacs.mcore.parallel import ParallelConfig, init_parallel
+
+    groups = init_parallel(
+        ParallelConfig(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        )
+    )
+    cfg_dir = args.hf_dir if args.command == "hf-to-mcore" else args.hf_config
+    return groups, AutoConfig.from_pretrained(cfg_dir)
+
+
+def hf_to_mcore(args) -> None:
+    from megatron_pacs.mcore.checkpoint import save_model_checkpoint
+    from megatron_pacs.mcore.model import build_gpt_model
+    from megatron_pacs.mcore.weights import load_hf_weights
+
+    groups, hf_config = _setup(args)
+    models = build_gpt_model(hf_config, groups, dtype=DTYPES[args.dtype], spec="local")
+    load_hf_weights(models, args.hf_dir, groups, hf_config)
+    meta = {
+        "format": "megatron_pacs.model.v1",
+        "source": str(Path(args.hf_dir).resolve()),
+        "dtype": args.dtype,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "hf_config": hf_config.to_dict(),
+    }
+    save_model_checkpoint(models, args.out, meta)
+    if groups.tp_rank == groups.pp_rank == groups.dp_rank == 0:
+        print(f"wrote Megatron checkpoint {args.out} (TP={groups.tp_size}, PP={groups.pp_size})")
+
+
+def mcore_to_hf(args) -> None:
+    from megatron_pacs.mcore.checkpoint import load_model_checkpoint, read_checkpoint_metadata, save_hf_checkpoint
+    from megatron_pacs.mcore.model import build_gpt_model
+    from megatron_pacs.mcore.weights import export_hf_weights, hf_state_dict_shapes
+
+    meta = read_checkpoint_metadata(args.load)
+    groups, hf_config = _setup(args)
+    stored = DTYPES.get(meta.get("dtype", "fp32"), torch.float32)
+    models = build_gpt_model(hf_config, groups, dtype=stored, spec="local")
+    load_model_checkpoint(models, args.load)
+    save_hf_checkpoint(
+        export_hf_weights(models, groups, hf_config),
+        args.out,
+        side_files_from=args.hf_config,
+        max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        total=len(hf_state_dict_shapes(hf_config)),
+    )
+    if torch.distributed.get_rank() == 0:
+        print(f"wrote HF checkpoint {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        _check_output(args.out, args.force)
+        if args.command == "mcore-to-hf":
+            from megatron_pacs.mcore.checkpoint import read_checkpoint_metadata
+
+            read_checkpoint_metadata(args.load)
+    except ValueError as e:
+        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    code = ensure_world(args.tensor_model_parallel_size * args.pipeline_model_parallel_size, argv)
+    if code is not None:
+        return code
+    from megatron_pacs.mcore.parallel import destroy_parallel
+
+    try:
+        (hf_to_mcore if args.command == "hf-to-mcore" else mcore_to_hf)(args)
+    except ValueError as e:
+        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
