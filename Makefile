@@ -36,6 +36,7 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/bench_algo.py
+	$(PY) benchmarks/bench_logprobs.py
 
 demo: install
 	@test -f megatron_pacs/demo.py || { echo "make demo: the trainer is not built yet (see README, Status)"; exit 2; }

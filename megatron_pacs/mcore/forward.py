@@ -20,7 +20,7 @@ from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
 from megatron_pacs.mcore.parallel import ParallelGroups
 
-__all__ = ["MicroBatch", "make_micro_batches", "model_token_logprobs", "run_schedule", "sequence_logprobs"]
+__all__ = ["MicroBatch", "make_micro_batches", "model_token_logprobs", "run_schedule", "sequence_logprobs", "token_logprobs"]
 
 # (logits_shard [b, L, Vp], micro_batch) -> (loss_sum, count, report): Megatron's 3-tuple loss convention.
 LossFn = Callable[[torch.Tensor, "MicroBatch"], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -111,18 +111,52 @@ def run_schedule(
         )
 
 
-def _seq_sum_loss_fn(tp_group: dist.ProcessGroup, temperature: float) -> LossFn:
+def _token_logp_loss_fn(tp_group: dist.ProcessGroup, temperature: float) -> LossFn:
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
         token_logp = model_token_logprobs(logits, mb, tp_group, temperature)
-        mask = mb.score_mask[:, 1:].to(token_logp.device)
-        seq = torch.where(mask, token_logp, torch.zeros_like(token_logp)).sum(-1)
-        count = torch.tensor(mask.shape[0], dtype=torch.int, device=token_logp.device)
-        return seq.sum(), count, {"seq_logp": seq.detach(), "index": mb.index.to(token_logp.device)}
+        count = torch.tensor(token_logp.shape[0], dtype=torch.int, device=token_logp.device)
+        return token_logp.sum(), count, {"token_logp": token_logp.detach(), "index": mb.index.to(token_logp.device)}
 
     return loss_fn
 
 
 @torch.no_grad()
+def token_logprobs(
+    models: list[torch.nn.Module],
+    groups: ParallelGroups,
+    tokens: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-prob of every token given its prefix, on every rank (forward-only schedule, any TP / PP / VPP).
+
+    Args:
+        models: This rank's model chunks.
+        groups: Parallel groups.
+        tokens: ``[N, L]`` right-padded token ids.
+        micro_batch_size: Rows per micro-batch.
+        temperature: The sampling temperature the log-probs refer to.
+
+    Returns:
+        ``[N, L - 1]`` float32: entry ``t`` is ``log p(tokens[:, t + 1] | tokens[:, :t + 1])``.
+    """
+    for m in models:
+        m.eval()
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    micro_batches = make_micro_batches(tokens, mask, micro_batch_size)
+    reports = run_schedule(models, micro_batches, _token_logp_loss_fn(groups.tp_group, temperature), forward_only=True)
+    device = next(models[0].parameters()).device
+    result = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.float32, device=device)
+    if groups.is_last_stage:
+        for r in reports:
+            keep = r["index"] >= 0
+            result[r["index"][keep]] = r["token_logp"][keep].float()
+    if groups.pp_size > 1:
+        dist.broadcast(result, src=groups.last_stage_global_rank, group=groups.pp_group)
+    return result
+
+
 def sequence_logprobs(
     models: list[torch.nn.Module],
     groups: ParallelGroups,
@@ -133,9 +167,6 @@ def sequence_logprobs(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Per-sequence sums of the scored tokens' log-probs, on every rank.
-
-    Runs the forward-only schedule (works with any TP / PP / VPP layout) and broadcasts the last stage's result
-    over the pipeline group.
 
     Args:
         models: This rank's model chunks.
@@ -148,17 +179,8 @@ def sequence_logprobs(
     Returns:
         ``[N]`` float32 sums, identical on all ranks of the model-parallel group.
     """
-    for m in models:
-        m.eval()
-    micro_batches = make_micro_batches(tokens, score_mask, micro_batch_size)
-    loss_fn = _seq_sum_loss_fn(groups.tp_group, temperature)
-    reports = run_schedule(models, micro_batches, loss_fn, forward_only=True)
-    device = next(models[0].parameters()).device
-    result = torch.zeros(tokens.shape[0], dtype=torch.float32, device=device)
-    if groups.is_last_stage:
-        for r in reports:
-            keep = r["index"] >= 0
-            result[r["index"][keep]] = r["seq_logp"][keep].float()
-    if groups.pp_size > 1:
-        dist.broadcast(result, src=groups.last_stage_global_rank, group=groups.pp_group)
-    return result
+    if tokens.shape != score_mask.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and score_mask {tuple(score_mask.shape)} must match")
+    logp = token_logprobs(models, groups, tokens, micro_batch_size=micro_batch_size, temperature=temperature)
+    mask = score_mask[:, 1:].to(logp.device).bool()
+    return torch.where(mask, logp, torch.zeros_like(logp)).sum(-1)

@@ -7,10 +7,11 @@ import socket
 import subprocess
 import sys
 
-__all__ = ["ensure_world"]
+__all__ = ["ensure_world", "free_port"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a local torchrun rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -22,5 +23,5 @@ def ensure_world(world_size: int, argv: list[str] | None = None) -> int | None:
     if world_size <= 1 or "RANK" in os.environ:
         return None
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
-           f"--master-port={_free_port()}", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]  # fmt: skip
+           f"--master-port={free_port()}", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]  # fmt: skip
     return subprocess.run(cmd, check=False).returncode

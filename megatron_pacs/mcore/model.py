@@ -21,6 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.parallel import ParallelConfig, ParallelGroups
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "build_gpt_model", "hf_to_transformer_config", "rope_settings", "te_available"]
@@ -160,11 +161,13 @@ def hf_to_transformer_config(
     if _get(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported; these families use 'silu' (SwiGLU)")
     tp = parallel.tensor_model_parallel_size
-    heads, groups = hf_config.num_attention_heads, _get(hf_config, "num_key_value_heads") or hf_config.num_attention_heads
+    heads, groups = (
+        hf_config.num_attention_heads,
+        _get(hf_config, "num_key_value_heads") or hf_config.num_attention_heads,
+    )
     if heads % tp or groups % tp:
         raise ValueError(
-            f"tensor_model_parallel_size={tp} must divide num_attention_heads={heads} and "
-            f"num_key_value_heads={groups}"
+            f"tensor_model_parallel_size={tp} must divide num_attention_heads={heads} and num_key_value_heads={groups}"
         )
     if hf_config.vocab_size % tp:
         raise ValueError(f"tensor_model_parallel_size={tp} must divide vocab_size={hf_config.vocab_size}")
@@ -283,23 +286,24 @@ def build_gpt_model(
             layer_spec = _local_spec(config, SDPAttention if kind == "sdpa" else None, vp_stage)
         first_chunk = vp_stage in (None, 0)
         last_chunk = vp_stage is None or vp_stage == vpp - 1
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            vocab_size=hf_config.vocab_size,
-            max_sequence_length=hf_config.max_position_embeddings,
-            pre_process=groups.is_first_stage and first_chunk,
-            post_process=groups.is_last_stage and last_chunk,
-            share_embeddings_and_output_weights=bool(_get(hf_config, "tie_word_embeddings", False)),
-            position_embedding_type="rope",
-            rotary_base=rope["rotary_base"],
-            rope_scaling=rope["rope_scaling"],
-            rope_scaling_factor=rope.get("rope_scaling_factor", 8.0),
-            seq_len_interpolation_factor=rope["seq_len_interpolation_factor"],
-            parallel_output=True,
-            pg_collection=groups.pg_collection,
-            vp_stage=vp_stage,
-        )
+        with cuda_to_cpu():  # tied embeddings under PP sync the output layer with a `.cuda()` all-reduce
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec,
+                vocab_size=hf_config.vocab_size,
+                max_sequence_length=hf_config.max_position_embeddings,
+                pre_process=groups.is_first_stage and first_chunk,
+                post_process=groups.is_last_stage and last_chunk,
+                share_embeddings_and_output_weights=bool(_get(hf_config, "tie_word_embeddings", False)),
+                position_embedding_type="rope",
+                rotary_base=rope["rotary_base"],
+                rope_scaling=rope["rope_scaling"],
+                rope_scaling_factor=rope.get("rope_scaling_factor", 8.0),
+                seq_len_interpolation_factor=rope["seq_len_interpolation_factor"],
+                parallel_output=True,
+                pg_collection=groups.pg_collection,
+                vp_stage=vp_stage,
+            )
         if torch.cuda.is_available():
             model = model.cuda()
         chunks.append(model)

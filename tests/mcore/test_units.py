@@ -1,0 +1,71 @@
+"""Single-process checks of the Megatron layer: layout validation, config translation, log-probs at TP=1."""
+
+import pytest
+import torch
+
+from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
+from megatron_pacs.mcore.parallel import ParallelConfig
+from megatron_pacs.tiny import tiny_hf_config
+
+
+def test_interleaved_pipeline_needs_overlap_settings():
+    with pytest.raises(ValueError, match="silently computes wrong gradients"):
+        ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    ok = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                        overlap_p2p_comm=True, batch_p2p_comm=False)  # fmt: skip
+    assert ok.model_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tensor_model_parallel_size": 0}, "tensor_model_parallel_size=0"),
+        ({"virtual_pipeline_model_parallel_size": 2}, "needs pipeline_model_parallel_size >= 2"),
+        ({"sequence_parallel": True}, "sequence_parallel needs tensor_model_parallel_size > 1"),
+    ],
+)
+def test_layout_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kwargs)
+
+
+def test_world_size_must_divide():
+    with pytest.raises(ValueError, match="world size 6 is not divisible"):
+        ParallelConfig(tensor_model_parallel_size=4).data_parallel_size(6)
+    assert ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(16) == 4
+
+
+def test_config_translation_and_refusals():
+    from megatron_pacs.mcore.model import hf_to_transformer_config, rope_settings
+
+    cfg = hf_to_transformer_config(tiny_hf_config("qwen3", tied=True), ParallelConfig(tensor_model_parallel_size=2))
+    assert cfg.qk_layernorm and not cfg.add_qkv_bias and cfg.num_query_groups == 2 and cfg.kv_channels == 16
+    q2 = hf_to_transformer_config(tiny_hf_config("qwen2"), ParallelConfig(), dtype=torch.bfloat16, recompute=True)
+    assert q2.add_qkv_bias and q2.bf16 and q2.recompute_granularity == "full"
+    assert rope_settings(tiny_hf_config("llama"))["rope_scaling"] is True
+    with pytest.raises(ValueError, match="must divide num_attention_heads"):
+        hf_to_transformer_config(tiny_hf_config("qwen2"), ParallelConfig(tensor_model_parallel_size=8))
+    with pytest.raises(ValueError, match="must divide num_hidden_layers"):
+        hf_to_transformer_config(tiny_hf_config("qwen2", layers=3), ParallelConfig(pipeline_model_parallel_size=2))
+    bad = tiny_hf_config("llama")
+    bad.rope_scaling = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match="'yarn' is not supported"):
+        rope_settings(bad)
+    gpt = tiny_hf_config("qwen2")
+    gpt.model_type = "gpt2"
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
+        hf_to_transformer_config(gpt, ParallelConfig())
+
+
+def test_vocab_logprobs_single_rank_matches_log_softmax_and_never_upcasts_whole_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 9, 40, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 9))
+    lp = vocab_parallel_logprobs(logits, labels, None, chunk_size=5)
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    assert lp.dtype == torch.float32 and lp.shape == (2, 9)
+    torch.testing.assert_close(lp, ref, rtol=0, atol=1e-5)
+    lp.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="must match the leading dims"):
+        vocab_parallel_logprobs(logits, labels[:, :3])
