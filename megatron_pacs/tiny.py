@@ -11,7 +11,14 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "arithmetic_corpus", "build_tiny_model", "build_tokenizer", "tiny_hf_config"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "arithmetic_corpus",
+    "build_tiny_model",
+    "build_tokenizer",
+    "tiny_hf_config",
+]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

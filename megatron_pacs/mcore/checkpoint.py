@@ -17,7 +17,7 @@ from megatron.core import dist_checkpointing
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 
-__all__ = ["load_model_checkpoint", "save_hf_checkpoint", "save_model_checkpoint", "HF_SIDE_FILES"]
+__all__ = ["HF_SIDE_FILES", "load_model_checkpoint", "save_hf_checkpoint", "save_model_checkpoint"]
 
 META_FILE = "megatron_pacs.json"
 HF_SIDE_FILES = (

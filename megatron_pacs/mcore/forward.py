@@ -20,7 +20,14 @@ from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
 from megatron_pacs.mcore.parallel import ParallelGroups
 
-__all__ = ["MicroBatch", "make_micro_batches", "model_token_logprobs", "run_schedule", "sequence_logprobs", "token_logprobs"]
+__all__ = [
+    "MicroBatch",
+    "make_micro_batches",
+    "model_token_logprobs",
+    "run_schedule",
+    "sequence_logprobs",
+    "token_logprobs",
+]
 
 # (logits_shard [b, L, Vp], micro_batch) -> (loss_sum, count, report): Megatron's 3-tuple loss convention.
 LossFn = Callable[[torch.Tensor, "MicroBatch"], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]

@@ -53,7 +53,9 @@ def check_model(name, model_dir, groups, tokens, results, spec="local"):
     ref_logits, ref_sd = hf_reference(model_dir, tokens)
     logits = gathered_logits(models, groups, tokens)
     if logits is not None:
-        results[f"logits{'' if spec == 'local' else '_' + spec}/{name}"] = (logits.double() - ref_logits).abs().max().item()
+        results[f"logits{'' if spec == 'local' else '_' + spec}/{name}"] = (
+            (logits.double() - ref_logits).abs().max().item()
+        )
     if spec != "local":
         return models, cfg
     mask = torch.zeros_like(tokens, dtype=torch.bool)
@@ -115,7 +117,9 @@ def main():
         models = build_gpt_model(cfg, groups)
         load_model_checkpoint(models, ckpt)
         ref_logits, _ = hf_reference(args.workdir / "models" / "qwen2_tied", tokens)
-        results["ckpt_tp2_to_tp1/logits"] = (gathered_logits(models, groups, tokens).double() - ref_logits).abs().max().item()
+        results["ckpt_tp2_to_tp1/logits"] = (
+            (gathered_logits(models, groups, tokens).double() - ref_logits).abs().max().item()
+        )
     merged: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(merged, results)
     if dist.get_rank() == 0:

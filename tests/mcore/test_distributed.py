@@ -33,8 +33,9 @@ def results(tmp_path_factory):
     out = {}
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for tp, pp in LAYOUTS:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}", f"--master-port={free_port()}",
-               str(HERE / "dist_checks.py"), "--workdir", str(work), "--tp", str(tp), "--pp", str(pp)]  # fmt: skip
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}"]
+        cmd = [*launcher, f"--master-port={free_port()}", str(HERE / "dist_checks.py"), "--workdir", str(work),
+               "--tp", str(tp), "--pp", str(pp)]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, f"TP={tp} PP={pp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         out[(tp, pp)] = json.loads((work / f"results_tp{tp}_pp{pp}.json").read_text())
