@@ -141,7 +141,8 @@ def load_hf_weights(models: list[torch.nn.Module], hf_dir: str, groups: Parallel
             bridge.load_weights(models, hf_dir, memory_efficient=True)
         except RuntimeError as e:
             if "size" in str(e) or "shape" in str(e):
-                raise ValueError(f"{hf_dir}: a tensor's shape does not match the model built from its config: {e}") from e
+                msg = f"{hf_dir}: a tensor's shape does not match the model built from its config: {e}"
+                raise ValueError(msg) from e
             raise
 
 
