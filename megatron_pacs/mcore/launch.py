@@ -1,4 +1,4 @@
-"""Run a tool on several local ranks: re-launch the current script under torchrun when it is not already."""
+"""Run a tool on several local ranks: re-launch the current script as N processes when not under torchrun."""
 
 from __future__ import annotations
 
@@ -6,22 +6,44 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 __all__ = ["ensure_world", "free_port"]
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface (for a local torchrun rendezvous)."""
+    """A free TCP port on the loopback interface (for a local rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def ensure_world(world_size: int, argv: list[str] | None = None) -> int | None:
-    """If ``world_size > 1`` and this process was not started by torchrun, re-run the script on
-    ``world_size`` local ranks and return their exit code; otherwise return None (carry on in-process)."""
+    """Start ``world_size`` local ranks of this script when needed.
+
+    If ``world_size > 1`` and the process was not started by torchrun (no ``RANK`` in the environment), runs
+    ``python <script> <args>`` ``world_size`` times with the rendezvous variables torchrun would set, waits,
+    and returns the first non-zero exit code (0 if all succeed); the caller then exits with it. Otherwise
+    returns None and the caller carries on in this process. (torchrun's own CLI is not used: its option parser
+    claims abbreviations such as ``--num`` even after the script name.)
+    """
     if world_size <= 1 or "RANK" in os.environ:
         return None
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size}",
-           f"--master-port={free_port()}", sys.argv[0], *(sys.argv[1:] if argv is None else argv)]  # fmt: skip
-    return subprocess.run(cmd, check=False).returncode
+    args = sys.argv[1:] if argv is None else argv
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, sys.argv[0], *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+        for r in range(world_size)
+    ]
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):  # one rank failed: the others would hang
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return next((p.returncode for p in procs if p.returncode != 0), 0)

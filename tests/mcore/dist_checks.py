@@ -1,6 +1,6 @@
 """Distributed Megatron checks, run under torchrun by test_distributed.py (one launch per layout runs them all).
 
-Usage: torchrun --nproc-per-node N tests/mcore/dist_checks.py --workdir W --tp T --pp P
+Usage: torchrun --nproc-per-node N tests/mcore/dist_checks.py --workdir W --tp T --pp P [--vpp V]
 Reads the tiny HF models in W/models/*, writes W/results_tp{T}_pp{P}.json (global rank 0) with one entry per
 check: parity errors as floats, exactness as booleans.
 """
@@ -100,8 +100,12 @@ def main():
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=None)
     args = ap.parse_args()
-    groups = init_parallel(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    interleaved = {"overlap_p2p_comm": True, "batch_p2p_comm": False} if args.vpp else {}
+    layout = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                            virtual_pipeline_model_parallel_size=args.vpp, **interleaved)  # fmt: skip
+    groups = init_parallel(layout)
     torch.manual_seed(0)
     tokens = torch.randint(0, 512, (3, 24))
     results: dict[str, object] = {}
@@ -126,7 +130,8 @@ def main():
         combined: dict[str, object] = {}
         for r in merged:
             combined.update(r)
-        (args.workdir / f"results_tp{args.tp}_pp{args.pp}.json").write_text(json.dumps(combined, indent=2))
+        suffix = f"_vpp{args.vpp}" if args.vpp else ""
+        (args.workdir / f"results_tp{args.tp}_pp{args.pp}{suffix}.json").write_text(json.dumps(combined, indent=2))
     destroy_parallel()
 
 

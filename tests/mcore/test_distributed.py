@@ -1,6 +1,8 @@
-"""Megatron parity on real gloo groups: HF vs Megatron logits and sequence log-probs at TP=1, TP=2, PP=2 and
-TP=2 x PP=2 (Qwen2 tied and untied, Llama-3 with rope scaling, Qwen3 with qk-norm), the SDPA attention spec,
-bitwise weight export, vocab-parallel log-probs and their gradient, and a TP=2 checkpoint loaded at TP=1.
+"""Megatron parity on real gloo groups.
+
+HF vs Megatron logits and sequence log-probs at TP=1, TP=2, PP=2, TP=2 x PP=2 and interleaved PP=2 x VPP=2, for
+Qwen2 (tied and untied), Llama-3 (rope scaling) and Qwen3 (qk-norm); the SDPA attention spec; bitwise weight
+export; vocab-parallel log-probs and their gradient; a TP=2 checkpoint loaded at TP=1.
 
 Each layout is one torchrun launch running every check (start-up dominates); see dist_checks.py.
 """
@@ -19,7 +21,8 @@ from megatron_pacs.tiny import build_tiny_model, tiny_hf_config
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 HERE = Path(__file__).parent
-LAYOUTS = [(2, 1), (1, 1), (1, 2), (2, 2)]  # TP=2 first: it writes the checkpoint the TP=1 run reshards
+# (TP, PP, VPP). TP=2 runs first: it writes the checkpoint the TP=1 run reshards.
+LAYOUTS = [(2, 1, None), (1, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 MODELS = {"qwen2_tied": ("qwen2", True), "qwen2_untied": ("qwen2", False), "llama": ("llama", False),
           "qwen3_tied": ("qwen3", True)}  # fmt: skip
 FP32_TOL = 1e-5
@@ -32,38 +35,39 @@ def results(tmp_path_factory):
         build_tiny_model(str(work / "models" / name), tiny_hf_config(family, tied=tied, layers=4), seed=1, scale=3.0)
     out = {}
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for tp, pp in LAYOUTS:
+    for tp, pp, vpp in LAYOUTS:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}"]
         cmd = [*launcher, f"--master-port={free_port()}", str(HERE / "dist_checks.py"), "--workdir", str(work),
-               "--tp", str(tp), "--pp", str(pp)]  # fmt: skip
+               "--tp", str(tp), "--pp", str(pp), *(["--vpp", str(vpp)] if vpp else [])]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-        assert proc.returncode == 0, f"TP={tp} PP={pp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        out[(tp, pp)] = json.loads((work / f"results_tp{tp}_pp{pp}.json").read_text())
+        assert proc.returncode == 0, f"TP={tp} PP={pp} VPP={vpp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        suffix = f"_vpp{vpp}" if vpp else ""
+        out[(tp, pp, vpp)] = json.loads((work / f"results_tp{tp}_pp{pp}{suffix}.json").read_text())
     return out
 
 
-@pytest.mark.parametrize(("tp", "pp"), LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_logits_and_sequence_logprobs_match_hf(results, tp, pp, model):
-    r = results[(tp, pp)]
+def test_logits_and_sequence_logprobs_match_hf(results, layout, model):
+    r = results[layout]
     assert r[f"logits/{model}"] < FP32_TOL
     assert r[f"seq_logp/{model}"] < FP32_TOL * 10  # sums of ~12 token log-probs
     assert r[f"export_bitwise/{model}"] is True
 
 
-@pytest.mark.parametrize(("tp", "pp"), LAYOUTS)
-def test_sdpa_attention_spec_matches_hf(results, tp, pp):
-    """The spec GPU runs use without Transformer Engine; SDPA also runs on CPU, so this is the real kernel path."""
-    assert results[(tp, pp)]["logits_sdpa/qwen2_untied"] < FP32_TOL
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_sdpa_attention_spec_matches_hf(results, layout):
+    """The spec GPU runs use without Transformer Engine; SDPA also runs on CPU (its math backend here)."""
+    assert results[layout]["logits_sdpa/qwen2_untied"] < FP32_TOL
 
 
-@pytest.mark.parametrize(("tp", "pp"), LAYOUTS)
-def test_vocab_parallel_logprobs_and_gradients(results, tp, pp):
-    r = results[(tp, pp)]
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_vocab_parallel_logprobs_and_gradients(results, layout):
+    r = results[layout]
     assert r["vocab_logprobs/value"] < 1e-12
     assert r["vocab_logprobs/entropy"] < 1e-12
     assert r["vocab_logprobs/grad"] < 1e-12
 
 
 def test_checkpoint_saved_at_tp2_loads_at_tp1(results):
-    assert results[(1, 1)]["ckpt_tp2_to_tp1/logits"] < FP32_TOL
+    assert results[(1, 1, None)]["ckpt_tp2_to_tp1/logits"] < FP32_TOL

@@ -71,3 +71,15 @@ def test_truncated_and_misshaped_checkpoints_are_named(hf_dir, tmp_path):
     proc = convert("mcore-to-hf", "--load", tmp_path / "nothing", "--hf-config", hf_dir, "--out", tmp_path / "o4",
                    check=False)  # fmt: skip
     assert proc.returncode == 2 and "not a complete megatron_pacs checkpoint" in proc.stderr
+
+
+def test_compare_logprobs_tool_at_tp2(hf_dir, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"problem": "What is 2+3?", "answer": "5"}\n{"text": "12 * 7 = 84. The answer is 84."}\n')
+    tool = TOOL.parent / "compare_logprobs.py"
+    cmd = [sys.executable, str(tool), "--hf-dir", str(hf_dir), "--data", str(data), "--tensor-model-parallel-size", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    overall = [line for line in proc.stdout.splitlines() if line.startswith("overall max abs diff")]
+    assert overall and float(overall[0].split()[-1]) < 1e-5, proc.stdout
+    assert proc.stdout.count("|    ") >= 2  # one row per sequence
