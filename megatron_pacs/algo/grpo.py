@@ -45,8 +45,8 @@ def grpo_advantages(rewards: torch.Tensor, *, group_size: int, norm_by_std: bool
     Returns:
         ``[S]`` float32 advantages (no grad).
     """
-    check_1d("rewards", torch.as_tensor(rewards))
     rewards = torch.as_tensor(rewards).float()
+    check_1d("rewards", rewards)
     check_finite("rewards", rewards)
     check_groups(rewards.shape[0], group_size, need_pairs=True)
     r = rewards.view(-1, group_size)

@@ -173,15 +173,10 @@ def sequence_logprobs(
     micro_batch_size: int,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Per-sequence sums of the scored tokens' log-probs, on every rank.
+    """Per-sequence sums of the scored tokens' log-probs, on every rank (arguments as :func:`token_logprobs`).
 
     Args:
-        models: This rank's model chunks.
-        groups: Parallel groups.
-        tokens: ``[N, L]`` right-padded token ids.
         score_mask: ``[N, L]`` True at the tokens to score (response tokens; position 0 is never scored).
-        micro_batch_size: Rows per micro-batch.
-        temperature: The sampling temperature the log-probs refer to.
 
     Returns:
         ``[N]`` float32 sums, identical on all ranks of the model-parallel group.
