@@ -53,7 +53,9 @@ class WeightSyncExtension:
 
         self._mp_tied = tied
         self._mp_loaded: set[str] = set()
-        initialize_layerwise_reload(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        self._mp_device = next(model.parameters()).device  # the reload moves layers to "meta" until complete
+        initialize_layerwise_reload(model)
 
     def _mp_load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         named = list(add_tied_lm_head(named, self._mp_tied))
@@ -70,8 +72,7 @@ class WeightSyncExtension:
         self._mp_group = standalone_group(backend, host, port, rank, world_size)
 
     def mp_receive_broadcast(self, metas: Sequence[Any], nbytes: int) -> None:
-        device = next(self.model_runner.get_model().parameters()).device
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._mp_device)
         broadcast_buffer(self._mp_group, buffer, src=0)
         self._mp_load(unpack_bucket(buffer, _metas(metas)))
 

@@ -155,6 +155,7 @@ class RolloutFleet:
         self._placement_groups: list[Any] = []
         self._response_len = None  # running mean of response lengths, for load balancing
         self.num_restarts = 0
+        self.num_in_flight = 0  # chunks being generated right now (observability; tests watch it)
         started = time.perf_counter()
         self.engines = [self._spawn(i) for i in range(config.num_engines)]
         ray.get([e.ready.remote() for e in self.engines])
@@ -256,6 +257,7 @@ class RolloutFleet:
                     index, chunk = idle.popleft(), todo.popleft()
                     ref = self.engines[index].call.remote("generate", [prompts[i] for i in chunk], sampling, chunk)
                     running[ref] = (index, chunk)
+                self.num_in_flight = len(running)
                 done, _ = ray.wait(list(running), num_returns=1)
                 index, chunk = running.pop(done[0])
                 try:
@@ -263,7 +265,8 @@ class RolloutFleet:
                 except _DEAD as exc:
                     restarts += 1
                     if restarts > self.config.max_restarts:
-                        raise RuntimeError(f"fleet: more than {self.config.max_restarts} engine restarts in one call") from exc
+                        msg = f"fleet: more than {self.config.max_restarts} engine restarts in one call"
+                        raise RuntimeError(msg) from exc
                     todo.appendleft(chunk)  # its prompts run again, on the restarted engine or another one
                     self._restart(index)
                     idle.append(index)
@@ -272,6 +275,7 @@ class RolloutFleet:
                     results[i] = g
                 idle.append(index)
                 bar.update(len(chunk))
+        self.num_in_flight = 0
         lengths = [len(r.token_ids) for g in results for r in g.responses]
         mean = sum(lengths) / max(1, len(lengths))
         self._response_len = mean if self._response_len is None else 0.5 * (self._response_len + mean)
@@ -304,8 +308,7 @@ class RolloutFleet:
             if self.transport == "broadcast":
                 self._ensure_group()
                 pending = [e.call.remote("receive_broadcast", metas, buffer.numel()) for e in self.engines]
-                broadcast_buffer(self._group, buffer, src=0)
-                ray.get(pending)
+                self._await_broadcast(broadcast_buffer(self._group, buffer, src=0, async_op=True), pending)
             else:  # ipc: the engines map the trainer's CUDA buffer; it must outlive their copy
                 from torch.multiprocessing.reductions import reduce_tensor
 
@@ -317,6 +320,19 @@ class RolloutFleet:
         self._latest = latest if self.config.keep_host_copy or self.transport == "object_store" else []
         seconds = time.perf_counter() - started
         return {"sync/seconds": seconds, "sync/megabytes": total / 2**20, "sync/num_buckets": float(num)}
+
+    def _await_broadcast(self, work: Any, pending: list[Any]) -> None:
+        """Wait for a broadcast while watching the receivers: an engine that fails instead of joining would
+        otherwise leave the trainer blocked until the collective's timeout."""
+        while not work.is_completed():
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0.05)
+            try:
+                ray.get(ready)
+            except Exception:
+                self._group = None  # a half-finished collective leaves the side group unusable
+                raise
+        work.wait()
+        ray.get(pending)
 
     def _ensure_group(self) -> None:
         if self._group is not None:

@@ -20,13 +20,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "SideGroup",
     "TensorMeta",
     "add_tied_lm_head",
+    "broadcast_buffer",
     "iter_buckets",
     "pack_bucket",
     "standalone_group",
@@ -125,9 +128,19 @@ def add_tied_lm_head(
             yield "lm_head.weight", t
 
 
+@dataclass
+class SideGroup:
+    """A process group outside the default one, with the TCP store it was built on (kept alive with it)."""
+
+    group: dist.ProcessGroup
+    store: dist.Store
+    rank: int
+    world_size: int
+
+
 def standalone_group(
     backend: str, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0
-) -> dist.ProcessGroup:
+) -> SideGroup:
     """A process group outside the default one, built from its own TCP store.
 
     The trainer's rank 0 (rank 0 here, the store's host) and every engine worker (ranks 1..) join it to
@@ -152,12 +165,19 @@ def standalone_group(
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     else:
         raise ValueError(f"backend={backend!r}: use 'nccl' (GPU) or 'gloo' (CPU)")
-    group._megatron_pacs_store = store  # keep the store alive as long as the group
-    return group
+    return SideGroup(group, store, rank, world_size)
 
 
-def broadcast_buffer(group: dist.ProcessGroup, buffer: torch.Tensor, src: int = 0) -> None:
-    """Broadcast ``buffer`` in place over a :func:`standalone_group` (blocking)."""
+def broadcast_buffer(side: SideGroup, buffer: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
+    """Broadcast ``buffer`` in place over a :func:`standalone_group`.
+
+    Returns:
+        With ``async_op`` the pending work (poll ``is_completed()``), else None after completion.
+    """
     opts = dist.BroadcastOptions()
     opts.rootRank = src
-    group.broadcast([buffer], opts).wait()
+    work = side.group.broadcast([buffer], opts)
+    if async_op:
+        return work
+    work.wait()
+    return None

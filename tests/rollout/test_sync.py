@@ -1,0 +1,111 @@
+"""Weight-sync plumbing without vLLM: buckets, packing, the tied output layer, a broadcast side group, chunking."""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from megatron_pacs.rollout.sync import (
+    add_tied_lm_head,
+    broadcast_buffer,
+    iter_buckets,
+    pack_bucket,
+    standalone_group,
+    unpack_bucket,
+)
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", torch.randn(7, 5, generator=g)),
+        ("model.layers.0.self_attn.q_proj.bias", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(4, 6, generator=g).t()),  # non-contiguous
+        ("model.norm.weight", torch.randn(5, generator=g).double()),
+        ("counter", torch.arange(3, dtype=torch.int64)),
+    ]
+
+
+def test_pack_unpack_round_trip_is_bitwise_for_mixed_dtypes_and_layouts():
+    named = _tensors()
+    buffer, metas = pack_bucket(named)
+    assert buffer.dtype == torch.uint8 and buffer.dim() == 1
+    assert all(m.offset % 16 == 0 for m in metas)
+    out = unpack_bucket(buffer, metas)
+    assert [n for n, _ in out] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(named, out, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_buckets_respect_the_size_and_keep_order():
+    named = [(f"t{i}", torch.zeros(25)) for i in range(10)]  # 100 bytes each
+    buckets = list(iter_buckets(iter(named), bucket_bytes=250))
+    assert [len(b) for b in buckets] == [2, 2, 2, 2, 2]
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
+    big = list(iter_buckets([("big", torch.zeros(1000)), ("s", torch.zeros(1))], bucket_bytes=10))
+    assert [[n for n, _ in b] for b in big] == [["big"], ["s"]]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(iter_buckets(named, 0))
+
+
+def test_tied_lm_head_is_added_once_after_the_embedding():
+    emb = torch.ones(2, 2)
+    named = [("model.embed_tokens.weight", emb), ("model.norm.weight", torch.ones(2))]
+    tied = list(add_tied_lm_head(named, tied=True))
+    assert [n for n, _ in tied] == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    assert tied[1][1] is emb
+    assert [n for n, _ in add_tied_lm_head(named, tied=False)] == [n for n, _ in named]
+    explicit = [("lm_head.weight", emb), *named]
+    assert [n for n, _ in add_tied_lm_head(explicit, tied=True)].count("lm_head.weight") == 1
+
+
+def _receiver(port, rank, world, metas, nbytes, queue):
+    group = standalone_group("gloo", "127.0.0.1", port, rank, world, timeout_s=60)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    broadcast_buffer(group, buffer, src=0)
+    queue.put([(n, t.clone()) for n, t in unpack_bucket(buffer, metas)])
+
+
+def test_broadcast_side_group_delivers_the_bucket_to_every_receiver():
+    """The disaggregated GPU transport's logic (NCCL there) on gloo: trainer rank 0 broadcasts a packed bucket."""
+    from megatron_pacs.mcore.launch import free_port
+
+    named = _tensors()
+    buffer, metas = pack_bucket(named)
+    port, world = free_port(), 3
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_receiver, args=(port, r, world, metas, buffer.numel(), queue)) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    group = standalone_group("gloo", "127.0.0.1", port, 0, world, timeout_s=60)
+    broadcast_buffer(group, buffer, src=0)
+    got = [queue.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for received in got:
+        for (n, a), (m, b) in zip(named, received, strict=True):
+            assert n == m and torch.equal(a, b)
+
+
+def test_balance_chunks_spreads_cost_and_covers_every_item():
+    from megatron_pacs.rollout.fleet import balance_chunks
+
+    costs = [100, 1, 1, 1, 50, 50, 2, 3]
+    chunks = balance_chunks(costs, 3)
+    assert sorted(i for c in chunks for i in c) == list(range(len(costs)))
+    assert all(c == sorted(c) for c in chunks)
+    loads = sorted(sum(costs[i] for i in c) for c in chunks)
+    assert loads[-1] == 100  # the big item alone; the others share the rest
+    assert balance_chunks([1.0, 2.0], 8) == [[1], [0]] or len(balance_chunks([1.0, 2.0], 8)) == 2
+    assert balance_chunks([5.0], 0) == [[0]]
+
+
+def test_sampling_config_validation_names_the_field():
+    from megatron_pacs.rollout.types import SamplingConfig
+
+    for kwargs, field in [({"n": 0}, "n="), ({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"),
+                          ({"top_k": 0}, "top_k"), ({"max_tokens": 0}, "max_tokens")]:  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            SamplingConfig(**kwargs)
