@@ -12,6 +12,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import os
 import textwrap
 from dataclasses import dataclass, field
@@ -345,7 +346,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
+    for node, nxt in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
@@ -371,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
             elif kind == list[str]:
                 kwargs.update(nargs="+", type=str)
             else:
-                base = [t for t in getattr(kind, "__args__", (kind,)) if t is not type(None)][0]
+                base = next(t for t in getattr(kind, "__args__", (kind,)) if t is not type(None))
                 kwargs["type"] = base
             group.add_argument(_flag(f.name), **kwargs)
     return parser

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 __all__ = [
@@ -46,12 +46,20 @@ def arithmetic_corpus(num_lines: int = 20_000, seed: int = 0) -> Iterator[str]:
         )
 
 
-def build_tokenizer(vocab_size: int = 2048, seed: int = 0) -> Any:
+def build_tokenizer(
+    vocab_size: int = 2048,
+    seed: int = 0,
+    *,
+    corpus: Iterable[str] | None = None,
+    split_digits: bool = False,
+) -> Any:
     """A byte-level BPE ``PreTrainedTokenizerFast`` with ChatML specials and chat template.
 
     Args:
         vocab_size: Target vocabulary size (specials included).
-        seed: Seed of the training corpus.
+        seed: Seed of the default training corpus (:func:`arithmetic_corpus`).
+        corpus: Training text instead of the default corpus (e.g. ``demo_task.tokenizer_corpus()``).
+        split_digits: Pre-split numbers into single digits (as Qwen's tokenizers do), so no merge spans digits.
 
     Returns:
         The tokenizer; ``eos_token`` is ``<|im_end|>``, ``pad_token`` is ``<|endoftext|>``.
@@ -60,7 +68,11 @@ def build_tokenizer(vocab_size: int = 2048, seed: int = 0) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -69,7 +81,7 @@ def build_tokenizer(vocab_size: int = 2048, seed: int = 0) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(arithmetic_corpus(seed=seed), trainer=trainer)
+    tok.train_from_iterator(arithmetic_corpus(seed=seed) if corpus is None else corpus, trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,

@@ -213,7 +213,7 @@ def test_evaluate_writes_passk_and_resumes_without_generating(fleet, models, tmp
     from megatron_pacs.rewards.scorer import RewardScorer
     from megatron_pacs.rollout.types import SamplingConfig
 
-    paths, tok = models
+    _paths, tok = models
     rows = [PromptRow(id=str(i), data_source="toy_a" if i < 5 else "toy_b", prompt=build_messages(f"{i} + {i}?"),
                       ground_truth=str(2 * i), question=f"{i} + {i}?") for i in range(8)]  # fmt: skip
 
