@@ -212,7 +212,7 @@ class RolloutArgs:
     gpu_memory_utilization: float = 0.6
     """GPU share per engine."""
     rollout_dtype: str = "auto"
-    """Engine dtype (auto: the checkpoint's)."""
+    """Engine dtype; auto: the trainer's (bfloat16 with --bf16, else float32)."""
     weight_sync_bucket_mb: int = 256
     """Weight-sync bucket size in MiB."""
     kv_cache_gb: float = 1.0

@@ -1,0 +1,49 @@
+"""Prompt batches for training steps: reshuffled every epoch, resumable from ``(epoch, position)``."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+__all__ = ["PromptLoader"]
+
+T = TypeVar("T")
+
+
+class PromptLoader(Generic[T]):
+    """Yields lists of ``batch_size`` items, a new permutation per epoch (seeded), dropping the last partial batch.
+
+    Args:
+        items: The dataset.
+        batch_size: Items per batch (must not exceed ``len(items)``).
+        seed: Shuffle seed; epoch e uses ``Random(seed + e)``.
+    """
+
+    def __init__(self, items: Sequence[T], batch_size: int, seed: int) -> None:
+        if batch_size > len(items):
+            raise ValueError(f"--global-batch-size {batch_size} exceeds the {len(items)} training prompts; lower it "
+                             "or add data")  # fmt: skip
+        self.items, self.batch_size, self.seed = items, batch_size, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.items)))
+        random.Random(self.seed + epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[T]:
+        if self.position + self.batch_size > len(self.items):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        idx = self._order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return [self.items[i] for i in idx]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,206 @@
+"""The training loop behind ``megatron_pacs.train``: set-up, the step, validation, weight sync, logging.
+
+Rank 0 is the driver: it owns the fleet, the reward pool, the metric sinks and the rollout dumps; every rank owns
+its model shard. Collectives in this file run on the default (world) group, which every rank joins in the same
+order: the rollout broadcast, the metric gather inside ``train_on_batch``, and the weight export (TP gathers and
+PP broadcasts inside the exporter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from megatron_pacs.config import TrainConfig
+from megatron_pacs.data.loader import PromptLoader
+from megatron_pacs.data.prompts import PromptRow, apply_chat_template
+from megatron_pacs.mcore.actor import Actor
+from megatron_pacs.mcore.optim import OptimConfig
+from megatron_pacs.mcore.parallel import ParallelConfig, destroy_parallel, init_parallel
+from megatron_pacs.rl_step import StepRollouts, collect_rollouts, train_on_batch
+from megatron_pacs.utils.logging import get_logger
+from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer
+
+__all__ = ["Trainer"]
+
+log = get_logger("trainer")
+
+# Test hook: "RANK:STEP" injects a NaN into that rank's gradient at that training step (1-based).
+_NAN_HOOK = "MEGATRON_PACS_TEST_INJECT_NAN"
+
+
+class Trainer:
+    """Builds the actor, the fleet and the sinks; :meth:`fit` runs the steps. Use as a context manager."""
+
+    def __init__(self, cfg: TrainConfig, val_rows: dict[str, list[PromptRow]] | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg, self.val_rows = cfg, val_rows or {}
+        p = cfg.parallel
+        self.groups = init_parallel(
+            ParallelConfig(tensor_model_parallel_size=p.tensor_model_parallel_size,
+                           pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+                           virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+                           sequence_parallel=p.sequence_parallel), seed=cfg.run.seed)  # fmt: skip
+        self.rank = dist.get_rank()
+        self.driver = self.rank == 0
+        torch.manual_seed(cfg.run.seed)
+        o = cfg.optim
+        fp8 = {"fp8": cfg.model.fp8_format, "fp8_recipe": cfg.model.fp8_recipe} if cfg.model.fp8_format else None
+        self.actor = Actor(
+            cfg.model.hf_model, self.groups,
+            OptimConfig(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
+                        adam_eps=o.adam_eps, clip_grad=o.clip_grad, lr_warmup_steps=o.lr_warmup_steps,
+                        use_distributed_optimizer=o.use_distributed_optimizer, bf16=cfg.model.bf16),
+            dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32, recompute=cfg.model.recompute_activations,
+            spec=cfg.model.transformer_impl, fp8=fp8,
+        )  # fmt: skip
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
+        self.log_dir = Path(cfg.run.log_dir)
+        self.timer = PhaseTimer(cuda_sync=torch.cuda.is_available())
+        self.fleet = self.scorer = None
+        if self.driver:
+            self._start_driver()
+        self.writer: MetricsWriter | None = None
+        nan_hook = os.environ.get(_NAN_HOOK, "")
+        self._nan_at = tuple(int(x) for x in nan_hook.split(":")) if nan_hook else None
+
+    def _start_driver(self) -> None:
+        from megatron_pacs.rewards.scorer import RewardScorer
+        from megatron_pacs.rollout.fleet import FleetConfig, RolloutFleet
+
+        r, cfg = self.cfg.rollout, self.cfg
+        # vLLM's "auto" runs fp32 checkpoints in half precision; default to the trainer's own dtype instead.
+        dtype = r.rollout_dtype if r.rollout_dtype != "auto" else ("bfloat16" if cfg.model.bf16 else "float32")
+        self.scorer = RewardScorer(num_workers=cfg.run.reward_workers, timeout_s=cfg.run.reward_timeout)
+        self.fleet = RolloutFleet(FleetConfig(
+            model=cfg.model.hf_model, num_engines=r.num_engines, tensor_parallel_size=r.rollout_tensor_parallel_size,
+            dtype=dtype, max_model_len=cfg.batch.seq_length, seed=cfg.run.seed, ray_address=r.ray_address,
+            run_dir=str(self.log_dir), colocate=r.colocate, gpu_memory_utilization=r.gpu_memory_utilization,
+            kv_cache_gb=r.kv_cache_gb, bucket_mb=r.weight_sync_bucket_mb, progress=False,
+        ))  # fmt: skip
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def fit(self, loader: PromptLoader, start_step: int = 0) -> list[dict[str, float]]:
+        """Run steps ``start_step + 1 .. --train-iters``; returns every step's metrics (on every rank)."""
+        cfg = self.cfg
+        self.writer = MetricsWriter(self.log_dir, enabled=self.driver, wandb_project=cfg.run.wandb_project,
+                                    wandb_name=cfg.run.wandb_exp_name, config=cfg.to_dict(),
+                                    total_steps=cfg.run.train_iters, start_step=start_step)  # fmt: skip
+        history = []
+        if cfg.run.eval_interval and start_step == 0:
+            self.writer.log(0, self.validate())
+        bar = tqdm(range(start_step, cfg.run.train_iters), desc="train", unit="step", disable=not self.driver,
+                   initial=start_step, total=cfg.run.train_iters)  # fmt: skip
+        for step in (s + 1 for s in bar):
+            metrics = self.step(loader.next_batch(), step)
+            if cfg.run.eval_interval and (step % cfg.run.eval_interval == 0 or step == cfg.run.train_iters):
+                metrics.update(self.validate())
+            self.writer.log(step, metrics)
+            history.append(metrics)
+            if self.driver:
+                bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', float('nan')):.3f}")
+        return history
+
+    def step(self, rows: list[PromptRow], step: int) -> dict[str, float]:
+        """One training step: rollouts, update, weight sync. Collective."""
+        started = time.perf_counter()
+        rollouts = self._rollouts(rows, step)
+        inject = self._nan_at is not None and self._nan_at == (self.rank, step)
+        metrics = train_on_batch(self.actor, rollouts.batch, self.cfg, self.groups, self.timer, inject_nan=inject)
+        with self.timer.phase("sync"):
+            sync = self.sync_weights()
+        if step == 1 or (self.cfg.run.eval_interval and step % self.cfg.run.eval_interval == 0):
+            sync["sync/max_logprob_diff"] = self.check_sync(rollouts)
+        elapsed = time.perf_counter() - started
+        metrics.update(rollouts.metrics)
+        metrics.update(sync)
+        metrics.update(self.timer.collect())
+        metrics["perf/time/step"] = elapsed
+        metrics["perf/tokens_per_sec"] = rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
+        if self.driver:
+            self._dump(rollouts, step)
+        return metrics
+
+    def _rollouts(self, rows: list[PromptRow], step: int) -> StepRollouts:
+        payload: list[Any] = [None]
+        if self.driver:
+            payload[0] = collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, self.timer)
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's weights into every engine (all ranks take part in the export)."""
+        weights = self.actor.export_hf_weights()
+        if self.driver:
+            return self.fleet.update_weights(weights)
+        for _ in weights:
+            pass
+        return {}
+
+    def check_sync(self, rollouts: StepRollouts, num_probes: int = 2) -> float:
+        """Max |engine - trainer| token log-prob on a few of this step's sequences (after the sync)."""
+        from megatron_pacs.data.batching import pad_rows
+        from megatron_pacs.mcore.forward import MicroBatch
+
+        batch = rollouts.batch
+        rows = list(range(min(num_probes, batch.num_responses)))
+        mb = MicroBatch(*pad_rows(batch, rows))
+        _, tokens = self.actor.logprobs([mb], batch.num_responses, temperature=1.0, tokens=True)
+        diff = torch.zeros(1)
+        if self.driver and tokens:
+            probes = [batch.sequences[i] for i in rows]
+            refs = [tokens[i][: len(batch.sequences[i]) - 1].tolist() for i in rows]
+            diff[0] = self.fleet.verify_sync(probes, refs)
+        return float(diff[0])
+
+    def validate(self) -> dict[str, float]:
+        """Greedy mean reward per validation source (driver only; the others return {})."""
+        if not self.driver or not self.val_rows:
+            return {}
+        from megatron_pacs.rollout.types import SamplingConfig
+
+        started = time.perf_counter()
+        sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=self.cfg.batch.max_response_length,
+                                  stop_token_ids=[self.tokenizer.eos_token_id], logprobs=False)  # fmt: skip
+        out = {}
+        for source, rows in self.val_rows.items():
+            prompts = [apply_chat_template(self.tokenizer, r.prompt) for r in rows]
+            groups = self.fleet.generate(prompts, sampling)
+            scored = self.scorer.score([g.responses[0].text for g in groups], [r.ground_truth for r in rows])
+            out[f"val/{source}/reward_mean"] = sum(scored.scores) / max(1, len(scored.scores))
+        out["perf/time/validate"] = time.perf_counter() - started
+        return out
+
+    def _dump(self, rollouts: StepRollouts, step: int) -> None:
+        folder = self.log_dir / "rollouts"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
+            for rec in rollouts.records:
+                f.write(json.dumps(rec) + "\n")
+
+    # -- teardown ----------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.fleet is not None:
+            self.fleet.shutdown()
+        if self.scorer is not None:
+            self.scorer.close()
+        destroy_parallel()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
