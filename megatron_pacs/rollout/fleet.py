@@ -131,7 +131,7 @@ def _short_temp_dir(run_dir: str) -> tuple[str, bool]:
     """Ray's temp folder (removed at shutdown): inside the run dir unless its socket paths would pass the 107-byte
     Unix limit, then a short one under the system temp folder."""
     wanted = os.path.abspath(os.path.join(run_dir, "ray"))
-    if len(wanted) + 60 < 107:
+    if len(wanted) + len("/session_2026-01-01_00-00-00_000000_1234567/sockets/plasma_store") < 107:
         os.makedirs(wanted, exist_ok=True)
         return wanted, True
     return tempfile.mkdtemp(prefix="mpacs_ray_"), True  # removed at shutdown

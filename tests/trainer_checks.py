@@ -1,0 +1,129 @@
+"""Launched by tests/test_trainer.py (one process per rank; see ensure_world): the trainer's update on real groups.
+
+modes:
+  rollouts   world 1: start the real fleet + scorer through the Trainer, collect one step of rollouts, save them
+             (batch.pt), then train them with three micro-batching variants, saving each variant's weights.
+  tp2        world 2, TP=2: train the saved batch (default variant) and save the weights; then a NaN injected
+             into rank 1's gradient must skip the step on both ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_pacs.mcore.launch import ensure_world
+
+# Adam divides by sqrt(v) + eps: with a tiny eps, parameters whose gradient is at rounding level (1e-9) get a
+# full-size step of either sign; a larger eps keeps the comparison about the gradient, not about rounding.
+ADAM_EPS = 1e-6
+
+VARIANTS = {
+    # name: (keep_groups_in_microbatch, micro_batch_size, max_tokens_per_microbatch)
+    "budget_split": (False, 8, None),  # set in main: a token budget that splits groups
+    "groups_intact": (True, 4, None),
+    "rows3": (False, 3, None),
+}
+
+
+def _config(args, **batch):
+    from megatron_pacs.config import (
+        BatchConfig,
+        LossConfig,
+        ModelConfig,
+        OptimArgs,
+        ParallelArgs,
+        RolloutArgs,
+        RunConfig,
+        TrainConfig,
+    )
+
+    b = dict(global_batch_size=4, group_size=4, ppo_mini_batch_size=2, max_prompt_length=96, max_response_length=12)
+    b.update(batch)
+    return TrainConfig(
+        model=ModelConfig(hf_model=args.model),
+        parallel=ParallelArgs(tensor_model_parallel_size=args.tp),
+        batch=BatchConfig(**b),
+        optim=OptimArgs(lr=1e-3, weight_decay=0.01, adam_eps=ADAM_EPS),
+        loss=LossConfig(loss=args.loss),
+        rollout=RolloutArgs(kv_cache_gb=1.0),
+        run=RunConfig(train_data=[args.data], log_dir=str(Path(args.out) / "run"), reward_workers=1),
+    )  # fmt: skip
+
+
+def _weights(actor) -> dict[str, torch.Tensor]:
+    return {n: t.detach().float().clone() for n, t in actor.export_hf_weights()}
+
+
+def _train(cfg, groups, batch, inject_nan=False):
+    from megatron_pacs.mcore.actor import Actor
+    from megatron_pacs.mcore.optim import OptimConfig
+    from megatron_pacs.rl_step import train_on_batch
+    from megatron_pacs.utils.metrics import PhaseTimer
+
+    o = cfg.optim
+    actor = Actor(cfg.model.hf_model, groups, OptimConfig(lr=o.lr, weight_decay=o.weight_decay, adam_eps=o.adam_eps))
+    metrics = train_on_batch(actor, batch, cfg, groups, PhaseTimer(), inject_nan=inject_nan)
+    return _weights(actor), metrics
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["rollouts", "tp2"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--loss", default="pacs")
+    args = p.parse_args()
+    args.tp = 2 if args.mode == "tp2" else 1
+    code = ensure_world(args.tp)
+    if code is not None:
+        return code
+    import torch.distributed as dist
+
+    out = Path(args.out)
+    results: dict = {}
+    if args.mode == "rollouts":
+        from megatron_pacs.data.formats import read_prompt_rows
+        from megatron_pacs.trainer import Trainer
+
+        cfg = _config(args)
+        rows, _ = read_prompt_rows(args.data)
+        with Trainer(cfg) as trainer:
+            batch = trainer._rollouts(rows[:4], step=1).batch
+            # A random tiny model scores 0 everywhere, where the PACS gradient vanishes; fix a mixed pattern so
+            # the update is non-trivial (the rollouts themselves are the fleet's).
+            batch.rewards = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.float32)
+            torch.save(batch, out / "batch.pt")
+            longest = max(len(s) for s in batch.sequences)
+            VARIANTS["budget_split"] = (False, 8, 3 * longest)  # 3 rows per micro-batch: groups of 4 split
+            for name, (keep, mbs, budget) in VARIANTS.items():
+                vcfg = _config(args, keep_groups_in_microbatch=keep, micro_batch_size=mbs,
+                               max_tokens_per_microbatch=budget)  # fmt: skip
+                weights, metrics = _train(vcfg, trainer.groups, batch)
+                torch.save(weights, out / f"weights_{name}.pt")
+                results[name] = metrics
+    else:
+        from megatron_pacs.mcore.parallel import ParallelConfig, destroy_parallel, init_parallel
+
+        cfg = _config(args)
+        groups = init_parallel(ParallelConfig(tensor_model_parallel_size=2))
+        batch = torch.load(out / "batch.pt", weights_only=False)
+        weights, results["tp2"] = _train(cfg, groups, batch)
+        if dist.get_rank() == 0:
+            torch.save(weights, out / "weights_tp2.pt")
+        nan_weights, results["nan"] = _train(cfg, groups, batch, inject_nan=dist.get_rank() == 1)
+        if dist.get_rank() == 0:
+            torch.save(nan_weights, out / "weights_nan.pt")
+        destroy_parallel()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (out / f"results_{args.mode}.json").write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
