@@ -1,0 +1,379 @@
+"""Metric logging: one :class:`MetricsWriter` fanning out to the console, TensorBoard, W&B and a JSONL file.
+
+The JSONL file (``<log_dir>/metrics.jsonl``) is the durable record: one flat line per :meth:`MetricsWriter.log`
+call, ``{"step": 3, "rollout/reward_mean": 0.41, ...}``, appended and flushed at once so a crashed run keeps
+everything it logged. Non-finite values are written as ``null`` (JSON has no NaN) and read back as NaN by
+:func:`read_metrics`. Tools such as ``tools/plot_metrics.py`` read it back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_pacs.utils.logging import get_logger
+
+__all__ = ["CONSOLE_FIELDS", "METRICS_FILE", "MetricsWriter", "PhaseTimer", "read_metrics"]
+
+logger = get_logger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+# The console line: (candidate keys, template). The first candidate present in a log() call is shown;
+# ``{key}`` is the key that matched, ``{value}`` its formatted value.
+CONSOLE_FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("rollout/reward_mean",), "reward {value}"),
+    (("train/loss", "pacs/loss", "grpo/loss"), "{key} {value}"),
+    (("pacs/critic_acc",), "critic_acc {value}"),
+    (("rollout/response_len_mean",), "resp_len {value}"),
+    (("perf/time/step", "perf/step_time"), "step {value}s"),
+    (("perf/tokens_per_sec", "perf/throughput"), "{value} tok/s"),
+)
+
+
+def _to_float(key: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}; log a scalar (e.g. .mean())")
+        return float(value.detach().float().cpu().item())
+    if isinstance(value, str):
+        raise TypeError(f"metric {key!r} is a string; log text with MetricsWriter.log_text")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metric {key!r} has type {type(value).__name__}, not a number or scalar tensor") from e
+
+
+def _fmt(value: float) -> str:
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _console_line(step: int, total_steps: int | None, metrics: Mapping[str, float]) -> str:
+    parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
+    for candidates, template in CONSOLE_FIELDS:
+        key = next((k for k in candidates if k in metrics), None)
+        if key is not None:
+            parts.append(template.format(key=key, value=_fmt(metrics[key])))
+    for key in sorted(k for k in metrics if k.startswith("val/") and k.endswith("/reward_mean")):
+        parts.append(f"{key.removesuffix('/reward_mean')} {_fmt(metrics[key])}")
+    return " | ".join(parts)
+
+
+def _parse_line(line: str) -> dict[str, Any] | None:
+    """The record on one JSONL line, or None when the line is corrupt or has no integer ``step``."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+        return None
+    return row
+
+
+def _truncate_from(path: Path, start_step: int) -> None:
+    """Rewrite ``path`` atomically, keeping only well-formed lines whose step is below ``start_step``."""
+    kept, dropped, corrupt = [], 0, 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = _parse_line(line)
+            if row is None:
+                corrupt += 1
+            elif row["step"] < start_step:
+                kept.append(line.rstrip("\n") + "\n")
+            else:
+                dropped += 1
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if dropped or corrupt:
+        logger.info(
+            "resuming at step %d: dropped %d lines with step >= %d and %d corrupt lines from %s",
+            start_step,
+            dropped,
+            start_step,
+            corrupt,
+            path,
+        )
+
+
+class MetricsWriter:
+    """Fan metrics out to the console, TensorBoard, Weights & Biases and ``<log_dir>/metrics.jsonl``.
+
+    Create one on the logging rank (``enabled=False`` elsewhere, which turns every method into a no-op) and
+    call :meth:`log` once or more per step. Usable as a context manager; :meth:`close` is idempotent.
+
+    Args:
+        log_dir (str | Path | None): Run directory for ``metrics.jsonl``, ``tensorboard/`` and ``wandb/``.
+            None logs to the console (and W&B, if asked) only.
+        enabled (bool): False makes the writer do nothing at all (no files, no console lines).
+        tensorboard (bool): Write TensorBoard events under ``<log_dir>/tensorboard``.
+        wandb_project (str | None): W&B project; None disables W&B. Without ``WANDB_API_KEY`` and with no
+            ``WANDB_MODE`` set, the run is logged offline (sync it later with ``wandb sync``).
+        wandb_name (str | None): W&B run name.
+        config (dict | None): Run configuration, sent to W&B and shown as text in TensorBoard.
+        total_steps (int | None): Shown as ``step 3/20`` on the console.
+        start_step (int): The step a resumed run restarts at; lines with ``step >= start_step`` are removed from
+            an existing ``metrics.jsonl`` (and TensorBoard events from then on are purged) so the record holds
+            each step once.
+
+    Raises:
+        ValueError: If ``start_step`` or ``total_steps`` is negative.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path | None,
+        *,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        wandb_name: str | None = None,
+        config: dict | None = None,
+        total_steps: int | None = None,
+        start_step: int = 0,
+    ) -> None:
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        if total_steps is not None and total_steps < 0:
+            raise ValueError(f"total_steps must be >= 0 or None, got {total_steps}")
+        self.enabled = enabled
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.total_steps = total_steps
+        self.wandb_mode: str | None = None
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        self._closed = False
+        if not enabled:
+            return
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._open_jsonl(self.log_dir / METRICS_FILE, start_step)
+            if tensorboard:
+                self._open_tensorboard(config, start_step)
+        if wandb_project:
+            self._open_wandb(wandb_project, wandb_name, config)
+
+    @property
+    def jsonl_path(self) -> Path | None:
+        """``<log_dir>/metrics.jsonl``, or None without a log dir."""
+        return self.log_dir / METRICS_FILE if self.log_dir is not None else None
+
+    def _open_jsonl(self, path: Path, start_step: int) -> None:
+        if path.exists():
+            if start_step > 0:
+                _truncate_from(path, start_step)
+            elif path.stat().st_size > 0:
+                logger.warning("%s already exists and start_step is 0; appending to it", path)
+        needs_newline = False
+        if path.exists() and path.stat().st_size > 0:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                needs_newline = f.read(1) != b"\n"
+        self._jsonl = open(path, "a", encoding="utf-8")  # closed in close()
+        if needs_newline:  # a crash mid-line left a partial record; keep the next record on its own line
+            self._jsonl.write("\n")
+            self._jsonl.flush()
+
+    def _open_tensorboard(self, config: dict | None, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        assert self.log_dir is not None
+        self._tb = SummaryWriter(str(self.log_dir / "tensorboard"), purge_step=start_step or None)
+        if config:
+            self._tb.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", start_step)
+
+    def _open_wandb(self, project: str, name: str | None, config: dict | None) -> None:
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE")
+        if not mode:
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            if mode == "offline":
+                logger.info("W&B: no WANDB_API_KEY and no WANDB_MODE set; logging offline (upload with `wandb sync`)")
+        self.wandb_mode = mode
+        self._wandb = wandb.init(
+            project=project,
+            name=name,
+            dir=str(self.log_dir) if self.log_dir is not None else None,
+            config=config,
+            mode=mode,
+        )
+
+    def log(self, step: int, metrics: Mapping[str, float | int | torch.Tensor]) -> None:
+        """Record ``metrics`` at ``step`` everywhere and print one console line.
+
+        Args:
+            step (int): Training step (the x axis everywhere).
+            metrics (Mapping[str, float | int | torch.Tensor]): Flat ``name -> scalar``; tensors must hold one
+                element. NaN/inf are kept (``null`` in the JSONL file).
+
+        Raises:
+            ValueError: If a key is ``"step"`` or a tensor has more than one element.
+            TypeError: If a value is not a number or scalar tensor.
+        """
+        if not self.enabled:
+            return
+        if self._closed:
+            raise RuntimeError("MetricsWriter.log called after close()")
+        step = int(step)
+        values: dict[str, float] = {}
+        for key, value in metrics.items():
+            if key == "step":
+                raise ValueError("'step' is reserved in metrics.jsonl; pass the step as the first argument")
+            values[str(key)] = _to_float(key, value)
+        if self._jsonl is not None:
+            row = {"step": step, **{k: v if math.isfinite(v) else None for k, v in values.items()}}
+            self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        logger.info(_console_line(step, self.total_steps, values))
+
+    def log_text(self, step: int, key: str, text: str) -> None:
+        """Record a text sample (e.g. a decoded rollout) in TensorBoard and W&B.
+
+        Args:
+            step (int): Training step.
+            key (str): Tag, e.g. ``"samples/rollout"``.
+            text (str): The text; shown preformatted.
+        """
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            self._tb.add_text(key, "```\n" + text + "\n```", int(step))
+        if self._wandb is not None:
+            import html
+
+            import wandb
+
+            self._wandb.log({key: wandb.Html("<pre>" + html.escape(text) + "</pre>")}, step=int(step))
+
+    def flush(self) -> None:
+        """Push buffered TensorBoard events to disk (the JSONL file is flushed on every log call)."""
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close every sink; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PhaseTimer:
+    """Accumulate wall-clock seconds per named phase of a step.
+
+    Example::
+
+        timer = PhaseTimer()
+        with timer.phase("generate"):
+            ...
+        metrics.update(timer.collect())  # {"perf/time/generate": 12.3}
+
+    Phases may nest; each is timed on its own (an outer phase includes its inner ones). Re-entering a phase that
+    is already open counts the overlap twice.
+
+    Args:
+        cuda_sync (bool): Call ``torch.cuda.synchronize()`` at each phase boundary (when CUDA is available) so
+            asynchronous GPU work is charged to the phase that launched it.
+        clock (Callable[[], float]): Seconds source; ``time.perf_counter`` unless a test injects one.
+    """
+
+    def __init__(self, *, cuda_sync: bool = False, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.cuda_sync = cuda_sync and torch.cuda.is_available()
+        self._clock = clock
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the ``with`` body and add it to ``name`` (also when the body raises).
+
+        Args:
+            name (str): Phase name, e.g. ``"generate"``.
+        """
+        if self.cuda_sync:
+            torch.cuda.synchronize()
+        start = self._clock()
+        try:
+            yield
+        finally:
+            if self.cuda_sync:
+                torch.cuda.synchronize()
+            self._seconds[name] += self._clock() - start
+
+    def collect(self, prefix: str = "perf/time/") -> dict[str, float]:
+        """Return the accumulated seconds per phase and reset them.
+
+        Args:
+            prefix (str): Prepended to each phase name.
+
+        Returns:
+            dict[str, float]: ``prefix + name -> seconds`` for every phase timed since the last collect.
+        """
+        out = {prefix + name: secs for name, secs in self._seconds.items()}
+        self._seconds.clear()
+        return out
+
+
+def read_metrics(path_or_run_dir: str | Path) -> list[dict[str, Any]]:
+    """Read a ``metrics.jsonl`` written by :class:`MetricsWriter`.
+
+    Args:
+        path_or_run_dir (str | Path): The file, or the run directory holding ``metrics.jsonl``.
+
+    Returns:
+        list[dict[str, Any]]: One dict per line in file order, ``{"step": int, key: float, ...}``; ``null``
+        values come back as NaN. Blank lines are skipped; corrupt lines (e.g. a record cut short by a crash)
+        are skipped with a warning.
+
+    Raises:
+        FileNotFoundError: If there is no such file.
+    """
+    path = Path(path_or_run_dir)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = _parse_line(line)
+            if row is None:
+                logger.warning("%s:%d: skipping a corrupt line: %.80s", path, lineno, line.rstrip())
+                continue
+            rows.append({k: (math.nan if v is None else v) for k, v in row.items()})
+    return rows
