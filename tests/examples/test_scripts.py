@@ -1,0 +1,101 @@
+"""The launch scripts under examples/: bash syntax, shared flags in both branches, and a real ``DRY_RUN=1`` run.
+
+The dry runs execute ``python -m megatron_pacs.train --dry-run`` and so need the trainer: without
+``megatron_pacs/train.py`` they fail (never skip), which is the point of testing the scripts.
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+ALL_SCRIPTS = sorted(EXAMPLES.rglob("*.sh"))
+MULTI_NODE = [p for p in ALL_SCRIPTS if p.name != "tiny_cpu.sh"]
+
+# The trainer's flags (megatron_pacs.train); a script using any other spelling is a bug.
+TRAINER_FLAGS = set(
+    """--tensor-model-parallel-size --pipeline-model-parallel-size --virtual-pipeline-model-parallel-size
+    --sequence-parallel --hf-model --bf16 --fp8-format --fp8-recipe --recompute-activations --use-distributed-optimizer
+    --global-batch-size --group-size --ppo-mini-batch-size --ppo-epochs --micro-batch-size --max-tokens-per-microbatch
+    --keep-groups-in-microbatch --max-prompt-length --max-response-length --lr --weight-decay --adam-beta1 --adam-beta2
+    --clip-grad --loss --pacs-beta --pacs-score --pacs-advantage --pacs-weights --clip-ratio --kl-coef --num-engines
+    --rollout-tensor-parallel-size --temperature --top-p --top-k --ray-address --train-data --val-data --train-iters
+    --seed --save --load --save-interval --keep-last --save-hf --eval-interval --log-dir --wandb-project
+    --wandb-exp-name --dry-run --world-size""".split()
+)
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [str(p.relative_to(EXAMPLES)) for p in paths]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A dry-run environment: an absent HF_MODEL (so the shipped config.json is used) and tmp outputs and data."""
+    row = '{"problem": "What is 1 + 1?", "answer": "2"}\n'
+    (tmp_path / "train.jsonl").write_text(row)
+    (tmp_path / "val.jsonl").write_text(row)
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "WANDB_PROJECT")}
+    env.update(
+        HF_MODEL=str(tmp_path / "no-such-model"),
+        TRAIN_DATA=str(tmp_path / "train.jsonl"),
+        VAL_DATA=f"{tmp_path / 'val.jsonl'} {tmp_path / 'val.jsonl'}",
+        SAVE_DIR=str(tmp_path / "ckpt"),
+        LOG_DIR=str(tmp_path / "logs"),
+        PYTHON=sys.executable,
+    )
+    env.update(extra)
+    return env
+
+
+def test_there_are_scripts():
+    assert len(MULTI_NODE) >= 4 and (EXAMPLES / "tiny_cpu.sh").is_file()
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS, ids=_ids(ALL_SCRIPTS))
+def test_bash_syntax(script):
+    subprocess.run(["bash", "-n", str(script)], check=True, capture_output=True, text=True)
+    text = script.read_text()
+    assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text and "pkill" not in text
+
+
+@pytest.mark.parametrize("script", MULTI_NODE, ids=_ids(MULTI_NODE))
+def test_both_branches_pass_the_same_trainer_flags(script, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("torchrun", "fakepython"):  # print argv, one per line
+        (bin_dir / name).write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+        (bin_dir / name).chmod(0o755)
+    env = _env(tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "fakepython"), NNODES="2")
+
+    def argv(dry: str) -> list[str]:
+        out = subprocess.run(["bash", str(script)], env={**env, "DRY_RUN": dry}, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    real, dry = argv("0"), argv("1")
+    assert real[:10] == shlex.split(
+        "--nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr localhost --master-port 6000"
+    )
+    assert real[10:12] == dry[:2] == ["-m", "megatron_pacs.train"]
+    assert dry[-3:] == ["--dry-run", "--world-size", "16"]
+    assert real[12:] == [a if a != str(script.parent) else env["HF_MODEL"] for a in dry[2:-3]]
+    flags = {a for a in real if a.startswith("--")} - {"--nnodes", "--node-rank", "--nproc-per-node"}
+    assert flags - {"--master-addr", "--master-port"} <= TRAINER_FLAGS
+    for flag in ("--global-batch-size", "--group-size", "--ppo-mini-batch-size", "--train-iters", "--eval-interval"):
+        assert flag in real
+
+
+@pytest.mark.parametrize("script", MULTI_NODE, ids=_ids(MULTI_NODE))
+def test_dry_run(script, tmp_path):
+    assert (ROOT / "megatron_pacs" / "train.py").is_file(), "megatron_pacs/train.py does not exist yet"
+    out = subprocess.run(
+        ["bash", str(script)], env=_env(tmp_path, DRY_RUN="1"), capture_output=True, text=True, timeout=600
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "64" in text and "memory" in text.lower(), text[-4000:]
