@@ -11,7 +11,7 @@ TORCH_SRC := $(if $(wildcard /opt/wheels/torch-2.13.0*),--find-links /opt/wheels
 PIP := $(PY) -m pip install --disable-pip-version-check $(TORCH_SRC)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-quick lint bench demo clean
+.PHONY: install test test-quick lint bench demo demo-compare clean
 
 install: $(VENV)/.installed
 
@@ -37,10 +37,15 @@ lint: install
 bench: install
 	$(PY) benchmarks/bench_algo.py
 	$(PY) benchmarks/bench_logprobs.py
+	$(PY) benchmarks/bench_rollout.py
 
+# The embedded default: tiny model + SFT warm-up + PACS through the real fleet, scorer and Megatron actor.
 demo: install
-	@test -f megatron_pacs/demo.py || { echo "make demo: the trainer is not built yet (see README, Status)"; exit 2; }
-	$(PY) -m megatron_pacs.demo
+	$(PY) -m megatron_pacs.demo --out runs/demo
+
+# PACS and GRPO from the same warm-up and seeds, both curves in runs/demo-compare/reward_curve.png.
+demo-compare: install
+	$(PY) -m megatron_pacs.demo --out runs/demo-compare --compare
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,320 @@
+"""Megatron DDP + optimizer, and one training step with a world-wide non-finite-gradient guard.
+
+Loss normalisation ("local sum / global count"). The model must be built with ``calculate_per_token_loss=True``
+(``build_gpt_model(hf_config, groups, calculate_per_token_loss=True)``); ``loss_fn`` returns Megatron's 3-tuple
+``(loss_sum, count, report)`` per micro-batch. In megatron-core (checked in 0.16.1,
+``pipeline_parallel/schedules.py`` and ``distributed/finalize_model_grads.py``):
+
+1. ``forward_step_calc_loss`` leaves ``loss_sum`` unscaled (no division by ``count`` or by the number of
+   micro-batches when ``calculate_per_token_loss``), so each micro-batch's backward adds ``d loss_sum / d theta``
+   into the fp32 ``main_grad`` buffers, and the schedule sums the counts: ``total = sum_mb count_mb`` (on the last
+   pipeline stage; 0 elsewhere).
+2. ``DistributedDataParallel`` uses ``gradient_scaling_factor = 1`` under ``calculate_per_token_loss``: the DP
+   all-reduce in ``finish_grad_sync`` *sums* the gradients over data-parallel ranks (no averaging).
+3. ``finalize_model_grads(model, total)`` broadcasts ``total`` from the last pipeline stage over the PP group,
+   all-reduces it (sum) over the DP(xCP) group, and scales every gradient by ``1 / N``.
+
+So the optimizer sees ``grad = sum_{dp} sum_{mb} d loss_sum / d theta / N`` with ``N = sum_{dp} sum_{mb} count``:
+the gradient of ``(sum of the global batch's per-token losses) / (global token count)``, independent of how the
+batch is split into micro-batches and ranks. A ``loss_fn`` wanting another normaliser (e.g. per sequence) returns
+that unit as ``count``.
+
+Optimizer: Megatron's ``get_megatron_optimizer`` with ``optimizer="adam"`` and ``decoupled_weight_decay=True``
+(``torch.optim.AdamW`` without TE/Apex, the fused AdamW-mode Adam with them). Biases and 1-D parameters (norms) get
+no weight decay (Megatron's standard ``wd_mult=0`` groups; applied here because no Megatron scheduler runs).
+Learning rate: constant with a linear warm-up over ``lr_warmup_steps`` optimizer steps (skipped steps do not
+count), set on the parameter groups before each step.
+
+CPU (gloo) specifics: Megatron's gradient clipping asserts CUDA tensors, so with ``clip_grad > 0`` the step is
+done as Megatron's ``ChainedOptimizer.step`` does it (``prepare_grads``, ``get_grad_norm``, clip,
+``step_with_ready_grads``) with the clipping in plain torch. The distributed optimizer and the bf16
+mixed-precision wrapper are GPU only and refused on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel as DDP
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+
+from megatron_pacs.mcore.cpu_support import cuda_to_cpu
+from megatron_pacs.mcore.forward import LossFn, MicroBatch, run_schedule
+from megatron_pacs.mcore.parallel import ParallelGroups
+
+__all__ = ["LRSchedule", "OptimConfig", "StepResult", "build_trainable", "masked_sum_and_count", "train_step"]
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW (decoupled weight decay) through Megatron's optimizer; fp32 main params and gradients."""
+
+    lr: float
+    """Peak learning rate (reached after the warm-up, then constant)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay of matrices; biases and 1-D parameters (norms) get none."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
+    clip_grad: float = 0.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up (step k of the warm-up uses ``lr * (k + 1) / lr_warmup_steps``)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer; GPU only)."""
+    bf16: bool = False
+    """The model is bf16 (build it with ``dtype=torch.bfloat16``); fp32 main params in the optimizer (GPU only)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps={self.adam_eps} must be > 0")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad={self.clip_grad} must be >= 0 (0 turns clipping off)")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= 0")
+
+
+@dataclass
+class LRSchedule:
+    """Constant learning rate after a linear warm-up; counts the optimizer steps taken (checkpoint it)."""
+
+    lr: float
+    warmup_steps: int
+    num_steps: int = 0
+
+    def current_lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        if self.num_steps < self.warmup_steps:
+            return self.lr * (self.num_steps + 1) / self.warmup_steps
+        return self.lr
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.num_steps = int(state["num_steps"])
+
+
+@dataclass
+class StepResult:
+    """Outcome of :func:`train_step`.
+
+    Attributes:
+        skipped: True when some rank had a non-finite gradient and no rank stepped.
+        grad_norm: Global L2 norm of the gradient before clipping (NaN when skipped).
+        reports: ``loss_fn``'s report dicts, one per micro-batch (last pipeline stage only; ``[]`` elsewhere).
+        lr: The learning rate used (0 when skipped).
+    """
+
+    skipped: bool
+    grad_norm: float
+    reports: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    lr: float = 0.0
+
+
+def _on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def build_trainable(
+    models: list[torch.nn.Module], groups: ParallelGroups, cfg: OptimConfig
+) -> tuple[list[DDP], MegatronOptimizer]:
+    """Wrap model chunks in Megatron DDP and build the AdamW optimizer; wire the schedule hooks.
+
+    Sets on the chunks' ``TransformerConfig``: ``finalize_model_grads_func`` (DP gradient all-reduce, tied and
+    sequence-parallel gradient sync, division by the global count; with ``groups.pg_collection``),
+    ``no_sync_func`` and ``grad_scale_func``. The optimizer carries ``cfg`` as ``optimizer.pacs_config`` and its
+    :class:`LRSchedule` (save its ``state_dict`` with checkpoints) as ``optimizer.pacs_lr_schedule``.
+
+    Args:
+        models: Chunks from :func:`megatron_pacs.mcore.model.build_gpt_model`, built with
+            ``calculate_per_token_loss=True`` (see the module docstring).
+        groups: The parallel groups the chunks were built with.
+        cfg: Optimizer settings.
+
+    Returns:
+        ``(ddp_models, optimizer)``; the chunks' parameters are shared with ``models`` (updated in place).
+
+    Raises:
+        ValueError: for a model built without ``calculate_per_token_loss``, a dtype that disagrees with
+            ``cfg.bf16``, or GPU-only options on CPU.
+    """
+    tcfg = models[0].config
+    if not tcfg.calculate_per_token_loss:
+        raise ValueError(
+            "the model was built with calculate_per_token_loss=False; build it with "
+            "build_gpt_model(hf_config, groups, calculate_per_token_loss=True) so the loss is sum / global count"
+        )
+    if bool(tcfg.bf16) != cfg.bf16:
+        raise ValueError(f"bf16={cfg.bf16} but the model's bf16={tcfg.bf16}; build the model with the matching dtype")
+    if _on_cpu() and cfg.use_distributed_optimizer:
+        raise ValueError("use_distributed_optimizer=True needs CUDA (Megatron's distributed optimizer); set it False")
+    if _on_cpu() and cfg.bf16:
+        raise ValueError("bf16=True needs CUDA (Megatron's mixed-precision optimizer checks CUDA types); use fp32")
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.use_distributed_optimizer
+    )
+    opt_cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        decoupled_weight_decay=True,
+        clip_grad=0.0 if _on_cpu() else cfg.clip_grad,  # CPU: clipped in train_step (Megatron's asserts CUDA)
+        bf16=cfg.bf16,
+        fp16=False,
+        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+    )
+    with cuda_to_cpu():
+        ddp_models = [
+            DDP(tcfg, ddp_cfg, m, disable_bucketing=i > 0, pg_collection=groups.pg_collection)
+            for i, m in enumerate(models)
+        ]
+        optimizer = get_megatron_optimizer(
+            opt_cfg, ddp_models, use_gloo_process_groups=False, pg_collection=groups.pg_collection
+        )
+    pg_collection = groups.pg_collection
+
+    def finalize(model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None, **kwargs: Any) -> None:
+        # The schedule passes the groups it resolved itself; use this model's groups instead.
+        kwargs["pg_collection"] = pg_collection
+        finalize_model_grads(model_chunks, num_tokens, **kwargs)
+
+    no_sync = [m.no_sync for m in ddp_models]
+    for chunk_config in {id(m.config): m.config for m in ddp_models}.values():
+        chunk_config.finalize_model_grads_func = finalize
+        chunk_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        chunk_config.grad_scale_func = optimizer.scale_loss
+    optimizer.pacs_lr_schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.lr_warmup_steps)
+    optimizer.pacs_config = cfg
+    return ddp_models, optimizer
+
+
+def _params(ddp_models: list[DDP]) -> list[torch.nn.Parameter]:
+    return [p for m in ddp_models for p in m.module.parameters() if p.requires_grad]
+
+
+def _zero_grads(ddp_models: list[DDP], optimizer: MegatronOptimizer) -> None:
+    for m in ddp_models:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def _any_nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """``[]`` float: 1.0 if some local ``main_grad`` holds NaN or inf, else 0.0 (one host sync, by the caller)."""
+    device = params[0].main_grad.device if params else torch.device("cpu")
+    bad = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        g = getattr(p, "main_grad", None)
+        if g is not None:
+            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+    return bad
+
+
+def _set_lr(optimizer: MegatronOptimizer, lr: float, peak_lr: float, weight_decay: float) -> None:
+    for group in optimizer.param_groups:
+        # Groups with their own peak (Megatron's decoupled_lr) follow the same schedule shape.
+        group["lr"] = lr * group.get("max_lr", peak_lr) / peak_lr
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
+def _step_with_torch_clip(optimizer: MegatronOptimizer, clip_grad: float) -> tuple[bool, float]:
+    """Megatron's ``ChainedOptimizer.step`` with the clipping done in plain torch (works on CPU tensors)."""
+    if optimizer.prepare_grads():
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm())
+    coeff = clip_grad / (grad_norm + 1.0e-6)
+    if coeff < 1.0:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(coeff)
+    return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+def train_step(
+    ddp_models: list[DDP],
+    optimizer: MegatronOptimizer,
+    groups: ParallelGroups,
+    micro_batches: list[MicroBatch],
+    loss_fn: LossFn,
+    *,
+    world_group: dist.ProcessGroup | None = None,
+    inject_nan: bool = False,
+) -> StepResult:
+    """One optimizer step over ``micro_batches`` (this rank's share of the global batch). Collective.
+
+    Zeroes the gradient buffers, runs Megatron's forward-backward schedule (``loss_fn`` in the 3-tuple
+    convention; normalisation in the module docstring), then checks every rank's ``main_grad`` for NaN/inf and
+    all-reduces the verdict over ``world_group``: if any rank is bad, no rank steps (gradients are zeroed, the
+    warm-up counter does not advance) and ``skipped=True``.
+
+    Args:
+        ddp_models: From :func:`build_trainable`.
+        optimizer: From :func:`build_trainable`.
+        groups: Parallel groups (the micro-batches must have one shape across the pipeline).
+        micro_batches: This rank's micro-batches, each ``tokens [b, L]``.
+        loss_fn: ``(logits_shard [b, L, Vp], micro_batch) -> (loss_sum, count, report)``.
+        world_group: Group over which all ranks agree on skipping; None means ``torch.distributed.group.WORLD``
+            (``ParallelGroups`` has no world group: every rank of the job must call this together).
+        inject_nan: Test hook: write NaN into this rank's first parameter's ``main_grad`` before the check.
+
+    Returns:
+        The step's :class:`StepResult`.
+    """
+    del groups  # the schedule and the finalize hook carry the groups (see build_trainable)
+    schedule: LRSchedule = optimizer.pacs_lr_schedule
+    for m in ddp_models:
+        m.train()
+    _zero_grads(ddp_models, optimizer)
+    reports = run_schedule(ddp_models, micro_batches, loss_fn, forward_only=False)
+    params = _params(ddp_models)
+    if inject_nan:
+        params[0].main_grad.view(-1)[0] = float("nan")
+    bad = _any_nonfinite(params)
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=world_group)
+    if bad.item() > 0:
+        _zero_grads(ddp_models, optimizer)
+        return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)
+    lr = schedule.current_lr()
+    cfg: OptimConfig = optimizer.pacs_config
+    _set_lr(optimizer, lr, cfg.lr, cfg.weight_decay)
+    clip = cfg.clip_grad
+    with cuda_to_cpu():
+        if clip > 0 and _on_cpu():
+            ok, grad_norm = _step_with_torch_clip(optimizer, clip)
+        else:
+            ok, norm, _ = optimizer.step()
+            grad_norm = float(optimizer.get_grad_norm() if norm is None else norm)
+    if not ok:  # a loss scaler found inf (fp16): Megatron skipped the update on every rank
+        _zero_grads(ddp_models, optimizer)
+        return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)
+    schedule.num_steps += 1
+    return StepResult(skipped=False, grad_norm=grad_norm if math.isfinite(grad_norm) else float("nan"),
+                      reports=reports, lr=lr)  # fmt: skip
+
+
+def masked_sum_and_count(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of values where mask, int count)`` for the 3-tuple convention (``values``, ``mask`` ``[b, T]``)."""
+    mask = mask.to(values.device)
+    return torch.where(mask, values, torch.zeros_like(values)).sum(), mask.sum().to(torch.int)

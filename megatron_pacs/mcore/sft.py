@@ -1,0 +1,167 @@
+"""Supervised warm-up of a Hugging Face checkpoint through the Megatron training stack, exported back to HF.
+
+Used by the embedded CPU demo to turn a random tiny model into one that answers in the reward's format before RL.
+The path is the trainer's own: :func:`build_gpt_model` -> :func:`load_hf_weights` -> :func:`build_trainable` ->
+:func:`train_step` (Megatron's schedule, vocab-parallel log-probs) -> :func:`export_hf_weights` ->
+:func:`save_hf_checkpoint`. Any TP / PP / DP layout works; a single gloo process is the usual case.
+
+Loss: mean negative log-likelihood of the response tokens (the response and its closing ``<|im_end|>``), over the
+global batch: per-token sums with the token count as Megatron's ``count`` (see :mod:`megatron_pacs.mcore.optim`).
+
+Shapes: N rows, L padded length, B global batch, b micro-batch.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_pacs.data.prompts import apply_chat_template, build_messages
+from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
+from megatron_pacs.mcore.forward import MicroBatch, make_micro_batches, model_token_logprobs
+from megatron_pacs.mcore.model import build_gpt_model
+from megatron_pacs.mcore.optim import OptimConfig, build_trainable, masked_sum_and_count, train_step
+from megatron_pacs.mcore.parallel import ParallelGroups
+from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
+
+__all__ = ["encode_sft_rows", "sft_warmup"]
+
+
+def encode_sft_rows(tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chat-template prompts followed by their target responses and EOS, right-padded.
+
+    Args:
+        tokenizer: A tokenizer with a chat template, ``eos_token_id`` and ``pad_token_id``.
+        rows: Dicts with ``problem`` (the question) and ``response`` (the target text).
+
+    Returns:
+        ``tokens [N, L]`` and ``score_mask [N, L]`` (True at the response tokens and the EOS).
+    """
+    if not rows:
+        raise ValueError("rows is empty; pass at least one {'problem', 'response'} row")
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer needs eos_token and pad_token set")
+    seqs, masks = [], []
+    for i, row in enumerate(rows):
+        if "response" not in row or "problem" not in row:
+            raise ValueError(f"rows[{i}] needs 'problem' and 'response' keys (e.g. demo_task.sft_response(row))")
+        prompt = apply_chat_template(tokenizer, build_messages(row["problem"]))
+        response = list(tokenizer(row["response"], add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        seqs.append(prompt + response)
+        masks.append([False] * len(prompt) + [True] * len(response))
+    length = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), length), tokenizer.pad_token_id, dtype=torch.long)
+    score_mask = torch.zeros(len(seqs), length, dtype=torch.bool)
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        tokens[i, : len(s)] = torch.tensor(s)
+        score_mask[i, : len(m)] = torch.tensor(m)
+    return tokens, score_mask
+
+
+def _nll_loss_fn(tp_group: dist.ProcessGroup):
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+        token_logp = model_token_logprobs(logits, mb, tp_group)  # [b, L - 1]
+        loss_sum, count = masked_sum_and_count(-token_logp, mb.score_mask[:, 1:])
+        return loss_sum, count, {"nll": torch.stack([loss_sum.detach(), count.detach().float()])}
+
+    return loss_fn
+
+
+def _global_mean_loss(reports: list[dict[str, torch.Tensor]], groups: ParallelGroups) -> float:
+    """Token-mean loss of the global batch, the same on every rank."""
+    total = torch.zeros(2, dtype=torch.float64)
+    if groups.is_last_stage:
+        for r in reports:
+            total += r["nll"].double().cpu()
+    if groups.dp_size > 1:
+        dist.all_reduce(total, group=groups.dp_group)
+    if groups.pp_size > 1:
+        dist.broadcast(total, src=groups.last_stage_global_rank, group=groups.pp_group)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def _batches(num_rows: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """Row indices per step: shuffled epochs, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    need = steps * batch_size
+    order = torch.cat([torch.randperm(num_rows, generator=gen) for _ in range(-(-need // num_rows))])
+    return list(order[:need].view(steps, batch_size))
+
+
+def sft_warmup(
+    hf_dir_in: str | Path,
+    hf_dir_out: str | Path,
+    rows: list[dict[str, Any]],
+    *,
+    steps: int,
+    lr: float,
+    micro_batch_size: int,
+    seed: int,
+    groups: ParallelGroups,
+    batch_size: int | None = None,
+    weight_decay: float = 0.0,
+    lr_warmup_steps: int = 0,
+) -> dict[str, Any]:
+    """Fine-tune ``hf_dir_in`` on ``rows`` (prompt with the PACS instruction -> target response); save to ``hf_dir_out``.
+
+    Collective over all ranks of ``groups``. The output directory holds the trained safetensors, the input's
+    config and tokenizer files (replaced if it exists).
+
+    Args:
+        hf_dir_in: Hugging Face model directory with tokenizer.
+        hf_dir_out: Output directory.
+        rows: ``{"problem", "response"}`` dicts.
+        steps: Optimizer steps.
+        lr: Peak AdamW learning rate.
+        micro_batch_size: Rows per micro-batch.
+        seed: Data order seed.
+        groups: From :func:`megatron_pacs.mcore.parallel.init_parallel`.
+        batch_size: Global rows per step (default ``micro_batch_size * dp_size``); a multiple of
+            ``micro_batch_size * dp_size``.
+        weight_decay: AdamW decoupled weight decay.
+        lr_warmup_steps: Linear warm-up steps.
+
+    Returns:
+        ``{"loss": [per-step token-mean NLL], "first_loss", "final_loss", "steps", "skipped_steps", "time_s"}``.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    per_step = micro_batch_size * groups.dp_size
+    batch_size = per_step if batch_size is None else batch_size
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    if micro_batch_size < 1 or batch_size % per_step:
+        raise ValueError(
+            f"batch_size={batch_size} must be a positive multiple of micro_batch_size * dp_size = {per_step}"
+        )
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir_in)
+    hf_config = AutoConfig.from_pretrained(hf_dir_in)
+    tokens, score_mask = encode_sft_rows(tokenizer, rows)
+    models = build_gpt_model(hf_config, groups, calculate_per_token_loss=True)
+    load_hf_weights(models, str(hf_dir_in), groups, hf_config)
+    cfg = OptimConfig(lr=lr, weight_decay=weight_decay, lr_warmup_steps=lr_warmup_steps)
+    ddp_models, optimizer = build_trainable(models, groups, cfg)
+    loss_fn = _nll_loss_fn(groups.tp_group)
+    local = batch_size // groups.dp_size
+    losses, skipped = [], 0
+    for idx in _batches(len(rows), batch_size, steps, seed):
+        mine = idx[groups.dp_rank * local : (groups.dp_rank + 1) * local]
+        length = int(score_mask[mine].any(0).nonzero().max()) + 1  # responses end their rows
+        micro_batches = make_micro_batches(tokens[mine, :length], score_mask[mine, :length], micro_batch_size)
+        result = train_step(ddp_models, optimizer, groups, micro_batches, loss_fn)
+        skipped += int(result.skipped)
+        losses.append(_global_mean_loss(result.reports, groups))
+    for m in models:
+        m.eval()
+    if dist.get_rank() == 0:
+        Path(hf_dir_out).parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    save_hf_checkpoint(export_hf_weights(models, groups, hf_config), hf_dir_out, side_files_from=hf_dir_in,
+                       progress=False)  # fmt: skip
+    return {"loss": losses, "first_loss": losses[0], "final_loss": losses[-1], "steps": steps,
+            "skipped_steps": skipped, "time_s": time.perf_counter() - start}  # fmt: skip
