@@ -250,7 +250,11 @@ class RunConfig:
     save_hf: bool = False
     """Also write a Hugging Face directory beside every checkpoint."""
     eval_interval: int = 0
-    """Steps between validations (0: off)."""
+    """Steps between validations (0: off); validation also runs before the first step and after the last."""
+    val_temperature: float = 0.0
+    """Validation sampling temperature: 0 is greedy (the reference); > 0 samples (with --top-p)."""
+    val_n: int = 1
+    """Validation samples per problem (> 1 needs --val-temperature > 0)."""
     log_dir: str = "runs/default"
     """Metrics, TensorBoard, rollout dumps."""
     wandb_project: str | None = None
@@ -271,6 +275,8 @@ class RunConfig:
             raise _bad("train_iters", "must be >= 1")
         if self.keep_last < 1:
             raise _bad("keep_last", "keep at least one checkpoint")
+        if self.val_n < 1 or (self.val_n > 1 and self.val_temperature == 0):
+            raise _bad("val_n", "use 1 for greedy validation, or set --val-temperature > 0 to sample several")
         if self.save_interval < 0 or self.eval_interval < 0:
             raise _bad("save_interval" if self.save_interval < 0 else "eval_interval", "must be >= 0")
 

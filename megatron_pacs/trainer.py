@@ -89,9 +89,14 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
-    def fit(self, loader: PromptLoader, start_step: int = 0) -> list[dict[str, float]]:
-        """Run steps ``start_step + 1 .. --train-iters``; returns every step's metrics (on every rank)."""
+    def fit(self, loader: PromptLoader) -> list[dict[str, float]]:
+        """Resume if ``--load`` holds a checkpoint, then run the remaining steps up to ``--train-iters``.
+
+        Returns:
+            Every step's metrics of this run (on every rank).
+        """
         cfg = self.cfg
+        start_step = self.resume(loader) if cfg.run.load else 0
         self.writer = MetricsWriter(self.log_dir, enabled=self.driver, wandb_project=cfg.run.wandb_project,
                                     wandb_name=cfg.run.wandb_exp_name, config=cfg.to_dict(),
                                     total_steps=cfg.run.train_iters, start_step=start_step)  # fmt: skip
@@ -106,6 +111,9 @@ class Trainer:
                 metrics.update(self.validate())
             self.writer.log(step, metrics)
             history.append(metrics)
+            last = step == cfg.run.train_iters
+            if cfg.run.save and ((cfg.run.save_interval and step % cfg.run.save_interval == 0) or last):
+                self.save(step, loader)
             if self.driver:
                 bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', float('nan')):.3f}")
         return history
@@ -164,19 +172,22 @@ class Trainer:
         return float(diff[0])
 
     def validate(self) -> dict[str, float]:
-        """Greedy mean reward per validation source (driver only; the others return {})."""
+        """Mean reward per validation source, greedy by default (driver only; the others return {})."""
         if not self.driver or not self.val_rows:
             return {}
         from megatron_pacs.rollout.types import SamplingConfig
 
         started = time.perf_counter()
-        sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=self.cfg.batch.max_response_length,
+        run = self.cfg.run
+        sampling = SamplingConfig(n=run.val_n, temperature=run.val_temperature, top_p=self.cfg.rollout.top_p,
+                                  max_tokens=self.cfg.batch.max_response_length, seed=run.seed,
                                   stop_token_ids=[self.tokenizer.eos_token_id], logprobs=False)  # fmt: skip
         out = {}
         for source, rows in self.val_rows.items():
             prompts = [apply_chat_template(self.tokenizer, r.prompt) for r in rows]
             groups = self.fleet.generate(prompts, sampling)
-            scored = self.scorer.score([g.responses[0].text for g in groups], [r.ground_truth for r in rows])
+            texts = [resp.text for g in groups for resp in g.responses]
+            scored = self.scorer.score(texts, [r.ground_truth for r in rows for _ in range(run.val_n)])
             out[f"val/{source}/reward_mean"] = sum(scored.scores) / max(1, len(scored.scores))
         out["perf/time/validate"] = time.perf_counter() - started
         return out
@@ -187,6 +198,40 @@ class Trainer:
         with open(folder / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
             for rec in rollouts.records:
                 f.write(json.dumps(rec) + "\n")
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+
+    def save(self, step: int, loader: PromptLoader) -> Path:
+        """Model + optimizer + RNG + step + data position (+ a HF directory with ``--save-hf``). Collective."""
+        from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
+        from megatron_pacs.mcore.train_checkpoint import save_training_checkpoint
+
+        with self.timer.phase("save"):
+            meta = {"loader": loader.state_dict(), "lr_schedule": self.actor.optimizer.pacs_lr_schedule.state_dict(),
+                    "config": self.cfg.to_dict()}  # fmt: skip
+            path = save_training_checkpoint(self.cfg.run.save, step, self.actor.ddp_models, self.actor.optimizer,
+                                            meta, keep_last=self.cfg.run.keep_last)  # fmt: skip
+            if self.cfg.run.save_hf:
+                save_hf_checkpoint(self.actor.export_hf_weights(), path / "hf", side_files_from=self.cfg.model.hf_model,
+                                   progress=False)  # fmt: skip
+        return path
+
+    def resume(self, loader: PromptLoader) -> int:
+        """Load the newest complete checkpoint under ``--load`` (resharded to this layout) and push its weights
+        into the fleet; returns its step (0 when there is none yet: a fresh start from ``--hf-model``)."""
+        from megatron_pacs.mcore.checkpoint import META_FILE
+        from megatron_pacs.mcore.train_checkpoint import find_latest_checkpoint, load_training_checkpoint
+
+        root = Path(self.cfg.run.load)
+        ckpt = root if (root / META_FILE).is_file() else find_latest_checkpoint(root)
+        if ckpt is None:
+            log.info("--load %s holds no complete checkpoint yet: starting from --hf-model", root)
+            return 0
+        meta = load_training_checkpoint(ckpt, self.actor.ddp_models, self.actor.optimizer)
+        loader.load_state_dict(meta["loader"])
+        self.actor.optimizer.pacs_lr_schedule.load_state_dict(meta["lr_schedule"])
+        self.sync_weights()
+        return int(meta["step"])
 
     # -- teardown ----------------------------------------------------------------------------------------------
 

@@ -1,0 +1,160 @@
+"""Training checkpoints: model + optimizer (Megatron distributed checkpointing, any layout in or out), RNG states,
+step, data position and config; written to a temporary folder and renamed into place only when complete.
+
+Layout under ``--save``::
+
+    iter_0000020/            a complete checkpoint (megatron_pacs.json written last, then the folder renamed)
+    .iter_0000040.tmp-XXXX/  an interrupted write: never loaded, removed by the next save
+    latest                   the newest complete step (a hint; the folders themselves are the truth)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_pacs.mcore.checkpoint import META_FILE
+from megatron_pacs.mcore.cpu_support import cuda_to_cpu
+from megatron_pacs.utils.logging import get_logger
+
+__all__ = ["find_latest_checkpoint", "load_training_checkpoint", "save_training_checkpoint"]
+
+log = get_logger("checkpoint")
+
+_ITER = re.compile(r"^iter_(\d{7})$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sharded(models: list[torch.nn.Module], optimizer: Any, is_loading: bool) -> dict[str, Any]:
+    model_sd: dict[str, Any] = {}
+    for i, m in enumerate(models):
+        inner = getattr(m, "module", m)  # DDP wraps the GPTModel
+        model_sd["model" if len(models) == 1 else f"model{i}"] = inner.sharded_state_dict()
+    merged = {k: v for sd in model_sd.values() for k, v in sd.items()}
+    state = dict(model_sd)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading)
+    return state
+
+
+def checkpoint_dir(save: str | os.PathLike, step: int) -> Path:
+    return Path(save) / f"iter_{step:07d}"
+
+
+def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root`` (a folder with its metadata file), or None.
+
+    Temporary folders of interrupted writes and folders without metadata are ignored.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if _ITER.match(p.name) and (p / META_FILE).is_file()]
+    return max(done, key=lambda p: int(_ITER.match(p.name).group(1))) if done else None
+
+
+def save_training_checkpoint(
+    save: str | os.PathLike, step: int, models: list[torch.nn.Module], optimizer: Any, metadata: dict[str, Any],
+    *, keep_last: int = 2,
+) -> Path:  # fmt: skip
+    """Write ``save/iter_<step>`` atomically (collective: every rank calls it).
+
+    Args:
+        save: Checkpoint root.
+        step: The training step just completed.
+        models: This rank's (DDP-wrapped) chunks.
+        optimizer: The Megatron optimizer (its state is sharded like the model).
+        metadata: JSON-able run state (step, data position, LR schedule, config); written last by rank 0.
+        keep_last: Complete checkpoints to keep (older ones are deleted after this one is in place).
+    """
+    final = checkpoint_dir(save, step)
+    tmp = None
+    if _rank() == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob(".iter_*.tmp-*"):  # interrupted writes of earlier runs
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    box = [tmp]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    tmp = box[0]
+    with cuda_to_cpu():
+        dist_checkpointing.save(_sharded(models, optimizer, is_loading=False), tmp)
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}  # fmt: skip
+    torch.save(rng, os.path.join(tmp, f"rng_rank{_rank():05d}.pt"))
+    _barrier()
+    if _rank() == 0:
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump({**metadata, "step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+                      f, indent=2, default=str)  # fmt: skip
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        (final.parent / "latest").write_text(f"{step}\n")
+        complete = sorted((p for p in final.parent.iterdir() if _ITER.match(p.name) and (p / META_FILE).is_file()),
+                          key=lambda p: p.name)  # fmt: skip
+        for old in complete[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_training_checkpoint(ckpt: str | os.PathLike, models: list[torch.nn.Module], optimizer: Any) -> dict:
+    """Load model and optimizer state (resharded to this run's layout) and this rank's RNG state.
+
+    Returns:
+        The checkpoint's metadata.
+
+    Raises:
+        ValueError: when the folder is not a complete checkpoint or does not fit the model.
+    """
+    ckpt = Path(ckpt)
+    meta_path = ckpt / META_FILE
+    if not meta_path.is_file():
+        raise ValueError(f"--load: {ckpt} is not a complete checkpoint (no {META_FILE}); it may be an interrupted "
+                         "write: point --load at the checkpoint root to take the newest complete one")  # fmt: skip
+    metadata = json.loads(meta_path.read_text())
+    sharded = _sharded(models, optimizer, is_loading=True)
+    try:
+        with cuda_to_cpu():
+            state = dist_checkpointing.load(sharded, str(ckpt))
+    except Exception as exc:  # noqa: BLE001 - Megatron raises several types here
+        raise ValueError(f"--load: {ckpt} does not fit this model: {type(exc).__name__}: {exc}") from None
+    for i, m in enumerate(models):
+        inner = getattr(m, "module", m)
+        key = "model" if len(models) == 1 else f"model{i}"
+        missing, unexpected = inner.load_state_dict(state[key], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"--load: {ckpt}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if optimizer is not None:
+        with cuda_to_cpu():
+            optimizer.load_state_dict(state["optimizer"])
+    rng_file = ckpt / f"rng_rank{_rank():05d}.pt"
+    if rng_file.is_file() and metadata.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
+        rng = torch.load(rng_file, weights_only=False)
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    log.info("resumed from %s (step %s)", ckpt, metadata.get("step"))
+    return metadata

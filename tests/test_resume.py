@@ -1,0 +1,106 @@
+"""Checkpoints through the real trainer (fleet, scorer, Megatron; fp32 on CPU).
+
+4 steps straight == 2 steps + resume + 2 steps, bitwise; an interrupted checkpoint is ignored on resume; a run
+saved at TP=2 resumes at TP=1; the ``--save-hf`` directory loads in transformers and holds exactly the
+checkpoint's weights (checked against tools/convert_checkpoint.py mcore-to-hf).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from megatron_pacs.demo_task import make_problems
+    from megatron_pacs.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
+
+    root = tmp_path_factory.mktemp("resume")
+    tok = build_tokenizer(vocab_size=512)
+    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=128, heads=4, kv_heads=2, tied=False)
+    build_tiny_model(str(root / "model"), cfg, seed=0, tokenizer=tok, scale=3.0)
+    with open(root / "train.jsonl", "w") as f:
+        for row in make_problems(32, seed=0, split="train"):
+            f.write(json.dumps(row) + "\n")
+    return root
+
+
+def _train(root, name, *extra, world=1):
+    flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), "--global-batch-size", "4",
+             "--ppo-mini-batch-size", "2", "--group-size", "4", "--micro-batch-size", "8",
+             "--max-response-length", "12", "--max-prompt-length", "96", "--lr", "1e-3", "--reward-workers", "1",
+             "--log-dir", str(root / name), *extra]  # fmt: skip
+    launcher = [sys.executable, "-m", "megatron_pacs.train"]
+    if world > 1:
+        from megatron_pacs.mcore.launch import free_port
+
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                    f"--master-port={free_port()}", "-m", "megatron_pacs.train"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([*launcher, *flags], capture_output=True, text=True, timeout=900, env=env, cwd=root)
+    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    return [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_resume_equals_continuous_and_ignores_interrupted_writes(setup):
+    root = setup
+    _train(root, "straight", "--train-iters", "4", "--save", str(root / "ckpt_a"), "--save-hf")
+    _train(root, "split", "--train-iters", "2", "--save", str(root / "ckpt_b"), "--save-interval", "2")
+    # A write killed half-way (temporary folder) and a folder without metadata must both be ignored.
+    (root / "ckpt_b" / ".iter_0000003.tmp-crash").mkdir()
+    (root / "ckpt_b" / "iter_0000003").mkdir()
+    (root / "ckpt_b" / "iter_0000003" / "__0_0.distcp").write_bytes(b"partial")
+    history = _train(root, "split", "--train-iters", "4", "--save", str(root / "ckpt_b"), "--load",
+                     str(root / "ckpt_b"), "--save-hf")  # fmt: skip
+    assert [m["step"] for m in history][-2:] == [3, 4]
+    a = _weights(root / "ckpt_a" / "iter_0000004" / "hf")
+    b = _weights(root / "ckpt_b" / "iter_0000004" / "hf")
+    initial = _weights(root / "model")
+    assert max((a[k] - initial[k]).abs().max().item() for k in a) > 1e-4  # training moved the weights
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    assert not (root / "ckpt_b" / ".iter_0000003.tmp-crash").exists()  # cleaned by the next save
+
+
+def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup):
+    from transformers import AutoModelForCausalLM
+
+    root = setup
+    ckpt = root / "ckpt_a" / "iter_0000004"
+    out = root / "converted"
+    cmd = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "mcore-to-hf", "--load", str(ckpt),
+           "--hf-config", str(root / "model"), "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    saved, converted = _weights(ckpt / "hf"), _weights(out)
+    assert set(saved) == set(converted)
+    assert all(torch.equal(saved[k], converted[k]) for k in saved)
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt / "hf"), dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 30, 60, 7]])
+    ref = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_checkpoint_saved_at_tp2_resumes_at_tp1(setup):
+    root = setup
+    _train(root, "tp2", "--train-iters", "2", "--save", str(root / "ckpt_tp2"), "--tensor-model-parallel-size", "2",
+           world=2)  # fmt: skip
+    history = _train(root, "tp2", "--train-iters", "3", "--save", str(root / "ckpt_tp2"), "--load",
+                     str(root / "ckpt_tp2"))  # fmt: skip
+    assert history[-1]["step"] == 3 and history[-1]["train/skipped_steps"] == 0.0
+    meta = json.loads((root / "ckpt_tp2" / "iter_0000003" / "megatron_pacs.json").read_text())
+    assert meta["step"] == 3 and meta["world_size"] == 1 and meta["loader"]["position"] == 12
