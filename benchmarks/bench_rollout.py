@@ -96,7 +96,6 @@ def main() -> None:
     disk_s = _timed(via_disk, args.repeats)
     inproc_s = _timed(lambda: engine.update_weights(state_b, bucket_bytes=64 << 20), args.repeats)
     engine.shutdown()
-    del engine
 
     from megatron_pacs.rollout.fleet import FleetConfig, RolloutFleet
 
@@ -108,10 +107,17 @@ def main() -> None:
     finally:
         fleet.shutdown()
 
-    rows.append(("generation tok/s (1 engine, n=%d, %d new tokens)" % (args.n, args.max_tokens),
-                 f"in-process: {local_tps:,.0f}", f"Ray actor: {ray_tps:,.0f}", f"{ray_tps / local_tps:.2f}x"))
-    rows.append((f"weight sync s/MB ({megabytes:.1f} MB, fp32)", f"disk reload: {disk_s / megabytes * 1e3:.2f} ms/MB",
-                 f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB", f"{disk_s / fleet_s:.2f}x faster"))
+    rows.append(
+        (
+            f"generation tok/s (1 engine, n={args.n}, {args.max_tokens} new tokens)",
+            f"in-process: {local_tps:,.0f}",
+            f"Ray actor: {ray_tps:,.0f}",
+            f"{ray_tps / local_tps:.2f}x",
+        )
+    )
+    rows.append((f"weight sync ({megabytes:.1f} MB, fp32)", f"disk reload: {disk_s / megabytes * 1e3:.2f} ms/MB",
+                 f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB",
+                 f"{disk_s / fleet_s:.2f}x faster"))  # fmt: skip
     rows.append(("weight sync, Ray overhead", f"in-process push: {inproc_s / megabytes * 1e3:.2f} ms/MB",
                  f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB", f"{fleet_s / inproc_s:.2f}x"))  # fmt: skip
     print(f"\nbench_rollout: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {args.prompts} prompts")
