@@ -119,7 +119,8 @@ def main() -> None:
                  f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB",
                  f"{disk_s / fleet_s:.2f}x faster"))  # fmt: skip
     rows.append(("weight sync, Ray overhead", f"in-process push: {inproc_s / megabytes * 1e3:.2f} ms/MB",
-                 f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB", f"{fleet_s / inproc_s:.2f}x"))  # fmt: skip
+                 f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB",
+                 f"{fleet_s / inproc_s:.2f}x"))  # fmt: skip
     print(f"\nbench_rollout: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {args.prompts} prompts")
     print("| measurement | baseline (same run) | ours | ratio |\n|---|---|---|---|")
     for r in rows:

@@ -34,12 +34,12 @@ SOURCE = "megatron_pacs demo: synthetic arithmetic"
 SPLITS = ("train", "val")
 VAL_FRACTION = 0.2
 
-# name -> (weight, operator, a range, b range). Addition and subtraction of two-digit numbers are the bulk; the
-# one-digit by two-digit products are harder for a small model and leave the RL stage headroom.
+# name -> (weight, operator, a range, b range): a two-digit number plus or minus a one-digit number. Small enough
+# for a 2-layer, 64-wide model to learn on two CPU cores in about a minute, and compositional (a units-digit fact
+# plus a carry or borrow), so held-out problems are solvable from the training ones.
 OPERATIONS: dict[str, tuple[float, str, tuple[int, int], tuple[int, int]]] = {
-    "add": (0.4, "+", (10, 99), (10, 99)),
-    "sub": (0.3, "-", (10, 99), (10, 99)),
-    "mul": (0.3, "*", (2, 9), (10, 99)),
+    "add": (0.5, "+", (10, 99), (1, 9)),
+    "sub": (0.5, "-", (10, 99), (1, 9)),
 }
 _PROBLEM_RE = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\?$")
 

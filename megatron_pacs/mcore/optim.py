@@ -22,8 +22,8 @@ that unit as ``count``.
 Optimizer: Megatron's ``get_megatron_optimizer`` with ``optimizer="adam"`` and ``decoupled_weight_decay=True``
 (``torch.optim.AdamW`` without TE/Apex, the fused AdamW-mode Adam with them). Biases and 1-D parameters (norms) get
 no weight decay (Megatron's standard ``wd_mult=0`` groups; applied here because no Megatron scheduler runs).
-Learning rate: constant with a linear warm-up over ``lr_warmup_steps`` optimizer steps (skipped steps do not
-count), set on the parameter groups before each step.
+Learning rate: a linear warm-up over ``lr_warmup_steps`` optimizer steps (skipped steps do not count), then
+constant (or a linear decay over ``lr_decay_steps``), set on the parameter groups before each step.
 
 CPU (gloo) specifics: Megatron's gradient clipping asserts CUDA tensors, so with ``clip_grad > 0`` the step is
 done as Megatron's ``ChainedOptimizer.step`` does it (``prepare_grads``, ``get_grad_norm``, clip,
@@ -68,6 +68,8 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 turns clipping off."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warm-up (step k of the warm-up uses ``lr * (k + 1) / lr_warmup_steps``)."""
+    lr_decay_steps: int = 0
+    """After the warm-up, decay linearly towards 0 over this many steps (0: constant, as PACS and GRPO use)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer; GPU only)."""
     bf16: bool = False
@@ -85,22 +87,26 @@ class OptimConfig:
             raise ValueError(f"adam_eps={self.adam_eps} must be > 0")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad={self.clip_grad} must be >= 0 (0 turns clipping off)")
-        if self.lr_warmup_steps < 0:
-            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= 0")
+        for name in ("lr_warmup_steps", "lr_decay_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
 
 @dataclass
 class LRSchedule:
-    """Constant learning rate after a linear warm-up; counts the optimizer steps taken (checkpoint it)."""
+    """Linear warm-up, then constant (or a linear decay); counts the optimizer steps taken (checkpoint it)."""
 
     lr: float
     warmup_steps: int
+    decay_steps: int = 0
     num_steps: int = 0
 
     def current_lr(self) -> float:
         """The learning rate of the next optimizer step."""
         if self.num_steps < self.warmup_steps:
             return self.lr * (self.num_steps + 1) / self.warmup_steps
+        if self.decay_steps:
+            return self.lr * max(0.0, 1.0 - (self.num_steps - self.warmup_steps) / self.decay_steps)
         return self.lr
 
     def state_dict(self) -> dict[str, int]:
@@ -204,7 +210,7 @@ def build_trainable(
         chunk_config.finalize_model_grads_func = finalize
         chunk_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         chunk_config.grad_scale_func = optimizer.scale_loss
-    optimizer.pacs_lr_schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.lr_warmup_steps)
+    optimizer.pacs_lr_schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
     optimizer.pacs_config = cfg
     return ddp_models, optimizer
 

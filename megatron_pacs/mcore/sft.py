@@ -50,7 +50,7 @@ def encode_sft_rows(tokenizer: Any, rows: list[dict[str, Any]]) -> tuple[torch.T
         if "response" not in row or "problem" not in row:
             raise ValueError(f"rows[{i}] needs 'problem' and 'response' keys (e.g. demo_task.sft_response(row))")
         prompt = apply_chat_template(tokenizer, build_messages(row["problem"]))
-        response = list(tokenizer(row["response"], add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        response = [*tokenizer(row["response"], add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
         seqs.append(prompt + response)
         masks.append([False] * len(prompt) + [True] * len(response))
     length = max(len(s) for s in seqs)
@@ -105,8 +105,9 @@ def sft_warmup(
     batch_size: int | None = None,
     weight_decay: float = 0.0,
     lr_warmup_steps: int = 0,
+    lr_decay: bool = True,
 ) -> dict[str, Any]:
-    """Fine-tune ``hf_dir_in`` on ``rows`` (prompt with the PACS instruction -> target response); save to ``hf_dir_out``.
+    """Fine-tune ``hf_dir_in`` on ``rows`` (PACS-instruction prompt -> target response), save to ``hf_dir_out``.
 
     Collective over all ranks of ``groups``. The output directory holds the trained safetensors, the input's
     config and tokenizer files (replaced if it exists).
@@ -124,6 +125,7 @@ def sft_warmup(
             ``micro_batch_size * dp_size``.
         weight_decay: AdamW decoupled weight decay.
         lr_warmup_steps: Linear warm-up steps.
+        lr_decay: Decay the learning rate linearly towards 0 after the warm-up (else constant).
 
     Returns:
         ``{"loss": [per-step token-mean NLL], "first_loss", "final_loss", "steps", "skipped_steps", "time_s"}``.
@@ -144,7 +146,8 @@ def sft_warmup(
     tokens, score_mask = encode_sft_rows(tokenizer, rows)
     models = build_gpt_model(hf_config, groups, calculate_per_token_loss=True)
     load_hf_weights(models, str(hf_dir_in), groups, hf_config)
-    cfg = OptimConfig(lr=lr, weight_decay=weight_decay, lr_warmup_steps=lr_warmup_steps)
+    decay_steps = max(steps - lr_warmup_steps, 1) if lr_decay else 0
+    cfg = OptimConfig(lr=lr, weight_decay=weight_decay, lr_warmup_steps=lr_warmup_steps, lr_decay_steps=decay_steps)
     ddp_models, optimizer = build_trainable(models, groups, cfg)
     loss_fn = _nll_loss_fn(groups.tp_group)
     local = batch_size // groups.dp_size
