@@ -176,7 +176,7 @@ class LossConfig:
     clip_ratio: float = 0.2
     """GRPO's PPO clip epsilon."""
     kl_coef: float = 0.0
-    """KL penalty to a frozen reference model (k3 estimator); a reference model is built only when > 0."""
+    """KL penalty to a frozen reference model; reserved: only 0 is accepted until the reference model lands."""
 
     def __post_init__(self) -> None:
         choices = {"loss": ("pacs", "grpo"), "pacs_score": ("log_ratio", "mean_logp"),
@@ -189,6 +189,9 @@ class LossConfig:
             raise _bad("pacs_beta", "must be > 0")
         if self.kl_coef < 0:
             raise _bad("kl_coef", "must be >= 0")
+        if self.kl_coef > 0:
+            raise _bad("kl_coef", "the reference-model KL term is not implemented yet; use 0 (the PACS and GRPO "
+                                  "recipes of the paper use no KL)")  # fmt: skip
 
 
 @dataclass(kw_only=True)
