@@ -25,9 +25,7 @@ from megatron_pacs.utils.logging import get_logger
 
 log = get_logger("demo")
 
-# The demo's model and task (see megatron_pacs/demo_task.py): sized so the whole run fits a 2-core machine.
-MODEL = dict(vocab_size=1024, hidden=128, layers=2, heads=4, kv_heads=2)
-SFT = dict(num_rows=1500, correct_prob=0.3, steps=300, lr=3e-3, micro_batch_size=64)
+# The model, task and warm-up recipe live in megatron_pacs/demo_task.py (calibrated: T=1 accuracy ~0.3 after it).
 RL_FLAGS = [
     "--global-batch-size", "16", "--group-size", "8", "--ppo-mini-batch-size", "8", "--micro-batch-size", "64",
     "--max-prompt-length", "96", "--max-response-length", "24", "--lr", "2e-4", "--weight-decay", "0.0",
@@ -53,21 +51,22 @@ def warm_up(out: Path, seed: int) -> Path:
         log.info("demo: reusing the warmed-up model in %s", warm)
         return warm
     base = out / "base"
-    tok = build_tokenizer(MODEL["vocab_size"], corpus=demo_task.tokenizer_corpus(seed=seed), split_digits=True)
-    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=MODEL["hidden"], layers=MODEL["layers"],
-                         heads=MODEL["heads"], kv_heads=MODEL["kv_heads"], tied=True)  # fmt: skip
-    build_tiny_model(str(base), cfg, seed=seed, tokenizer=tok)
-    rows = demo_task.sft_rows(demo_task.make_problems(SFT["num_rows"], seed=seed, split="train"),
-                              correct_prob=SFT["correct_prob"], seed=seed)  # fmt: skip
+    tok = build_tokenizer(demo_task.DEMO_MODEL["vocab_size"], corpus=demo_task.tokenizer_corpus(seed=seed),
+                          split_digits=True)  # fmt: skip
+    build_tiny_model(str(base), tiny_hf_config(**demo_task.DEMO_MODEL), seed=seed, tokenizer=tok, perturb_norms=False)
+    rows = demo_task.sft_rows(demo_task.make_problems(demo_task.DEMO_SFT_ROWS, seed=seed, split="train"),
+                              correct_prob=demo_task.DEMO_CORRECT_PROB, seed=seed)  # fmt: skip
+    eval_rows = demo_task.sft_rows(demo_task.make_problems(64, seed=seed, split="val"), correct_prob=1.0, seed=seed)
     groups = init_parallel(ParallelConfig(), seed=seed)
     started = time.perf_counter()
-    result = sft_warmup(str(base), str(warm), rows, steps=SFT["steps"], lr=SFT["lr"],
-                        micro_batch_size=SFT["micro_batch_size"], seed=seed, groups=groups)  # fmt: skip
+    result = sft_warmup(str(base), str(warm), rows, seed=seed, groups=groups, eval_rows=eval_rows, **demo_task.DEMO_SFT)
     destroy_parallel()
     losses = result.get("loss", [])
     if losses:
-        log.info("demo: warm-up %d steps in %.0fs, loss %.3f -> %.3f", len(losses), time.perf_counter() - started,
-                 losses[0], losses[-1])  # fmt: skip
+        estimates = result.get("sampled_acc_est") or [(0, float("nan"))]  # [(step, estimated T=1 accuracy)]
+        acc = float(estimates[-1][-1])
+        log.info("demo: warm-up %d steps in %.0fs, loss %.3f -> %.3f, estimated T=1 accuracy %.2f", len(losses),
+                 time.perf_counter() - started, losses[0], losses[-1], acc)  # fmt: skip
     return warm
 
 
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_pacs import demo_task
 
     data = (out / "train.jsonl", out / "val.jsonl")
-    _write_jsonl(demo_task.make_problems(1500, seed=args.seed, split="train"), data[0])
+    _write_jsonl(demo_task.make_problems(640, seed=args.seed, split="train"), data[0])
     _write_jsonl(demo_task.make_problems(64, seed=args.seed, split="val"), data[1])
     model = warm_up(out, args.seed)
 

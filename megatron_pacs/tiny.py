@@ -133,10 +133,13 @@ def tiny_hf_config(
     raise ValueError(f"family={family!r} is not one of ['qwen2', 'qwen3', 'llama']")
 
 
-def build_tiny_model(out_dir: str, config: Any, *, seed: int = 0, tokenizer: Any = None, scale: float = 1.0) -> Any:
+def build_tiny_model(
+    out_dir: str, config: Any, *, seed: int = 0, tokenizer: Any = None, scale: float = 1.0, perturb_norms: bool = True
+) -> Any:
     """Random-init a causal LM from ``config`` and ``save_pretrained`` it (safetensors) with the tokenizer.
 
-    Norm weights and biases get random values too (not ones and zeros), so a mapping that mixes them up is seen.
+    With ``perturb_norms`` (the default, for mapping tests) norm weights and biases get random values too (not ones
+    and zeros), so a mapping that mixes them up is seen; models meant for training keep the standard init.
 
     Returns:
         The model, in eval mode.
@@ -148,7 +151,7 @@ def build_tiny_model(out_dir: str, config: Any, *, seed: int = 0, tokenizer: Any
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
+            if perturb_norms and ("norm" in name or "bias" in name):
                 p.add_(torch.randn_like(p) * 0.1)
             elif scale != 1.0:
                 p.mul_(scale)

@@ -33,7 +33,6 @@ mixed-precision wrapper are GPU only and refused on CPU.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,13 +310,13 @@ def train_step(
             ok, grad_norm = _step_with_torch_clip(optimizer, clip)
         else:
             ok, norm, _ = optimizer.step()
-            grad_norm = float(optimizer.get_grad_norm() if norm is None else norm)
-    if not ok:  # a loss scaler found inf (fp16): Megatron skipped the update on every rank
+            if ok:  # Megatron returns the norm it computed; versions that skip it when not clipping: compute it
+                grad_norm = float(optimizer.get_grad_norm() if norm is None else norm)
+    if not ok:  # a loss scaler found inf (fp16 only): Megatron skipped the update on every rank
         _zero_grads(ddp_models, optimizer)
         return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)
     schedule.num_steps += 1
-    return StepResult(skipped=False, grad_norm=grad_norm if math.isfinite(grad_norm) else float("nan"),
-                      reports=reports, lr=lr)  # fmt: skip
+    return StepResult(skipped=False, grad_norm=grad_norm, reports=reports, lr=lr)
 
 
 def masked_sum_and_count(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_pacs.data.prompts import apply_chat_template, build_messages
 from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
-from megatron_pacs.mcore.forward import MicroBatch, make_micro_batches, model_token_logprobs
+from megatron_pacs.mcore.forward import MicroBatch, make_micro_batches, model_token_logprobs, sequence_logprobs
 from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.optim import OptimConfig, build_trainable, masked_sum_and_count, train_step
 from megatron_pacs.mcore.parallel import ParallelGroups
@@ -84,6 +84,17 @@ def _global_mean_loss(reports: list[dict[str, torch.Tensor]], groups: ParallelGr
     return (total[0] / total[1].clamp(min=1)).item()
 
 
+def _accuracy_estimator(tokenizer: Any, rows: list[dict[str, Any]], groups: ParallelGroups, micro_batch_size: int):
+    """``models -> mean probability of the rows' (correct) responses``, the same on every rank."""
+    tokens, score_mask = encode_sft_rows(tokenizer, rows)
+
+    def evaluate(models: list[torch.nn.Module]) -> float:
+        seq_logp = sequence_logprobs(models, groups, tokens, score_mask, micro_batch_size=micro_batch_size)
+        return seq_logp.double().exp().mean().item()
+
+    return evaluate
+
+
 def _batches(num_rows: int, batch_size: int, steps: int, seed: int) -> list[torch.Tensor]:
     """Row indices per step: shuffled epochs, the same on every rank."""
     gen = torch.Generator().manual_seed(seed)
@@ -104,8 +115,12 @@ def sft_warmup(
     groups: ParallelGroups,
     batch_size: int | None = None,
     weight_decay: float = 0.0,
+    adam_beta2: float = 0.95,
     lr_warmup_steps: int = 0,
     lr_decay: bool = True,
+    eval_rows: list[dict[str, Any]] | None = None,
+    eval_every: int = 50,
+    stop_at: float | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``hf_dir_in`` on ``rows`` (PACS-instruction prompt -> target response), save to ``hf_dir_out``.
 
@@ -124,11 +139,19 @@ def sft_warmup(
         batch_size: Global rows per step (default ``micro_batch_size * dp_size``); a multiple of
             ``micro_batch_size * dp_size``.
         weight_decay: AdamW decoupled weight decay.
+        adam_beta2: Adam second-moment decay (0.95 shortens the plateaus of small models trained from scratch).
         lr_warmup_steps: Linear warm-up steps.
-        lr_decay: Decay the learning rate linearly towards 0 after the warm-up (else constant).
+        lr_decay: Decay the learning rate linearly towards 0 over ``steps`` after the warm-up (else constant).
+        eval_rows: Held-out ``{"problem", "response"}`` rows with *correct* responses; every ``eval_every`` steps
+            the probability the model gives each of them (teacher forcing, one forward pass) is averaged:
+            an estimate of the accuracy of temperature-1 sampling (slightly low: it ignores other correct
+            wordings).
+        eval_every: Steps between estimates.
+        stop_at: Stop once the estimate reaches this value (needs ``eval_rows``); ``steps`` is then a maximum.
 
     Returns:
-        ``{"loss": [per-step token-mean NLL], "first_loss", "final_loss", "steps", "skipped_steps", "time_s"}``.
+        ``{"loss": [per-step token-mean NLL], "first_loss", "final_loss", "steps" (taken), "skipped_steps",
+        "time_s", "sampled_acc_est": [(step, estimate)]}``.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -136,6 +159,10 @@ def sft_warmup(
     batch_size = per_step if batch_size is None else batch_size
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
+    if stop_at is not None and not eval_rows:
+        raise ValueError("stop_at needs eval_rows (held-out rows with correct responses)")
+    if eval_every < 1:
+        raise ValueError(f"eval_every={eval_every} must be >= 1")
     if micro_batch_size < 1 or batch_size % per_step:
         raise ValueError(
             f"batch_size={batch_size} must be a positive multiple of micro_batch_size * dp_size = {per_step}"
@@ -147,24 +174,31 @@ def sft_warmup(
     models = build_gpt_model(hf_config, groups, calculate_per_token_loss=True)
     load_hf_weights(models, str(hf_dir_in), groups, hf_config)
     decay_steps = max(steps - lr_warmup_steps, 1) if lr_decay else 0
-    cfg = OptimConfig(lr=lr, weight_decay=weight_decay, lr_warmup_steps=lr_warmup_steps, lr_decay_steps=decay_steps)
+    cfg = OptimConfig(lr=lr, weight_decay=weight_decay, adam_beta2=adam_beta2, lr_warmup_steps=lr_warmup_steps,
+                      lr_decay_steps=decay_steps)  # fmt: skip
     ddp_models, optimizer = build_trainable(models, groups, cfg)
     loss_fn = _nll_loss_fn(groups.tp_group)
     local = batch_size // groups.dp_size
-    losses, skipped = [], 0
-    for idx in _batches(len(rows), batch_size, steps, seed):
+    evaluate = _accuracy_estimator(tokenizer, eval_rows, groups, micro_batch_size) if eval_rows else None
+    losses, skipped, estimates = [], 0, []
+    for step, idx in enumerate(_batches(len(rows), batch_size, steps, seed), start=1):
         mine = idx[groups.dp_rank * local : (groups.dp_rank + 1) * local]
         length = int(score_mask[mine].any(0).nonzero().max()) + 1  # responses end their rows
         micro_batches = make_micro_batches(tokens[mine, :length], score_mask[mine, :length], micro_batch_size)
         result = train_step(ddp_models, optimizer, groups, micro_batches, loss_fn)
         skipped += int(result.skipped)
         losses.append(_global_mean_loss(result.reports, groups))
+        if evaluate is not None and (step % eval_every == 0 or step == steps):
+            estimates.append((step, evaluate(models)))
+            if stop_at is not None and estimates[-1][1] >= stop_at:
+                break
     for m in models:
         m.eval()
     if dist.get_rank() == 0:
         Path(hf_dir_out).parent.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    save_hf_checkpoint(export_hf_weights(models, groups, hf_config), hf_dir_out, side_files_from=hf_dir_in,
-                       progress=False)  # fmt: skip
-    return {"loss": losses, "first_loss": losses[0], "final_loss": losses[-1], "steps": steps,
-            "skipped_steps": skipped, "time_s": time.perf_counter() - start}  # fmt: skip
+    with torch.no_grad():  # the export's collectives must not enter the parameters' autograd history
+        save_hf_checkpoint(export_hf_weights(models, groups, hf_config), hf_dir_out, side_files_from=hf_dir_in,
+                           progress=False)  # fmt: skip
+    return {"loss": losses, "first_loss": losses[0], "final_loss": losses[-1], "steps": len(losses),
+            "skipped_steps": skipped, "time_s": time.perf_counter() - start, "sampled_acc_est": estimates}  # fmt: skip

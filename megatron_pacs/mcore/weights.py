@@ -158,11 +158,13 @@ def export_hf_weights(
     seen: set[str] = set()
     stream = bridge.export_weights(models)
     while True:
-        with cuda_to_cpu():  # entered per tensor: the consumer's code between yields runs outside the mode
+        # Entered per tensor (the consumer's code between yields runs outside both). no_grad: the exporter
+        # broadcasts live parameters in place, which would otherwise enter their autograd history.
+        with cuda_to_cpu(), torch.no_grad():
             item = next(stream, None)
         if item is None:
             return
         name, tensor = item
         if name not in seen:
             seen.add(name)
-            yield name, tensor
+            yield name, tensor.detach()
