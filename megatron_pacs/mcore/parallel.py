@@ -112,13 +112,18 @@ class ParallelGroups:
 def _init_process_group(backend: str | None, timeout_minutes: int) -> None:
     if dist.is_initialized():
         return
-    for key, default in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, default)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if "RANK" in os.environ:  # torchrun (or ensure_world) set the rendezvous
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # A plain single process: a private store, and no RANK/WORLD_SIZE written into os.environ, where child
+    # processes (a later torchrun or ensure_world launch) would inherit them and believe they are rank 0 of 1.
+    store = dist.HashStore()
+    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
 def init_parallel(
