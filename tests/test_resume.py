@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_rl_setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -21,17 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from megatron_pacs.demo_task import make_problems
-    from megatron_pacs.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
-
-    root = tmp_path_factory.mktemp("resume")
-    tok = build_tokenizer(vocab_size=512)
-    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=128, heads=4, kv_heads=2, tied=False)
-    build_tiny_model(str(root / "model"), cfg, seed=0, tokenizer=tok, scale=3.0)
-    with open(root / "train.jsonl", "w") as f:
-        for row in make_problems(32, seed=0, split="train"):
-            f.write(json.dumps(row) + "\n")
-    return root
+    return make_rl_setup(tmp_path_factory.mktemp("resume"), tied=False, num_problems=32)
 
 
 def _train(root, name, *extra, world=1):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_rl_setup
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -26,16 +27,7 @@ REF_MAX, REF_SHARE = 1e-4, 1e-4
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    from megatron_pacs.demo_task import make_problems
-    from megatron_pacs.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
-
-    root = tmp_path_factory.mktemp("trainer")
-    tok = build_tokenizer(vocab_size=512)
-    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=128, heads=4, kv_heads=2, tied=True)
-    build_tiny_model(str(root / "model"), cfg, seed=0, tokenizer=tok, scale=3.0)
-    with open(root / "train.jsonl", "w") as f:
-        for row in make_problems(8, seed=0, split="train"):
-            f.write(json.dumps(row) + "\n")
+    root = make_rl_setup(tmp_path_factory.mktemp("trainer"), tied=True, num_problems=8)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for mode in ("rollouts", "tp2"):
         cmd = [sys.executable, str(HERE / "trainer_checks.py"), mode, "--model", str(root / "model"),
