@@ -69,7 +69,9 @@ def test_missing_config_field_is_named():
 
 
 def _script_flag(script: str, flag: str) -> int:
-    m = re.search(rf"{flag} (\d+)", (EXAMPLES / script).read_text())
+    # A script's own flags first, then the recipe every multi-node script shares.
+    text = (EXAMPLES / script).read_text() + (EXAMPLES / "lib" / "recipe.bash").read_text()
+    m = re.search(rf"{flag} (\d+)", text)
     assert m, f"{script} sets no {flag}"
     return int(m.group(1))
 
