@@ -1,0 +1,152 @@
+"""Golden trace: the tiny CPU trainer's rewards, losses, gradient norms and weights, pinned bit for bit.
+
+Six runs of ``python -m megatron_pacs.train`` (3 steps each, fp32 on CPU, the real fleet, scorer and Megatron)
+from a pinned model and data set in ``tests/golden/`` (the demo's warmed-up tiny model, whose rewards are mixed, so
+every objective has a real gradient; and 16 demo problems):
+PACS two-phase with groups split across micro-batches, PACS direct (groups intact), and GRPO, each at TP=1 (one
+process) and PP=2 (two gloo ranks). Every step records ``rollout/reward_mean``, ``train/loss``, ``train/grad_norm``
+and a SHA-256 of the weights the step produced (the ``--save-hf`` export of that step's checkpoint).
+
+The trace in ``tests/golden/trace.json`` was recorded before the consolidation refactor; a change that alters the
+arithmetic of the step must fail here. A deliberate numerical change re-records it::
+
+    MEGATRON_PACS_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden_trace.py
+
+and says why in its commit message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+GOLDEN = Path(__file__).parent / "golden" / "trace.json"
+RECORD = os.environ.get("MEGATRON_PACS_RECORD_GOLDEN") == "1"
+STEPS = 3
+KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm")
+
+# name -> (world size, flags beyond the common ones)
+RUNS = {
+    "pacs_two_phase_tp1": (1, ["--micro-batch-size", "3"]),
+    "pacs_direct_tp1": (1, ["--keep-groups-in-microbatch", "--micro-batch-size", "4"]),
+    "grpo_tp1": (1, ["--loss", "grpo", "--micro-batch-size", "3"]),
+    "pacs_two_phase_pp2": (2, ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "3"]),
+    "pacs_direct_pp2": (
+        2,
+        ["--pipeline-model-parallel-size", "2", "--keep-groups-in-microbatch", "--micro-batch-size", "4"],
+    ),
+    "grpo_pp2": (2, ["--pipeline-model-parallel-size", "2", "--loss", "grpo", "--micro-batch-size", "3"]),
+}
+
+
+def _weights_sha256(hf_dir: Path) -> str:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _run(root: Path, name: str) -> list[dict]:
+    from megatron_pacs.utils.launch import free_port
+
+    world, extra = RUNS[name]
+    out, ckpt = root / name, root / f"{name}_ckpt"
+    flags = [
+        "--hf-model",
+        str(root / "model"),
+        "--train-data",
+        str(root / "train.jsonl"),
+        "--global-batch-size",
+        "4",
+        "--ppo-mini-batch-size",
+        "2",
+        "--group-size",
+        "4",
+        "--max-response-length",
+        "12",
+        "--max-prompt-length",
+        "96",
+        "--lr",
+        "1e-3",
+        "--reward-workers",
+        "1",
+        "--train-iters",
+        str(STEPS),
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "1",
+        "--keep-last",
+        str(STEPS),
+        "--save-hf",
+        "--log-dir",
+        str(out),
+        *extra,
+    ]
+    launcher = [sys.executable, "-m", "megatron_pacs.train"]
+    if world > 1:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={world}",
+            f"--master-port={free_port()}",
+            "-m",
+            "megatron_pacs.train",
+        ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([*launcher, *flags], capture_output=True, text=True, timeout=900, env=env, cwd=root)
+    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trace = []
+    for m in (m for m in history if "train/loss" in m):
+        row = {k: m[k] for k in KEYS}
+        row["step"] = m["step"]
+        row["weights_sha256"] = _weights_sha256(ckpt / f"iter_{m['step']:07d}" / "hf")
+        trace.append(row)
+    return trace
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> dict[str, list[dict]]:
+    root = tmp_path_factory.mktemp("golden")
+    shutil.copytree(GOLDEN.parent / "model", root / "model")
+    shutil.copy(GOLDEN.parent / "train.jsonl", root / "train.jsonl")
+    # Two launches at a time: each is mostly single-threaded start-up (Ray, vLLM, Megatron) on a 2-core machine.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(RUNS, pool.map(lambda n: _run(root, n), RUNS), strict=True))
+    if RECORD:
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    return results
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_trace_is_bit_identical_to_the_recorded_one(traces, name):
+    golden = json.loads(GOLDEN.read_text())
+    got = traces[name]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert got == golden[name], f"{name} diverged from {GOLDEN.name}:\n got    {got}\n golden {golden[name]}"
+
+
+def test_trace_is_not_trivial(traces):
+    """The pinned runs must exercise the update: weights change every step and the losses are not constant."""
+    for name, trace in traces.items():
+        assert len({r["weights_sha256"] for r in trace}) == STEPS, name
+        assert all(r["train/grad_norm"] > 0 for r in trace), name
+        assert all(0 < r["rollout/reward_mean"] < 1 for r in trace), f"{name}: rewards must be mixed"
