@@ -79,8 +79,18 @@ def worker(args) -> None:
 
 
 def run(impl: str, tp: int, args) -> dict:
-    me = [os.path.abspath(__file__), "--worker", "--impl", impl, "--tokens", str(args.tokens),
-          "--vocab", str(args.vocab), "--chunk", str(args.chunk)]  # fmt: skip
+    me = [
+        os.path.abspath(__file__),
+        "--worker",
+        "--impl",
+        impl,
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--chunk",
+        str(args.chunk),
+    ]
     if tp == 1:
         cmd = [sys.executable, *me]
     else:
@@ -104,8 +114,10 @@ def main() -> None:
         worker(args)
         return
     print(f"token log-probs, forward + backward, bf16 logits, T={args.tokens}, V={args.vocab}, CPU, 1 thread/rank")
-    print(f"| {'TP':>2} | {'implementation':<42} | {'peak extra MB':>13} | {'time s':>7} | {'memory ratio':>12} | "
-          f"{'speed ratio':>11} |")  # fmt: skip
+    print(
+        f"| {'TP':>2} | {'implementation':<42} | {'peak extra MB':>13} | {'time s':>7} | {'memory ratio':>12} | "
+        f"{'speed ratio':>11} |"
+    )
     print(f"|{'-' * 4}|{'-' * 44}|{'-' * 15}|{'-' * 9}|{'-' * 14}|{'-' * 13}|")
     for tp in (1, 2):
         naive, ours = run("naive", tp, args), run("ours", tp, args)
@@ -113,8 +125,10 @@ def main() -> None:
         for label, r in rows:
             mem = naive["peak_mb"] / max(r["peak_mb"], 1e-9)
             speed = naive["time_s"] / r["time_s"]
-            print(f"| {tp:>2} | {label:<42} | {r['peak_mb']:>13.0f} | {r['time_s']:>7.2f} | {mem:>11.1f}x | "
-                  f"{speed:>10.2f}x |")  # fmt: skip
+            print(
+                f"| {tp:>2} | {label:<42} | {r['peak_mb']:>13.0f} | {r['time_s']:>7.2f} | {mem:>11.1f}x | "
+                f"{speed:>10.2f}x |"
+            )
 
 
 if __name__ == "__main__":

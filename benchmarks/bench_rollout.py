@@ -18,11 +18,18 @@ import time
 
 
 def _model(root: str, args: argparse.Namespace, seed: int) -> str:
-    from megatron_pacs.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
+    from megatron_pacs.demo.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
 
     tok = build_tokenizer(vocab_size=args.vocab)
-    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=args.hidden, layers=args.layers,
-                         heads=args.hidden // 64, kv_heads=max(1, args.hidden // 128), tied=False)  # fmt: skip
+    cfg = tiny_hf_config(
+        "qwen2",
+        vocab_size=len(tok),
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.hidden // 64,
+        kv_heads=max(1, args.hidden // 128),
+        tied=False,
+    )
     path = os.path.join(root, f"model_{seed}")
     build_tiny_model(path, cfg, seed=seed, tokenizer=tok)
     return path
@@ -70,8 +77,9 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench_rollout_")
     path_a, path_b = _model(root, args, 0), _model(root, args, 1)
     tok = AutoTokenizer.from_pretrained(path_a)
-    prompts = [apply_chat_template(tok, [{"role": "user", "content": f"What is {i} * {i + 7}?"}])
-               for i in range(args.prompts)]  # fmt: skip
+    prompts = [
+        apply_chat_template(tok, [{"role": "user", "content": f"What is {i} * {i + 7}?"}]) for i in range(args.prompts)
+    ]
     sampling = SamplingConfig(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
     state_b = _state(path_b)
     megabytes = sum(t.numel() * t.element_size() for _, t in state_b) / 2**20
@@ -97,10 +105,17 @@ def main() -> None:
     inproc_s = _timed(lambda: engine.update_weights(state_b, bucket_bytes=64 << 20), args.repeats)
     engine.shutdown()
 
-    from megatron_pacs.rollout.fleet import FleetConfig, RolloutFleet
+    from megatron_pacs.config import RolloutConfig
+    from megatron_pacs.rollout.fleet import RolloutFleet
 
-    fleet = RolloutFleet(FleetConfig(model=path_a, dtype="float32", max_model_len=512, run_dir=root, progress=False,
-                                     bucket_mb=64))  # fmt: skip
+    fleet = RolloutFleet(
+        RolloutConfig(weight_sync_bucket_mb=64),
+        model=path_a,
+        dtype="float32",
+        max_model_len=512,
+        run_dir=root,
+        progress=False,
+    )
     try:
         ray_tps = _gen(fleet, prompts, sampling, args.repeats)
         fleet_s = _timed(lambda: fleet.update_weights(state_b), args.repeats)
@@ -115,12 +130,22 @@ def main() -> None:
             f"{ray_tps / local_tps:.2f}x",
         )
     )
-    rows.append((f"weight sync ({megabytes:.1f} MB, fp32)", f"disk reload: {disk_s / megabytes * 1e3:.2f} ms/MB",
-                 f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB",
-                 f"{disk_s / fleet_s:.2f}x faster"))  # fmt: skip
-    rows.append(("weight sync, Ray overhead", f"in-process push: {inproc_s / megabytes * 1e3:.2f} ms/MB",
-                 f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB",
-                 f"{fleet_s / inproc_s:.2f}x"))  # fmt: skip
+    rows.append(
+        (
+            f"weight sync ({megabytes:.1f} MB, fp32)",
+            f"disk reload: {disk_s / megabytes * 1e3:.2f} ms/MB",
+            f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB",
+            f"{disk_s / fleet_s:.2f}x faster",
+        )
+    )
+    rows.append(
+        (
+            "weight sync, Ray overhead",
+            f"in-process push: {inproc_s / megabytes * 1e3:.2f} ms/MB",
+            f"fleet (object store): {fleet_s / megabytes * 1e3:.2f} ms/MB",
+            f"{fleet_s / inproc_s:.2f}x",
+        )
+    )
     print(f"\nbench_rollout: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {args.prompts} prompts")
     print("| measurement | baseline (same run) | ours | ratio |\n|---|---|---|---|")
     for r in rows:

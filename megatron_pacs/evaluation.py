@@ -145,8 +145,14 @@ def evaluate(
         path.write_text("".join(json.dumps(r) + "\n" for r in done_records), encoding="utf-8")
     done = {_key(r) for r in done_records}
     todo = [r for r in rows if _key(r) not in done]
-    log.info("evaluate: %d problems, %d already in %s, %d to run (n=%d)", len(rows), len(rows) - len(todo),
-             path, len(todo), sampling.n)  # fmt: skip
+    log.info(
+        "evaluate: %d problems, %d already in %s, %d to run (n=%d)",
+        len(rows),
+        len(rows) - len(todo),
+        path,
+        len(todo),
+        sampling.n,
+    )
     if todo and engine is None:
         raise ValueError("evaluate: problems remain to be sampled but no engine was given")
     with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="evaluate", disable=not progress) as bar:
@@ -160,12 +166,15 @@ def evaluate(
             for i, (row, group) in enumerate(zip(batch, groups, strict=True)):
                 scores = result.scores[i * sampling.n : (i + 1) * sampling.n]
                 record = {
-                    "id": row.id, "data_source": row.data_source, "question": row.question,
-                    "ground_truth": row.ground_truth, "prompt": row.prompt,
+                    "id": row.id,
+                    "data_source": row.data_source,
+                    "question": row.question,
+                    "ground_truth": row.ground_truth,
+                    "prompt": row.prompt,
                     "responses": [r.text for r in group.responses],
                     "finish_reasons": [r.finish_reason for r in group.responses],
                     "scores": scores,
-                }  # fmt: skip
+                }
                 f.write(json.dumps(record) + "\n")
             f.flush()
             bar.update(len(batch))

@@ -1,8 +1,9 @@
-"""Configuration checks and a per-GPU memory estimate for ``--dry-run``: pure arithmetic, no torch or backends.
+"""The ``--dry-run`` planner: layout checks, batch arithmetic and a per-GPU memory estimate; no torch or backends.
 
-``plan_run`` validates a TP/PP/DP layout and the batch arithmetic against a model shape read from a Hugging Face
-``config.json``, raising ``ValueError`` that names the Megatron-LM flag and the fix, and returns a ``RunPlan``
-whose ``format()`` is what ``--dry-run`` prints.
+``plan_run`` checks a :class:`~megatron_pacs.config.TrainConfig` for a world size against a model shape read from a
+Hugging Face ``config.json`` (what the config cannot know: TP against the heads and vocabulary, PP x VPP against the
+layers), raising ``ValueError`` that names the Megatron-LM flag and the fix, and returns a ``RunPlan`` whose
+``format()`` is what ``dry_run`` prints.
 
 Memory is the standard Megatron accounting, per GPU of the most loaded pipeline stage (bytes per parameter):
 
@@ -28,23 +29,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOGPROB_CHUNK_TOKENS", "OVERHEAD_GB", "MemoryEstimate", "ModelShape", "RunPlan", "plan_run"]
+from megatron_pacs.config import TrainConfig, flag
+
+__all__ = ["LOGPROB_CHUNK_TOKENS", "OVERHEAD_GB", "MemoryEstimate", "ModelShape", "RunPlan", "dry_run", "plan_run"]
 
 GiB = 1024**3
 LOGPROB_CHUNK_TOKENS = 512
 OVERHEAD_GB = 2.0  # CUDA context, NCCL buffers and allocator fragmentation: a flat allowance, not a derivation
 WARN_FRACTION = 0.9
-FLAGS = {
-    "tp": "--tensor-model-parallel-size",
-    "pp": "--pipeline-model-parallel-size",
-    "vpp": "--virtual-pipeline-model-parallel-size",
-    "rollout_tp": "--rollout-tensor-parallel-size",
-}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-_POSITIVE = (
-    "world_size tp pp global_batch_size group_size ppo_mini_batch_size ppo_epochs micro_batch_size "
-    "max_tokens_per_microbatch max_prompt_length max_response_length num_engines rollout_tp"
-).split()
 
 
 @dataclass(kw_only=True)
@@ -241,14 +234,9 @@ class RunPlan:
         return "\n".join(lines)
 
 
-def _flag(name: str) -> str:
-    """The Megatron-LM spelling of a ``plan_run`` argument."""
-    return FLAGS.get(name, "--" + name.replace("_", "-"))
-
-
-def _require(ok: bool, flag: str, problem: str, fix: str) -> None:
+def _require(ok: bool, option: str, problem: str, fix: str) -> None:
     if not ok:
-        raise ValueError(f"{flag}: {problem}; {fix}")
+        raise ValueError(f"{option}: {problem}; {fix}")
 
 
 def _in_flight(pp: int, vpp: int | None, rank: int, num_micro_batches: int) -> float:
@@ -299,36 +287,21 @@ def _stage_memory(plan: RunPlan, stage: str, rank: int) -> MemoryEstimate:
     )
 
 
-def plan_run(
-    shape: ModelShape,
-    *,
-    world_size: int,
-    tp: int,
-    pp: int,
-    vpp: int | None,
-    sequence_parallel: bool,
-    global_batch_size: int,
-    group_size: int,
-    ppo_mini_batch_size: int,
-    ppo_epochs: int,
-    micro_batch_size: int,
-    max_tokens_per_microbatch: int | None,
-    max_prompt_length: int,
-    max_response_length: int,
-    bf16: bool,
-    fp8: str | None,
-    use_distributed_optimizer: bool,
-    recompute_activations: bool,
-    num_engines: int,
-    rollout_tp: int,
-    gpu_memory_gb: float = 80.0,
-) -> RunPlan:
-    """Check a run's layout and batch arithmetic and estimate its per-GPU memory.
+def plan_run(shape: ModelShape, cfg: TrainConfig, *, world_size: int, gpu_memory_gb: float = 80.0) -> RunPlan:
+    """Check a run's layout and batch arithmetic against the model and estimate its per-GPU memory.
 
-    Args mirror the trainer's flags (``tp`` is ``--tensor-model-parallel-size``, ``vpp``
-    ``--virtual-pipeline-model-parallel-size``, ...). Batch sizes count prompts except ``micro_batch_size``
-    (sequences per micro-batch, used when ``max_tokens_per_microbatch`` is None) and the token budget (tokens per
-    packed micro-batch). ``gpu_memory_gb`` is the device memory the estimate is compared with.
+    Runs ``cfg.validate(world_size, need_files=False)`` (TP x PP must divide the world size, a mini-batch must split
+    over the DP ranks, FP8 needs Transformer Engine importable), then what only the model's shape tells: TP must
+    divide the attention heads, KV heads and vocabulary, PP x VPP the layers, the rollout TP the attention heads,
+    and interleaving needs at least PP micro-batches per mini-batch. Batch sizes count prompts except
+    ``--micro-batch-size`` (responses per micro-batch, used without ``--max-tokens-per-microbatch``) and the token
+    budget (tokens per packed micro-batch); a sequence is ``--max-prompt-length`` + ``--max-response-length`` tokens.
+
+    Args:
+        shape: The model.
+        cfg: The run, as :func:`~megatron_pacs.config.parse_config` builds it (each section already checked).
+        world_size: Training ranks to plan for (``--world-size``).
+        gpu_memory_gb: The device memory the estimate is compared with.
 
     Returns:
         The plan; memory over 90% of ``gpu_memory_gb`` is a warning in ``RunPlan.warnings``, never an error.
@@ -336,68 +309,41 @@ def plan_run(
     Raises:
         ValueError: an impossible layout or batch split, naming the flag and the fix.
     """
-    flags = locals()
-    for name in _POSITIVE:
-        value = flags[name]
-        _require(value is None or value >= 1, _flag(name), f"got {value}", "use a positive integer")
-    _require(
-        world_size % (tp * pp) == 0,
-        FLAGS["tp"],
-        f"TP {tp} x PP {pp} does not divide world size {world_size}",
-        "choose --tensor-model-parallel-size x --pipeline-model-parallel-size dividing the GPU count",
-    )
-    dp = world_size // (tp * pp)
+    _require(world_size >= 1, "--world-size", f"got {world_size}", "use a positive integer")
+    dp = cfg.validate(world_size, need_files=False)
+    par, b = cfg.parallel, cfg.batch
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    vpp, rollout_tp = par.virtual_pipeline_model_parallel_size, cfg.rollout.rollout_tensor_parallel_size
     for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
         n = getattr(shape, name)
-        _require(n % tp == 0, FLAGS["tp"], f"TP {tp} does not divide the model's {name}={n}", f"use a divisor of {n}")
-    if vpp is not None:
-        _require(pp > 1, FLAGS["vpp"], f"{vpp} given with PP 1", "drop it, or interleave with PP > 1")
-        _require(vpp >= 2, FLAGS["vpp"], f"got {vpp}", "use >= 2, or omit it for plain 1F1B")
-    chunks = pp * (vpp or 1)
+        _require(
+            n % tp == 0,
+            flag("tensor_model_parallel_size"),
+            f"TP {tp} does not divide the model's {name}={n}",
+            f"use a divisor of {n}",
+        )
     _require(
-        shape.num_hidden_layers % chunks == 0,
-        FLAGS["vpp" if vpp else "pp"],
+        shape.num_hidden_layers % (pp * (vpp or 1)) == 0,
+        flag("virtual_pipeline_model_parallel_size" if vpp else "pipeline_model_parallel_size"),
         f"PP {pp} x VPP {vpp or 1} does not divide num_hidden_layers={shape.num_hidden_layers}",
         "choose sizes whose product divides the number of layers",
     )
-    _require(not sequence_parallel or tp > 1, "--sequence-parallel", "needs TP > 1", "drop it, or raise TP")
-    _require(fp8 is None or bf16, "--fp8-format", f"{fp8} given without --bf16", "add --bf16 (FP8 GEMMs run in bf16)")
-    _require(fp8 in (None, "e4m3", "hybrid"), "--fp8-format", f"unknown format {fp8!r}", "use e4m3 or hybrid")
-    _require(
-        global_batch_size % ppo_mini_batch_size == 0,
-        "--ppo-mini-batch-size",
-        f"{ppo_mini_batch_size} does not divide --global-batch-size {global_batch_size}",
-        "choose a mini-batch that splits the step's prompts evenly",
-    )
-    _require(
-        ppo_mini_batch_size % dp == 0,
-        "--ppo-mini-batch-size",
-        f"{ppo_mini_batch_size} prompts do not split into whole groups over DP={dp} ranks",
-        f"use a multiple of {dp}, or change TP/PP to change DP",
-    )
-    seq_len = max_prompt_length + max_response_length
-    _require(
-        max_tokens_per_microbatch is None or max_tokens_per_microbatch >= seq_len,
-        "--max-tokens-per-microbatch",
-        f"{max_tokens_per_microbatch} tokens cannot hold one sequence of {seq_len} (prompt + response)",
-        f"use at least {seq_len}",
-    )
     _require(
         shape.num_attention_heads % rollout_tp == 0,
-        FLAGS["rollout_tp"],
+        flag("rollout_tensor_parallel_size"),
         f"{rollout_tp} does not divide num_attention_heads={shape.num_attention_heads}",
         "use a divisor",
     )
 
-    prompts_per_rank = ppo_mini_batch_size // dp
-    responses_per_rank = prompts_per_rank * group_size
-    if max_tokens_per_microbatch is None:
-        num_mb, tokens_mb = math.ceil(responses_per_rank / micro_batch_size), micro_batch_size * seq_len
+    budget, seq_len = b.max_tokens_per_microbatch, b.max_prompt_length + b.max_response_length
+    prompts_per_rank = b.ppo_mini_batch_size // dp
+    responses_per_rank = prompts_per_rank * b.group_size
+    if budget is None:
+        num_mb, tokens_mb = math.ceil(responses_per_rank / b.micro_batch_size), b.micro_batch_size * seq_len
     else:  # any greedy packer fits >= floor(budget / seq_len) sequences in every micro-batch but the last
-        num_mb = math.ceil(responses_per_rank / (max_tokens_per_microbatch // seq_len))
-        tokens_mb = max_tokens_per_microbatch
+        num_mb, tokens_mb = math.ceil(responses_per_rank / (budget // seq_len)), budget
     _require(
-        vpp is None or max_tokens_per_microbatch is not None or num_mb >= pp,
+        vpp is None or budget is not None or num_mb >= pp,
         "--micro-batch-size",
         f"{num_mb} micro-batches per mini-batch, fewer than PP={pp} as interleaving requires",
         "use a smaller micro-batch, or drop interleaving",
@@ -410,22 +356,22 @@ def plan_run(
         pp=pp,
         vpp=vpp,
         dp=dp,
-        sequence_parallel=sequence_parallel,
-        bf16=bf16,
-        fp8=fp8,
-        use_distributed_optimizer=use_distributed_optimizer,
-        recompute_activations=recompute_activations,
-        num_engines=num_engines,
+        sequence_parallel=par.sequence_parallel,
+        bf16=cfg.model.bf16,
+        fp8=cfg.model.fp8_format,
+        use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+        recompute_activations=cfg.model.recompute_activations,
+        num_engines=cfg.rollout.num_engines,
         rollout_tp=rollout_tp,
-        responses_per_step=global_batch_size * group_size,
-        optimizer_steps_per_step=global_batch_size // ppo_mini_batch_size * ppo_epochs,
+        responses_per_step=b.global_batch_size * b.group_size,
+        optimizer_steps_per_step=b.global_batch_size // b.ppo_mini_batch_size * b.ppo_epochs,
         prompts_per_dp_rank_per_minibatch=prompts_per_rank,
         responses_per_dp_rank_per_minibatch=responses_per_rank,
         micro_batches_per_minibatch=num_mb,
-        token_budget=max_tokens_per_microbatch is not None,
+        token_budget=budget is not None,
         max_sequence_length=seq_len,
         tokens_per_micro_batch=tokens_mb,
-        max_tokens_per_step=global_batch_size * group_size * seq_len,
+        max_tokens_per_step=b.global_batch_size * b.group_size * seq_len,
         gpu_memory_gb=gpu_memory_gb,
     )
     ranks = {"only": 0} if pp == 1 else {"first": 0, "last": pp - 1}
@@ -438,3 +384,18 @@ def plan_run(
     if pp > 1 and num_mb < pp:
         plan.warnings.append(f"{num_mb} micro-batches per mini-batch for PP={pp}: the pipeline bubble dominates")
     return plan
+
+
+def dry_run(cfg: TrainConfig) -> int:
+    """``--dry-run``: check the configuration for ``--world-size`` ranks and print the layout and memory plan.
+
+    Reads only ``<--hf-model>/config.json``; the world size defaults to ``WORLD_SIZE`` (1 when unset).
+
+    Raises:
+        ValueError: the model directory has no ``config.json``, or :func:`plan_run` refuses the layout.
+    """
+    world = cfg.run.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if not Path(cfg.model.hf_model, "config.json").is_file():
+        raise ValueError(f"--hf-model: {cfg.model.hf_model!r} has no config.json (the dry run needs the shapes)")
+    print(plan_run(ModelShape.from_pretrained(cfg.model.hf_model), cfg, world_size=world).format())
+    return 0

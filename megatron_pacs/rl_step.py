@@ -1,32 +1,28 @@
-"""One RL step's pieces between the fleet and the actor: rollouts -> batch, and the update over mini-batches.
+"""One RL step between the fleet and the actor: rollouts -> batch, then the update over mini-batches.
 
-``collect_rollouts`` runs on the driver (rank 0): generate, score, pack. ``train_on_batch`` runs on every rank:
-old log-probs where needed, then per mini-batch one optimizer step with the PACS two-phase gradient (or the
-direct group-intact loss, or GRPO).
-
-Old log-probs are skipped when provably equal to the current policy (spec Part A item 5): the first mini-batch of
-the first epoch is trained before any optimizer step, so ``theta == theta_old`` there; with one mini-batch and one
-epoch the whole pass is skipped.
+``collect_rollouts`` runs on the driver (rank 0): generate, score, pack. ``train_on_batch`` runs on every rank and
+reads as the algorithm: the log-probs the objective needs, then per mini-batch ``prepare`` and one optimizer step.
+What to compute is the objective's to say (:mod:`megatron_pacs.algo.objectives`); this module only schedules it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from megatron_pacs.algo.grpo import grpo_advantages
-from megatron_pacs.algo.metrics import pacs_metrics, reduce_metrics
-from megatron_pacs.algo.pacs import compute_scores, group_advantages, group_weights, pacs_score_grads
-from megatron_pacs.config import TrainConfig
+from megatron_pacs.algo.metrics import reduce_metrics
+from megatron_pacs.algo.objectives import MiniBatch, Objective
+from megatron_pacs.config import BatchConfig, TrainConfig
 from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_rows, pad_rows
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
-from megatron_pacs.mcore.actor import Actor, LossSpec
+from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.forward import MicroBatch
+from megatron_pacs.mcore.optim import StepResult
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.utils.metrics import PhaseTimer
 
@@ -42,17 +38,25 @@ class StepRollouts:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def collect_rollouts(fleet: Any, scorer: Any, tokenizer: Any, rows: Sequence[PromptRow], cfg: TrainConfig,
-                     step: int, timer: PhaseTimer) -> StepRollouts:  # fmt: skip
+def collect_rollouts(
+    fleet: Any, scorer: Any, tokenizer: Any, rows: Sequence[PromptRow], cfg: TrainConfig, step: int, timer: PhaseTimer
+) -> StepRollouts:
     """Driver only: sample ``group_size`` responses per prompt, score them, and pack the batch."""
     from megatron_pacs.rollout.types import SamplingConfig
 
     r, b = cfg.rollout, cfg.batch
     prompts = [apply_chat_template(tokenizer, row.prompt) for row in rows]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    sampling = SamplingConfig(n=b.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_tokens=b.max_response_length, seed=cfg.run.seed * 1_000_003 + step * 7919,
-                              stop_token_ids=eos, logprobs=False)  # fmt: skip
+    sampling = SamplingConfig(
+        n=b.group_size,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=b.max_response_length,
+        seed=cfg.run.seed * 1_000_003 + step * 7919,
+        stop_token_ids=eos,
+        logprobs=False,
+    )
     with timer.phase("generate"):
         groups = fleet.generate(prompts, sampling)
     with timer.phase("reward"):
@@ -67,8 +71,16 @@ def collect_rollouts(fleet: Any, scorer: Any, tokenizer: Any, rows: Sequence[Pro
             prompt_lens.append(len(prompt))
             response_lens.append(len(ids))
             clipped += resp.finish_reason == "length"
-            records.append({"step": step, "id": row.id, "data_source": row.data_source, "input": row.question,
-                            "output": resp.text, "ground_truth": row.ground_truth})  # fmt: skip
+            records.append(
+                {
+                    "step": step,
+                    "id": row.id,
+                    "data_source": row.data_source,
+                    "input": row.question,
+                    "output": resp.text,
+                    "ground_truth": row.ground_truth,
+                }
+            )
     for rec, score in zip(records, scored.scores, strict=True):
         rec["score"] = score
     rewards = torch.tensor(scored.scores, dtype=torch.float32)
@@ -87,98 +99,92 @@ def collect_rollouts(fleet: Any, scorer: Any, tokenizer: Any, rows: Sequence[Pro
     return StepRollouts(batch, records, metrics)
 
 
-def _to_micro_batches(batch: RolloutBatch, parts: list[list[int]], uniform: bool) -> list[MicroBatch]:
-    """Padded micro-batches; ``uniform`` (pipeline parallel) gives all of them one shape."""
-    rows = max(len(p) for p in parts) if uniform else None
-    length = max(len(batch.sequences[i]) for p in parts for i in p) if uniform else None
-    return [MicroBatch(*pad_rows(batch, p, num_rows=rows, length=length)) for p in parts]
+def micro_batches(
+    batch: RolloutBatch, rows: list[int], cfg: BatchConfig, *, whole_groups: bool, uniform: bool
+) -> list[MicroBatch]:
+    """``rows`` cut into padded micro-batches by ``--micro-batch-size`` or ``--max-tokens-per-microbatch``.
+
+    Args:
+        whole_groups: Cut only at group boundaries.
+        uniform: Give every micro-batch one shape (pipeline stages exchange fixed-size activations).
+    """
+    lengths = [len(s) for s in batch.sequences]
+    parts = micro_batch_rows(
+        rows,
+        lengths,
+        micro_batch_size=cfg.micro_batch_size,
+        max_tokens=cfg.max_tokens_per_microbatch,
+        group_size=batch.group_size if whole_groups else None,
+    )
+    num_rows = max(len(p) for p in parts) if uniform else None
+    length = max(lengths[i] for p in parts for i in p) if uniform else None
+    return [MicroBatch(*pad_rows(batch, p, num_rows=num_rows, length=length)) for p in parts]
 
 
-def _phase1_metrics(scores: torch.Tensor, rewards: torch.Tensor, cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """The PACS loss and critic metrics at the phase-1 scores (the loss value the two-phase step minimises)."""
-    lc, n = cfg.loss, cfg.batch.group_size
-    adv = group_advantages(scores, group_size=n, advantage=lc.pacs_advantage)
-    w = group_weights(rewards, group_size=n, weights=lc.pacs_weights)
-    loss_sum = F.binary_cross_entropy_with_logits(adv, rewards, weight=w, reduction="sum")
-    m = pacs_metrics(scores, adv, rewards, w, group_size=n)
-    m["pacs/loss"] = torch.stack([loss_sum, loss_sum.new_tensor(float(scores.numel()))])
-    return m
-
-
-def train_on_batch(actor: Actor, batch: RolloutBatch, cfg: TrainConfig, groups: ParallelGroups, timer: PhaseTimer,
-                   *, inject_nan: bool = False) -> dict[str, float]:  # fmt: skip
+def train_on_batch(
+    actor: Actor,
+    batch: RolloutBatch,
+    objective: Objective,
+    cfg: BatchConfig,
+    groups: ParallelGroups,
+    timer: PhaseTimer,
+    *,
+    temperature: float,
+) -> dict[str, float]:
     """All optimizer steps of one training step on this rank's share of ``batch`` (collective).
 
+    Old log-probs are computed only where the parameters may have moved since the rollout (docs/algorithm.md §5);
+    then per mini-batch: the phase-1 forward if the objective asks for it, ``prepare``, one optimizer step.
+
     Returns:
-        Metrics reduced over every rank (identical on all ranks): loss and critic metrics, grad norm, skips.
+        Metrics reduced over every rank (identical on all ranks): loss and objective metrics, grad norm, skips.
     """
-    bc, lc = cfg.batch, cfg.loss
-    n, num = batch.group_size, batch.num_responses
-    pacs = lc.loss == "pacs"
-    log_ratio = pacs and lc.pacs_score == "log_ratio"
-    two_phase = pacs and not bc.keep_groups_in_microbatch
-    lengths = [len(s) for s in batch.sequences]
-    minis = mini_batch_rows(batch.num_prompts, n, bc.ppo_mini_batch_size, groups.dp_rank, groups.dp_size)
-    uniform = groups.pp_size > 1
-
-    def micro(rows: list[int]) -> list[MicroBatch]:
-        parts = micro_batch_rows(rows, lengths, micro_batch_size=bc.micro_batch_size,
-                                 max_tokens=bc.max_tokens_per_microbatch,
-                                 group_size=n if bc.keep_groups_in_microbatch else None)  # fmt: skip
-        return _to_micro_batches(batch, parts, uniform)
-
-    temperature = cfg.rollout.temperature
-    old_seq, old_tok = None, None
-    need_old = (len(minis) > 1 or bc.ppo_epochs > 1) and (log_ratio or lc.loss == "grpo")
-    if need_old:
-        rows = [i for m in (minis if bc.ppo_epochs > 1 else minis[1:]) for i in m]
+    minis = mini_batch_rows(
+        batch.num_prompts, batch.group_size, cfg.ppo_mini_batch_size, groups.dp_rank, groups.dp_size
+    )
+    micro = partial(micro_batches, batch, cfg=cfg, whole_groups=objective.whole_groups, uniform=groups.pp_size > 1)
+    logprobs = partial(actor.logprobs, num_responses=batch.num_responses, temperature=temperature)
+    old = None
+    if objective.old_logprobs and (len(minis) > 1 or cfg.ppo_epochs > 1):
+        rows = [i for m in (minis if cfg.ppo_epochs > 1 else minis[1:]) for i in m]
         with timer.phase("old_logprobs"):
-            old_seq, old_tok = actor.logprobs(micro(rows), num, temperature=temperature, tokens=lc.loss == "grpo")
-    advantages = grpo_advantages(batch.rewards, group_size=n) if lc.loss == "grpo" else None
-
+            old = logprobs(micro(rows), tokens=objective.old_logprobs == "token")
     parts: list[dict[str, torch.Tensor]] = []
-    grad_norms, skipped = [], 0
-    for epoch in range(bc.ppo_epochs):
+    results: list[StepResult] = []
+    for epoch in range(cfg.ppo_epochs):
         for k, rows in enumerate(minis):
             fresh = epoch == 0 and k == 0  # no optimizer step yet: theta == theta_old
             mbs = micro(rows)
-            spec = LossSpec(kind="grpo" if not pacs else ("pacs_two_phase" if two_phase else "pacs_direct"),
-                            rewards=batch.rewards, response_lens=batch.response_lens, group_size=n,
-                            beta=lc.pacs_beta, score=lc.pacs_score, advantage=lc.pacs_advantage,
-                            weights=lc.pacs_weights, temperature=temperature, advantages=advantages,
-                            max_response_len=bc.max_response_length, clip_ratio=lc.clip_ratio)  # fmt: skip
-            if log_ratio or lc.loss == "grpo":
-                spec.old_seq_logp = None if fresh else old_seq
-                spec.old_token_logp = None if fresh else old_tok
-            if two_phase:
-                idx = torch.tensor(rows)
+            current = None
+            if objective.needs_current(fresh):
                 with timer.phase("phase1"):
-                    if fresh and log_ratio:
-                        scores = torch.zeros(len(rows))
-                    else:
-                        cur, _ = actor.logprobs(mbs, num, temperature=temperature)
-                        old = old_seq[idx].cpu() if log_ratio else None
-                        scores = compute_scores(cur[idx].cpu(), old, beta=lc.pacs_beta, score=lc.pacs_score,
-                                                response_lens=batch.response_lens[idx])  # fmt: skip
-                coeffs = torch.zeros(num)
-                coeffs[idx] = pacs_score_grads(scores, batch.rewards[idx], group_size=n, advantage=lc.pacs_advantage,
-                                               weights=lc.pacs_weights, normalizer=1.0)  # fmt: skip
-                spec.coeffs = coeffs
-                if spec.old_seq_logp is None and log_ratio:
-                    spec.old_seq_logp = torch.zeros(num)  # only the gradient of the surrogate matters here
-                parts.append(_phase1_metrics(scores, batch.rewards[idx], cfg))
+                    current = logprobs(mbs).seq
+            prepared = objective.prepare(
+                MiniBatch(
+                    rows=torch.tensor(rows),
+                    rewards=batch.rewards,
+                    response_lens=batch.response_lens,
+                    group_size=batch.group_size,
+                    fresh=fresh,
+                    old=None if fresh else old,
+                    current=current,
+                )
+            )
             with timer.phase("train"):
-                result = actor.train(mbs, spec, inject_nan=inject_nan)
-            parts.extend(r for r in result.reports if r)
-            skipped += result.skipped
-            if not result.skipped:
-                grad_norms.append(result.grad_norm)
+                result = actor.train(mbs, prepared.loss, temperature=temperature)
+            parts.extend(r for r in (prepared.metrics, *result.reports) if r)
+            results.append(result)
+    return _step_metrics(parts, results, objective.loss_key)
+
+
+def _step_metrics(parts: list[dict[str, torch.Tensor]], results: list[StepResult], loss_key: str) -> dict[str, float]:
     metrics = _reduce_over_ranks(parts)
-    metrics["train/optimizer_steps"] = float(len(minis) * bc.ppo_epochs - skipped)
+    skipped = sum(r.skipped for r in results)
+    grad_norms = [r.grad_norm for r in results if not r.skipped]
+    metrics["train/optimizer_steps"] = float(len(results) - skipped)
     metrics["train/skipped_steps"] = float(skipped)
     if grad_norms:
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    loss_key = "pacs/loss" if pacs else "grpo/loss"
     if loss_key in metrics:
         metrics["train/loss"] = metrics[loss_key]
     return metrics

@@ -9,7 +9,6 @@ PP broadcasts inside the exporter).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from megatron_pacs.algo.objectives import build_objective
 from megatron_pacs.config import TrainConfig
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
 from megatron_pacs.mcore.actor import Actor
-from megatron_pacs.mcore.optim import OptimConfig
-from megatron_pacs.mcore.parallel import ParallelConfig, destroy_parallel, init_parallel
+from megatron_pacs.mcore.optim import Trainable
+from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.rl_step import StepRollouts, collect_rollouts, train_on_batch
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer
@@ -31,9 +31,6 @@ from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer
 __all__ = ["Trainer"]
 
 log = get_logger("trainer")
-
-# Test hook: "RANK:STEP" injects a NaN into that rank's gradient at that training step (1-based).
-_NAN_HOOK = "MEGATRON_PACS_TEST_INJECT_NAN"
 
 
 class Trainer:
@@ -43,25 +40,12 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.cfg, self.val_rows = cfg, val_rows or {}
-        p = cfg.parallel
-        self.groups = init_parallel(
-            ParallelConfig(tensor_model_parallel_size=p.tensor_model_parallel_size,
-                           pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                           virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-                           sequence_parallel=p.sequence_parallel), seed=cfg.run.seed)  # fmt: skip
+        self.groups = init_parallel(cfg.parallel, seed=cfg.run.seed)
         self.rank = dist.get_rank()
         self.driver = self.rank == 0
         torch.manual_seed(cfg.run.seed)
-        o = cfg.optim
-        fp8 = {"fp8": cfg.model.fp8_format, "fp8_recipe": cfg.model.fp8_recipe} if cfg.model.fp8_format else None
-        self.actor = Actor(
-            cfg.model.hf_model, self.groups,
-            OptimConfig(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
-                        adam_eps=o.adam_eps, clip_grad=o.clip_grad, lr_warmup_steps=o.lr_warmup_steps,
-                        use_distributed_optimizer=o.use_distributed_optimizer, bf16=cfg.model.bf16),
-            dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32, recompute=cfg.model.recompute_activations,
-            spec=cfg.model.transformer_impl, fp8=fp8,
-        )  # fmt: skip
+        self.actor = Actor(cfg.model, self.groups, cfg.optim)
+        self.objective = build_objective(cfg.loss, cfg.batch)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
         self.log_dir = Path(cfg.run.log_dir)
         self.timer = PhaseTimer(cuda_sync=torch.cuda.is_available())
@@ -69,23 +53,24 @@ class Trainer:
         if self.driver:
             self._start_driver()
         self.writer: MetricsWriter | None = None
-        nan_hook = os.environ.get(_NAN_HOOK, "")
-        self._nan_at = tuple(int(x) for x in nan_hook.split(":")) if nan_hook else None
 
     def _start_driver(self) -> None:
         from megatron_pacs.rewards.scorer import RewardScorer
-        from megatron_pacs.rollout.fleet import FleetConfig, RolloutFleet
+        from megatron_pacs.rollout.fleet import RolloutFleet
 
         r, cfg = self.cfg.rollout, self.cfg
         # vLLM's "auto" runs fp32 checkpoints in half precision; default to the trainer's own dtype instead.
         dtype = r.rollout_dtype if r.rollout_dtype != "auto" else ("bfloat16" if cfg.model.bf16 else "float32")
-        self.scorer = RewardScorer(num_workers=cfg.run.reward_workers, timeout_s=cfg.run.reward_timeout)
-        self.fleet = RolloutFleet(FleetConfig(
-            model=cfg.model.hf_model, num_engines=r.num_engines, tensor_parallel_size=r.rollout_tensor_parallel_size,
-            dtype=dtype, max_model_len=cfg.batch.seq_length, seed=cfg.run.seed, ray_address=r.ray_address,
-            run_dir=str(self.log_dir), colocate=r.colocate, gpu_memory_utilization=r.gpu_memory_utilization,
-            kv_cache_gb=r.kv_cache_gb, bucket_mb=r.weight_sync_bucket_mb, progress=False,
-        ))  # fmt: skip
+        self.scorer = RewardScorer(num_workers=cfg.reward.reward_workers, timeout_s=cfg.reward.reward_timeout)
+        self.fleet = RolloutFleet(
+            r,
+            model=cfg.model.hf_model,
+            dtype=dtype,
+            max_model_len=cfg.batch.seq_length,
+            seed=cfg.run.seed,
+            run_dir=str(self.log_dir),
+            progress=False,
+        )
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -96,23 +81,37 @@ class Trainer:
             Every step's metrics of this run (on every rank).
         """
         cfg = self.cfg
-        start_step = self.resume(loader) if cfg.run.load else 0
-        self.writer = MetricsWriter(self.log_dir, enabled=self.driver, wandb_project=cfg.run.wandb_project,
-                                    wandb_name=cfg.run.wandb_exp_name, config=cfg.to_dict(),
-                                    total_steps=cfg.run.train_iters, start_step=start_step)  # fmt: skip
+        start_step = self.resume(loader) if cfg.checkpoint.load else 0
+        self.writer = MetricsWriter(
+            self.log_dir,
+            enabled=self.driver,
+            wandb_project=cfg.run.wandb_project,
+            wandb_name=cfg.run.wandb_exp_name,
+            config=cfg.to_dict(),
+            total_steps=cfg.run.train_iters,
+            start_step=start_step,
+        )
         history = []
-        if cfg.run.eval_interval and start_step == 0:
+        every = cfg.eval.eval_interval
+        if every and start_step == 0:
             self.writer.log(0, self.validate())
-        bar = tqdm(range(start_step, cfg.run.train_iters), desc="train", unit="step", disable=not self.driver,
-                   initial=start_step, total=cfg.run.train_iters)  # fmt: skip
+        bar = tqdm(
+            range(start_step, cfg.run.train_iters),
+            desc="train",
+            unit="step",
+            disable=not self.driver,
+            initial=start_step,
+            total=cfg.run.train_iters,
+        )
         for step in (s + 1 for s in bar):
             metrics = self.step(loader.next_batch(), step)
-            if cfg.run.eval_interval and (step % cfg.run.eval_interval == 0 or step == cfg.run.train_iters):
+            if every and (step % every == 0 or step == cfg.run.train_iters):
                 metrics.update(self.validate())
             self.writer.log(step, metrics)
             history.append(metrics)
             last = step == cfg.run.train_iters
-            if cfg.run.save and ((cfg.run.save_interval and step % cfg.run.save_interval == 0) or last):
+            ck = cfg.checkpoint
+            if ck.save and ((ck.save_interval and step % ck.save_interval == 0) or last):
                 self.save(step, loader)
             if self.driver:
                 bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', float('nan')):.3f}")
@@ -122,11 +121,18 @@ class Trainer:
         """One training step: rollouts, update, weight sync. Collective."""
         started = time.perf_counter()
         rollouts = self._rollouts(rows, step)
-        inject = self._nan_at is not None and self._nan_at == (self.rank, step)
-        metrics = train_on_batch(self.actor, rollouts.batch, self.cfg, self.groups, self.timer, inject_nan=inject)
+        metrics = train_on_batch(
+            self.actor,
+            rollouts.batch,
+            self.objective,
+            self.cfg.batch,
+            self.groups,
+            self.timer,
+            temperature=self.cfg.rollout.temperature,
+        )
         with self.timer.phase("sync"):
             sync = self.sync_weights()
-        if step == 1 or (self.cfg.run.eval_interval and step % self.cfg.run.eval_interval == 0):
+        if step == 1 or (self.cfg.eval.eval_interval and step % self.cfg.eval.eval_interval == 0):
             sync["sync/max_logprob_diff"] = self.check_sync(rollouts)
         elapsed = time.perf_counter() - started
         metrics.update(rollouts.metrics)
@@ -163,7 +169,7 @@ class Trainer:
         batch = rollouts.batch
         rows = list(range(min(num_probes, batch.num_responses)))
         mb = MicroBatch(*pad_rows(batch, rows))
-        _, tokens = self.actor.logprobs([mb], batch.num_responses, temperature=1.0, tokens=True)
+        tokens = self.actor.logprobs([mb], batch.num_responses, temperature=1.0, tokens=True).tokens
         diff = torch.zeros(1)
         if self.driver and tokens:
             probes = [batch.sequences[i] for i in rows]
@@ -178,16 +184,22 @@ class Trainer:
         from megatron_pacs.rollout.types import SamplingConfig
 
         started = time.perf_counter()
-        run = self.cfg.run
-        sampling = SamplingConfig(n=run.val_n, temperature=run.val_temperature, top_p=self.cfg.rollout.top_p,
-                                  max_tokens=self.cfg.batch.max_response_length, seed=run.seed,
-                                  stop_token_ids=[self.tokenizer.eos_token_id], logprobs=False)  # fmt: skip
+        ev = self.cfg.eval
+        sampling = SamplingConfig(
+            n=ev.val_n,
+            temperature=ev.val_temperature,
+            top_p=self.cfg.rollout.top_p,
+            max_tokens=self.cfg.batch.max_response_length,
+            seed=self.cfg.run.seed,
+            stop_token_ids=[self.tokenizer.eos_token_id],
+            logprobs=False,
+        )
         out = {}
         for source, rows in self.val_rows.items():
             prompts = [apply_chat_template(self.tokenizer, r.prompt) for r in rows]
             groups = self.fleet.generate(prompts, sampling)
             texts = [resp.text for g in groups for resp in g.responses]
-            scored = self.scorer.score(texts, [r.ground_truth for r in rows for _ in range(run.val_n)])
+            scored = self.scorer.score(texts, [r.ground_truth for r in rows for _ in range(ev.val_n)])
             out[f"val/{source}/reward_mean"] = sum(scored.scores) / max(1, len(scored.scores))
         out["perf/time/validate"] = time.perf_counter() - started
         return out
@@ -207,13 +219,20 @@ class Trainer:
         from megatron_pacs.mcore.train_checkpoint import save_training_checkpoint
 
         with self.timer.phase("save"):
-            meta = {"loader": loader.state_dict(), "lr_schedule": self.actor.optimizer.pacs_lr_schedule.state_dict(),
-                    "config": self.cfg.to_dict()}  # fmt: skip
-            path = save_training_checkpoint(self.cfg.run.save, step, self.actor.ddp_models, self.actor.optimizer,
-                                            meta, keep_last=self.cfg.run.keep_last)  # fmt: skip
-            if self.cfg.run.save_hf:
-                save_hf_checkpoint(self.actor.export_hf_weights(), path / "hf", side_files_from=self.cfg.model.hf_model,
-                                   progress=False)  # fmt: skip
+            ck, trainable = self.cfg.checkpoint, self._trainable()
+            meta = {
+                "loader": loader.state_dict(),
+                "lr_schedule": trainable.schedule.state_dict(),
+                "config": self.cfg.to_dict(),
+            }
+            assert ck.save is not None
+            path = save_training_checkpoint(
+                ck.save, step, trainable.models, trainable.optimizer, meta, keep_last=ck.keep_last
+            )
+            if ck.save_hf:
+                save_hf_checkpoint(
+                    self.actor.export_hf_weights(), path / "hf", side_files_from=self.cfg.model.hf_model, progress=False
+                )
         return path
 
     def resume(self, loader: PromptLoader) -> int:
@@ -222,16 +241,22 @@ class Trainer:
         from megatron_pacs.mcore.checkpoint import META_FILE
         from megatron_pacs.mcore.train_checkpoint import find_latest_checkpoint, load_training_checkpoint
 
-        root = Path(self.cfg.run.load)
+        assert self.cfg.checkpoint.load is not None
+        root = Path(self.cfg.checkpoint.load)
         ckpt = root if (root / META_FILE).is_file() else find_latest_checkpoint(root)
         if ckpt is None:
             log.info("--load %s holds no complete checkpoint yet: starting from --hf-model", root)
             return 0
-        meta = load_training_checkpoint(ckpt, self.actor.ddp_models, self.actor.optimizer)
+        trainable = self._trainable()
+        meta = load_training_checkpoint(ckpt, trainable.models, trainable.optimizer)
         loader.load_state_dict(meta["loader"])
-        self.actor.optimizer.pacs_lr_schedule.load_state_dict(meta["lr_schedule"])
+        trainable.schedule.load_state_dict(meta["lr_schedule"])
         self.sync_weights()
         return int(meta["step"])
+
+    def _trainable(self) -> Trainable:
+        assert self.actor.trainable is not None, "the trainer's actor always has an optimizer"
+        return self.actor.trainable
 
     # -- teardown ----------------------------------------------------------------------------------------------
 

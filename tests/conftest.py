@@ -18,7 +18,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """A byte-level BPE tokenizer with a ChatML template, trained and saved locally."""
-    from megatron_pacs.tiny import build_tokenizer
+    from megatron_pacs.demo.tiny import build_tokenizer
 
     path = tmp_path_factory.mktemp("tiny_tokenizer")
     build_tokenizer(vocab_size=512).save_pretrained(path)
@@ -30,8 +30,8 @@ def make_rl_setup(root: Path, *, tied: bool, num_problems: int) -> Path:
     arithmetic problems under ``root``: what the trainer, resume and fleet-backed tests start from."""
     import json
 
-    from megatron_pacs.demo_task import make_problems
-    from megatron_pacs.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
+    from megatron_pacs.demo.task import make_problems
+    from megatron_pacs.demo.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
 
     tok = build_tokenizer(vocab_size=512)
     cfg = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=128, heads=4, kv_heads=2, tied=tied)

@@ -26,16 +26,44 @@ def setup(tmp_path_factory):
 
 
 def _train(root, name, *extra, world=1):
-    flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), "--global-batch-size", "4",
-             "--ppo-mini-batch-size", "2", "--group-size", "4", "--micro-batch-size", "8",
-             "--max-response-length", "12", "--max-prompt-length", "96", "--lr", "1e-3", "--reward-workers", "1",
-             "--log-dir", str(root / name), *extra]  # fmt: skip
+    flags = [
+        "--hf-model",
+        str(root / "model"),
+        "--train-data",
+        str(root / "train.jsonl"),
+        "--global-batch-size",
+        "4",
+        "--ppo-mini-batch-size",
+        "2",
+        "--group-size",
+        "4",
+        "--micro-batch-size",
+        "8",
+        "--max-response-length",
+        "12",
+        "--max-prompt-length",
+        "96",
+        "--lr",
+        "1e-3",
+        "--reward-workers",
+        "1",
+        "--log-dir",
+        str(root / name),
+        *extra,
+    ]
     launcher = [sys.executable, "-m", "megatron_pacs.train"]
     if world > 1:
-        from megatron_pacs.mcore.launch import free_port
+        from megatron_pacs.utils.launch import free_port
 
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                    f"--master-port={free_port()}", "-m", "megatron_pacs.train"]  # fmt: skip
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={world}",
+            f"--master-port={free_port()}",
+            "-m",
+            "megatron_pacs.train",
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([*launcher, *flags], capture_output=True, text=True, timeout=900, env=env, cwd=root)
     assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
@@ -56,8 +84,9 @@ def test_resume_equals_continuous_and_ignores_interrupted_writes(setup):
     (root / "ckpt_b" / ".iter_0000003.tmp-crash").mkdir()
     (root / "ckpt_b" / "iter_0000003").mkdir()
     (root / "ckpt_b" / "iter_0000003" / "__0_0.distcp").write_bytes(b"partial")
-    history = _train(root, "split", "--train-iters", "4", "--save", str(root / "ckpt_b"), "--load",
-                     str(root / "ckpt_b"), "--save-hf")  # fmt: skip
+    history = _train(
+        root, "split", "--train-iters", "4", "--save", str(root / "ckpt_b"), "--load", str(root / "ckpt_b"), "--save-hf"
+    )
     assert [m["step"] for m in history][-2:] == [3, 4]
     a = _weights(root / "ckpt_a" / "iter_0000004" / "hf")
     b = _weights(root / "ckpt_b" / "iter_0000004" / "hf")
@@ -73,8 +102,17 @@ def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup):
     root = setup
     ckpt = root / "ckpt_a" / "iter_0000004"
     out = root / "converted"
-    cmd = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "mcore-to-hf", "--load", str(ckpt),
-           "--hf-config", str(root / "model"), "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "convert_checkpoint.py"),
+        "mcore-to-hf",
+        "--load",
+        str(ckpt),
+        "--hf-config",
+        str(root / "model"),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     saved, converted = _weights(ckpt / "hf"), _weights(out)
@@ -88,10 +126,20 @@ def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup):
 
 def test_checkpoint_saved_at_tp2_resumes_at_tp1(setup):
     root = setup
-    _train(root, "tp2", "--train-iters", "2", "--save", str(root / "ckpt_tp2"), "--tensor-model-parallel-size", "2",
-           world=2)  # fmt: skip
-    history = _train(root, "tp2", "--train-iters", "3", "--save", str(root / "ckpt_tp2"), "--load",
-                     str(root / "ckpt_tp2"))  # fmt: skip
+    _train(
+        root,
+        "tp2",
+        "--train-iters",
+        "2",
+        "--save",
+        str(root / "ckpt_tp2"),
+        "--tensor-model-parallel-size",
+        "2",
+        world=2,
+    )
+    history = _train(
+        root, "tp2", "--train-iters", "3", "--save", str(root / "ckpt_tp2"), "--load", str(root / "ckpt_tp2")
+    )
     assert history[-1]["step"] == 3 and history[-1]["train/skipped_steps"] == 0.0
     meta = json.loads((root / "ckpt_tp2" / "iter_0000003" / "megatron_pacs.json").read_text())
     assert meta["step"] == 3 and meta["world_size"] == 1 and meta["loader"]["position"] == 12

@@ -30,8 +30,17 @@ def work(tmp_path_factory):
     root = make_rl_setup(tmp_path_factory.mktemp("trainer"), tied=True, num_problems=8)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for mode in ("rollouts", "tp2"):
-        cmd = [sys.executable, str(HERE / "trainer_checks.py"), mode, "--model", str(root / "model"),
-               "--data", str(root / "train.jsonl"), "--out", str(root)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(HERE / "trainer_checks.py"),
+            mode,
+            "--model",
+            str(root / "model"),
+            "--data",
+            str(root / "train.jsonl"),
+            "--out",
+            str(root),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     return root
@@ -58,8 +67,12 @@ def _reference(model_dir, batch, group_size=4, mini_prompts=2, lr=1e-3, wd=0.01)
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
     assert len(decay) + len(no_decay) == len(params)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.999), eps=1e-6)  # fmt: skip
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+    )
     with torch.no_grad():
         old = _seq_logp(model, batch, range(batch.num_responses))
     per_mini = mini_prompts * group_size

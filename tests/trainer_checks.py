@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_pacs.mcore.launch import ensure_world
+from megatron_pacs.utils.launch import ensure_world
 
 # Adam divides by sqrt(v) + eps: with a tiny eps, parameters whose gradient is at rounding level (1e-9) get a
 # full-size step of either sign; a larger eps keeps the comparison about the gradient, not about rounding.
@@ -33,11 +33,12 @@ VARIANTS = {
 def _config(args, **batch):
     from megatron_pacs.config import (
         BatchConfig,
+        DataConfig,
         LossConfig,
         ModelConfig,
-        OptimArgs,
-        ParallelArgs,
-        RolloutArgs,
+        OptimConfig,
+        ParallelConfig,
+        RewardConfig,
         RunConfig,
         TrainConfig,
     )
@@ -46,28 +47,34 @@ def _config(args, **batch):
     b.update(batch)
     return TrainConfig(
         model=ModelConfig(hf_model=args.model),
-        parallel=ParallelArgs(tensor_model_parallel_size=args.tp),
+        parallel=ParallelConfig(tensor_model_parallel_size=args.tp),
         batch=BatchConfig(**b),
-        optim=OptimArgs(lr=1e-3, weight_decay=0.01, adam_eps=ADAM_EPS),
+        optim=OptimConfig(lr=1e-3, weight_decay=0.01, adam_eps=ADAM_EPS),
         loss=LossConfig(loss=args.loss),
-        rollout=RolloutArgs(kv_cache_gb=1.0),
-        run=RunConfig(train_data=[args.data], log_dir=str(Path(args.out) / "run"), reward_workers=1),
-    )  # fmt: skip
+        data=DataConfig(train_data=[args.data]),
+        reward=RewardConfig(reward_workers=1),
+        run=RunConfig(log_dir=str(Path(args.out) / "run")),
+    )
 
 
 def _weights(actor) -> dict[str, torch.Tensor]:
     return {n: t.detach().float().clone() for n, t in actor.export_hf_weights()}
 
 
-def _train(cfg, groups, batch, inject_nan=False):
+def _train(cfg, groups, batch, poison=False):
+    """Train ``batch`` with a fresh actor; ``poison`` makes this rank's gradient NaN (tests/faults.py)."""
+    from faults import poison_gradient
+
+    from megatron_pacs.algo.objectives import build_objective
     from megatron_pacs.mcore.actor import Actor
-    from megatron_pacs.mcore.optim import OptimConfig
     from megatron_pacs.rl_step import train_on_batch
     from megatron_pacs.utils.metrics import PhaseTimer
 
-    o = cfg.optim
-    actor = Actor(cfg.model.hf_model, groups, OptimConfig(lr=o.lr, weight_decay=o.weight_decay, adam_eps=o.adam_eps))
-    metrics = train_on_batch(actor, batch, cfg, groups, PhaseTimer(), inject_nan=inject_nan)
+    actor = Actor(cfg.model, groups, cfg.optim)
+    if poison:
+        poison_gradient(actor.models)
+    objective = build_objective(cfg.loss, cfg.batch)
+    metrics = train_on_batch(actor, batch, objective, cfg.batch, groups, PhaseTimer(), temperature=1.0)
     return _weights(actor), metrics
 
 
@@ -102,13 +109,15 @@ def main() -> int:
             longest = max(len(s) for s in batch.sequences)
             VARIANTS["budget_split"] = (False, 8, 3 * longest)  # 3 rows per micro-batch: groups of 4 split
             for name, (keep, mbs, budget) in VARIANTS.items():
-                vcfg = _config(args, keep_groups_in_microbatch=keep, micro_batch_size=mbs,
-                               max_tokens_per_microbatch=budget)  # fmt: skip
+                vcfg = _config(
+                    args, keep_groups_in_microbatch=keep, micro_batch_size=mbs, max_tokens_per_microbatch=budget
+                )
                 weights, metrics = _train(vcfg, trainer.groups, batch)
                 torch.save(weights, out / f"weights_{name}.pt")
                 results[name] = metrics
     else:
-        from megatron_pacs.mcore.parallel import ParallelConfig, destroy_parallel, init_parallel
+        from megatron_pacs.config import ParallelConfig
+        from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 
         cfg = _config(args)
         groups = init_parallel(ParallelConfig(tensor_model_parallel_size=2))
@@ -116,7 +125,7 @@ def main() -> int:
         weights, results["tp2"] = _train(cfg, groups, batch)
         if dist.get_rank() == 0:
             torch.save(weights, out / "weights_tp2.pt")
-        nan_weights, results["nan"] = _train(cfg, groups, batch, inject_nan=dist.get_rank() == 1)
+        nan_weights, results["nan"] = _train(cfg, groups, batch, poison=dist.get_rank() == 1)
         if dist.get_rank() == 0:
             torch.save(nan_weights, out / "weights_nan.pt")
         destroy_parallel()

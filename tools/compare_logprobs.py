@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from megatron_pacs.mcore.launch import ensure_world
+from megatron_pacs.utils.launch import ensure_world
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -63,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from megatron_pacs.config import ParallelConfig
     from megatron_pacs.mcore.forward import token_logprobs
     from megatron_pacs.mcore.model import build_gpt_model
-    from megatron_pacs.mcore.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
     from megatron_pacs.mcore.weights import load_hf_weights
 
     groups = init_parallel(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_pacs.mcore.launch import ensure_world
+from megatron_pacs.utils.launch import ensure_world
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -54,7 +54,8 @@ def _check_output(out: str, force: bool) -> None:
 def _setup(args):
     from transformers import AutoConfig
 
-    from megatron_pacs.mcore.parallel import ParallelConfig, init_parallel
+    from megatron_pacs.config import ParallelConfig
+    from megatron_pacs.mcore.parallel import init_parallel
 
     groups = init_parallel(
         ParallelConfig(

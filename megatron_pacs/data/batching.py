@@ -45,9 +45,9 @@ class RolloutBatch:
         return len(self.sequences) // self.group_size
 
 
-def mini_batch_rows(num_prompts: int, group_size: int, mini_batch_prompts: int, dp_rank: int, dp_size: int) -> list[
-    list[int]
-]:  # fmt: skip
+def mini_batch_rows(
+    num_prompts: int, group_size: int, mini_batch_prompts: int, dp_rank: int, dp_size: int
+) -> list[list[int]]:
     """This DP rank's response rows for each mini-batch.
 
     Mini-batch m holds prompts ``[m * M, (m + 1) * M)``; DP rank r takes the r-th contiguous block of ``M / DP``
@@ -57,8 +57,10 @@ def mini_batch_rows(num_prompts: int, group_size: int, mini_batch_prompts: int, 
         One list of response indices per mini-batch.
     """
     if num_prompts % mini_batch_prompts or mini_batch_prompts % dp_size:
-        raise ValueError(f"{num_prompts} prompts cannot form mini-batches of {mini_batch_prompts} prompts split "
-                         f"over {dp_size} data-parallel ranks")  # fmt: skip
+        raise ValueError(
+            f"{num_prompts} prompts cannot form mini-batches of {mini_batch_prompts} prompts split "
+            f"over {dp_size} data-parallel ranks"
+        )
     per_rank = mini_batch_prompts // dp_size
     rows = []
     for start in range(0, num_prompts, mini_batch_prompts):

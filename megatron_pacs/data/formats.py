@@ -25,7 +25,7 @@ from typing import Any
 
 from megatron_pacs.data.prompts import PromptRow, build_messages
 
-__all__ = ["BadRowError", "read_prompt_rows", "read_records", "to_prompt_row", "write_rows"]
+__all__ = ["BadRowError", "normalize_ground_truth", "read_prompt_rows", "read_records", "to_prompt_row", "write_rows"]
 
 QUESTION_KEYS = ("problem", "Problem", "question", "Question")
 ANSWER_KEYS = ("answer", "Answer", "final_answer", "ground_truth")
@@ -80,9 +80,24 @@ def _first(rec: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]
     return None, None
 
 
-def _answer_text(value: Any, where: str) -> str:
-    from megatron_pacs.rewards.math_verify import normalize_ground_truth
+def normalize_ground_truth(ground_truth: Any) -> str:
+    """A ground truth as a string: ints as written, integral floats without ``.0`` (AMC's ``27.0`` -> ``27``).
 
+    Raises:
+        TypeError: for anything but str, int or float.
+    """
+    if isinstance(ground_truth, bool):
+        raise TypeError(f"ground truth must be a string or a number, got bool {ground_truth!r}")
+    if isinstance(ground_truth, int):
+        return str(ground_truth)
+    if isinstance(ground_truth, float):
+        return str(int(ground_truth)) if ground_truth.is_integer() else repr(ground_truth)
+    if isinstance(ground_truth, str):
+        return ground_truth.strip()
+    raise TypeError(f"ground truth must be a string or a number, got {type(ground_truth).__name__}")
+
+
+def _answer_text(value: Any, where: str) -> str:
     if isinstance(value, str) and "####" in value:  # GSM8K: the final answer follows '####'
         value = value.split("####")[-1].strip().replace(",", "")
     try:

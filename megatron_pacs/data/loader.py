@@ -22,8 +22,9 @@ class PromptLoader(Generic[T]):
 
     def __init__(self, items: Sequence[T], batch_size: int, seed: int) -> None:
         if batch_size > len(items):
-            raise ValueError(f"--global-batch-size {batch_size} exceeds the {len(items)} training prompts; lower it "
-                             "or add data")  # fmt: skip
+            raise ValueError(
+                f"--global-batch-size {batch_size} exceeds the {len(items)} training prompts; lower it or add data"
+            )
         self.items, self.batch_size, self.seed = items, batch_size, seed
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)

@@ -7,10 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_pacs.config import DataConfig
 from megatron_pacs.data.formats import read_prompt_rows, write_rows
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
+from megatron_pacs.utils.logging import get_logger
 
-__all__ = ["PrepareReport", "filter_by_prompt_length", "prepare_dataset"]
+__all__ = ["PrepareReport", "filter_by_prompt_length", "load_prompts", "prepare_dataset"]
+
+log = get_logger("data")
 
 
 @dataclass
@@ -35,6 +39,32 @@ def filter_by_prompt_length(
         raise ValueError(f"max_prompt_length={max_prompt_length} must be > 0 tokens")
     kept = [r for r in rows if len(apply_chat_template(tokenizer, r.prompt)) <= max_prompt_length]
     return kept, len(rows) - len(kept)
+
+
+def load_prompts(
+    data: DataConfig, tokenizer: Any, max_prompt_length: int
+) -> tuple[list[PromptRow], dict[str, list[PromptRow]]]:
+    """A run's training rows and its validation rows per source, prompts over ``max_prompt_length`` dropped.
+
+    Args:
+        data: ``--train-data`` and ``--val-data`` files.
+        tokenizer: The model's tokenizer (its chat template decides prompt lengths).
+        max_prompt_length: ``--max-prompt-length``.
+
+    Returns:
+        ``(train_rows, {source: val_rows})`` with the source named after each validation file's stem.
+    """
+
+    def read(path: str) -> list[PromptRow]:
+        rows, _ = read_prompt_rows(path)
+        kept, dropped = filter_by_prompt_length(rows, tokenizer, max_prompt_length)
+        if dropped:
+            log.warning("%s: dropped %d prompts longer than --max-prompt-length %d", path, dropped, max_prompt_length)
+        return kept
+
+    train = [row for path in data.train_data for row in read(path)]
+    val = {Path(path).stem: read(path) for path in data.val_data}
+    return train, val
 
 
 def prepare_dataset(

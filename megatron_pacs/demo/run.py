@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -25,12 +24,33 @@ from megatron_pacs.utils.logging import get_logger
 
 log = get_logger("demo")
 
-# The model, task and warm-up recipe live in megatron_pacs/demo_task.py (calibrated: T=1 accuracy ~0.3 after it).
+# The model, task and warm-up recipe live in megatron_pacs/demo/task.py (calibrated: T=1 accuracy ~0.3 after it).
 RL_FLAGS = [
-    "--global-batch-size", "16", "--group-size", "8", "--ppo-mini-batch-size", "8", "--micro-batch-size", "64",
-    "--max-prompt-length", "96", "--max-response-length", "24", "--lr", "2e-4", "--weight-decay", "0.0",
-    "--pacs-beta", "1.0", "--temperature", "1.0", "--reward-workers", "1", "--eval-interval", "10",
-]  # fmt: skip
+    "--global-batch-size",
+    "16",
+    "--group-size",
+    "8",
+    "--ppo-mini-batch-size",
+    "8",
+    "--micro-batch-size",
+    "64",
+    "--max-prompt-length",
+    "96",
+    "--max-response-length",
+    "24",
+    "--lr",
+    "2e-4",
+    "--weight-decay",
+    "0.0",
+    "--pacs-beta",
+    "1.0",
+    "--temperature",
+    "1.0",
+    "--reward-workers",
+    "1",
+    "--eval-interval",
+    "10",
+]
 
 
 def _write_jsonl(rows: list[dict], path: Path) -> None:
@@ -41,21 +61,26 @@ def _write_jsonl(rows: list[dict], path: Path) -> None:
 
 def warm_up(out: Path, seed: int) -> Path:
     """Tokenizer + tiny model + supervised warm-up; reused when ``out/warm`` already holds one."""
-    from megatron_pacs import demo_task
-    from megatron_pacs.mcore.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from megatron_pacs.mcore.sft import sft_warmup
-    from megatron_pacs.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
+    from megatron_pacs.config import ParallelConfig
+    from megatron_pacs.demo import task as demo_task
+    from megatron_pacs.demo.sft import sft_warmup
+    from megatron_pacs.demo.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
+    from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 
     warm = out / "warm"
     if (warm / "config.json").is_file() and (warm / "model.safetensors").is_file():
         log.info("demo: reusing the warmed-up model in %s", warm)
         return warm
     base = out / "base"
-    tok = build_tokenizer(demo_task.DEMO_MODEL["vocab_size"], corpus=demo_task.tokenizer_corpus(seed=seed),
-                          split_digits=True)  # fmt: skip
+    tok = build_tokenizer(
+        demo_task.DEMO_MODEL["vocab_size"], corpus=demo_task.tokenizer_corpus(seed=seed), split_digits=True
+    )
     build_tiny_model(str(base), tiny_hf_config(**demo_task.DEMO_MODEL), seed=seed, tokenizer=tok, perturb_norms=False)
-    rows = demo_task.sft_rows(demo_task.make_problems(demo_task.DEMO_SFT_ROWS, seed=seed, split="train"),
-                              correct_prob=demo_task.DEMO_CORRECT_PROB, seed=seed)  # fmt: skip
+    rows = demo_task.sft_rows(
+        demo_task.make_problems(demo_task.DEMO_SFT_ROWS, seed=seed, split="train"),
+        correct_prob=demo_task.DEMO_CORRECT_PROB,
+        seed=seed,
+    )
     eval_rows = demo_task.sft_rows(demo_task.make_problems(64, seed=seed, split="val"), correct_prob=1.0, seed=seed)
     groups = init_parallel(ParallelConfig(), seed=seed)
     started = time.perf_counter()
@@ -65,23 +90,47 @@ def warm_up(out: Path, seed: int) -> Path:
     if losses:
         estimates = result.get("sampled_acc_est") or [(0, float("nan"))]  # [(step, estimated T=1 accuracy)]
         acc = float(estimates[-1][-1])
-        log.info("demo: warm-up %d steps in %.0fs, loss %.3f -> %.3f, estimated T=1 accuracy %.2f", len(losses),
-                 time.perf_counter() - started, losses[0], losses[-1], acc)  # fmt: skip
+        log.info(
+            "demo: warm-up %d steps in %.0fs, loss %.3f -> %.3f, estimated T=1 accuracy %.2f",
+            len(losses),
+            time.perf_counter() - started,
+            losses[0],
+            losses[-1],
+            acc,
+        )
     return warm
 
 
 def run_rl(model: Path, data: tuple[Path, Path], run_dir: Path, loss: str, steps: int, seed: int) -> list[float]:
     """Train ``model`` with ``loss`` for ``steps`` steps; returns the per-step mean rollout reward."""
+    from transformers import AutoTokenizer
+
     from megatron_pacs.config import parse_config
     from megatron_pacs.data.loader import PromptLoader
-    from megatron_pacs.train import load_prompts
+    from megatron_pacs.data.prepare import load_prompts
     from megatron_pacs.trainer import Trainer
 
-    flags = [*RL_FLAGS, "--hf-model", str(model), "--train-data", str(data[0]), "--val-data", str(data[1]),
-             "--train-iters", str(steps), "--seed", str(seed), "--loss", loss, "--log-dir", str(run_dir)]  # fmt: skip
+    flags = [
+        *RL_FLAGS,
+        "--hf-model",
+        str(model),
+        "--train-data",
+        str(data[0]),
+        "--val-data",
+        str(data[1]),
+        "--train-iters",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--loss",
+        loss,
+        "--log-dir",
+        str(run_dir),
+    ]
     cfg = parse_config(flags)
     cfg.validate(1)
-    train_rows, val_rows = load_prompts(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
+    train_rows, val_rows = load_prompts(cfg.data, tokenizer, cfg.batch.max_prompt_length)
     loader = PromptLoader(train_rows, cfg.batch.global_batch_size, seed=seed)
     with Trainer(cfg, val_rows) as trainer:
         history = trainer.fit(loader)
@@ -107,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     out = Path(args.out or ("runs/demo-compare" if args.compare else "runs/demo"))
     out.mkdir(parents=True, exist_ok=True)
-    from megatron_pacs import demo_task
+    from megatron_pacs.demo import task as demo_task
 
     data = (out / "train.jsonl", out / "val.jsonl")
     _write_jsonl(demo_task.make_problems(640, seed=args.seed, split="train"), data[0])
@@ -126,15 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_pacs.utils.plot import plot_runs
 
     labels = list(summary)
-    plot_runs([out / loss for loss in labels], out / "reward_curve.png", keys=["rollout/reward_mean"],
-              labels=[label.upper() for label in labels])  # fmt: skip
+    plot_runs(
+        [out / loss for loss in labels],
+        out / "reward_curve.png",
+        keys=["rollout/reward_mean"],
+        labels=[label.upper() for label in labels],
+    )
     main_run = summary["pacs"]
-    result = {"first5_reward_mean": main_run["first5_reward_mean"], "last5_reward_mean": main_run["last5_reward_mean"],
-              "wall_s": time.perf_counter() - started, "steps": args.steps, "runs": summary}  # fmt: skip
+    result = {
+        "first5_reward_mean": main_run["first5_reward_mean"],
+        "last5_reward_mean": main_run["last5_reward_mean"],
+        "wall_s": time.perf_counter() - started,
+        "steps": args.steps,
+        "runs": summary,
+    }
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"\nwrote {out / 'summary.json'} and {out / 'reward_curve.png'} (wall {result['wall_s']:.0f}s)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

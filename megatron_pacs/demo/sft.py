@@ -20,11 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_pacs.config import OptimConfig
 from megatron_pacs.data.prompts import apply_chat_template, build_messages
 from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
 from megatron_pacs.mcore.forward import MicroBatch, make_micro_batches, model_token_logprobs, sequence_logprobs
 from megatron_pacs.mcore.model import build_gpt_model
-from megatron_pacs.mcore.optim import OptimConfig, build_trainable, masked_sum_and_count, train_step
+from megatron_pacs.mcore.optim import build_trainable, masked_sum_and_count, train_step
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 
@@ -174,9 +175,14 @@ def sft_warmup(
     models = build_gpt_model(hf_config, groups, calculate_per_token_loss=True)
     load_hf_weights(models, str(hf_dir_in), groups, hf_config)
     decay_steps = max(steps - lr_warmup_steps, 1) if lr_decay else 0
-    cfg = OptimConfig(lr=lr, weight_decay=weight_decay, adam_beta2=adam_beta2, lr_warmup_steps=lr_warmup_steps,
-                      lr_decay_steps=decay_steps)  # fmt: skip
-    ddp_models, optimizer = build_trainable(models, groups, cfg)
+    cfg = OptimConfig(
+        lr=lr,
+        weight_decay=weight_decay,
+        adam_beta2=adam_beta2,
+        lr_warmup_steps=lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+    )
+    trainable = build_trainable(models, groups, cfg)
     loss_fn = _nll_loss_fn(groups.tp_group)
     local = batch_size // groups.dp_size
     evaluate = _accuracy_estimator(tokenizer, eval_rows, groups, micro_batch_size) if eval_rows else None
@@ -185,7 +191,7 @@ def sft_warmup(
         mine = idx[groups.dp_rank * local : (groups.dp_rank + 1) * local]
         length = int(score_mask[mine].any(0).nonzero().max()) + 1  # responses end their rows
         micro_batches = make_micro_batches(tokens[mine, :length], score_mask[mine, :length], micro_batch_size)
-        result = train_step(ddp_models, optimizer, groups, micro_batches, loss_fn)
+        result = train_step(trainable, micro_batches, loss_fn)
         skipped += int(result.skipped)
         losses.append(_global_mean_loss(result.reports, groups))
         if evaluate is not None and (step % eval_every == 0 or step == steps):
@@ -198,7 +204,15 @@ def sft_warmup(
         Path(hf_dir_out).parent.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     with torch.no_grad():  # the export's collectives must not enter the parameters' autograd history
-        save_hf_checkpoint(export_hf_weights(models, groups, hf_config), hf_dir_out, side_files_from=hf_dir_in,
-                           progress=False)  # fmt: skip
-    return {"loss": losses, "first_loss": losses[0], "final_loss": losses[-1], "steps": len(losses),
-            "skipped_steps": skipped, "time_s": time.perf_counter() - start, "sampled_acc_est": estimates}  # fmt: skip
+        save_hf_checkpoint(
+            export_hf_weights(models, groups, hf_config), hf_dir_out, side_files_from=hf_dir_in, progress=False
+        )
+    return {
+        "loss": losses,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "steps": len(losses),
+        "skipped_steps": skipped,
+        "time_s": time.perf_counter() - start,
+        "sampled_acc_est": estimates,
+    }

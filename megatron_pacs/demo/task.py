@@ -9,7 +9,7 @@ The problem space is split once, by a stable hash of the problem text, into ``tr
 share a problem, whatever the seeds. Pure Python (no torch, no Megatron).
 
 Calibration (``DEMO_*`` below): a random 2-layer Qwen2 model with a digit-level tokenizer, warmed up with
-:func:`megatron_pacs.mcore.sft.sft_warmup` on :func:`sft_rows` with ``correct_prob=0.5`` until the estimated
+:func:`megatron_pacs.demo.sft.sft_warmup` on :func:`sft_rows` with ``correct_prob=0.5`` until the estimated
 temperature-1 accuracy reaches 0.3 (about 650 steps, 35 s on one CPU thread), samples the right answer about 30%
 of the time at temperature 1 (greedy: about 57%), so RL has a reward signal in most groups of 8 and room to
 sharpen the policy. Measured on held-out problems, 64 x 8 samples, four seeds: 0.285 to 0.33.
@@ -51,7 +51,7 @@ VAL_FRACTION = 0.2
 OPERATIONS: dict[str, tuple[float, str, tuple[int, int], tuple[int, int]]] = {
     "add": (1.0, "+", (10, 99), (1, 9)),
 }
-#: ``megatron_pacs.tiny.tiny_hf_config(**DEMO_MODEL)``: about 107k parameters; use ``build_tiny_model(...,
+#: ``megatron_pacs.demo.tiny.tiny_hf_config(**DEMO_MODEL)``: about 107k parameters; use ``build_tiny_model(...,
 #: perturb_norms=False)`` and ``build_tokenizer(DEMO_MODEL["vocab_size"], corpus=tokenizer_corpus(),
 #: split_digits=True)``.
 DEMO_MODEL: dict[str, Any] = {
@@ -66,8 +66,16 @@ DEMO_MODEL: dict[str, Any] = {
 #: DEMO_CORRECT_PROB)``; ``sft_warmup(**DEMO_SFT)`` with ``eval_rows`` of 64 clean ``val`` rows.
 DEMO_SFT_ROWS = 640
 DEMO_CORRECT_PROB = 0.5
-DEMO_SFT: dict[str, Any] = {"steps": 1500, "lr": 3e-3, "batch_size": 32, "micro_batch_size": 32, "lr_warmup_steps": 50,
-                            "adam_beta2": 0.95, "eval_every": 50, "stop_at": 0.3}  # fmt: skip
+DEMO_SFT: dict[str, Any] = {
+    "steps": 1500,
+    "lr": 3e-3,
+    "batch_size": 32,
+    "micro_batch_size": 32,
+    "lr_warmup_steps": 50,
+    "adam_beta2": 0.95,
+    "eval_every": 50,
+    "stop_at": 0.3,
+}
 _PROBLEM_RE = re.compile(r"^What is (\d+) ([+\-*]) (\d+)\?$")
 
 

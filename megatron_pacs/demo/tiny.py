@@ -127,8 +127,14 @@ def tiny_hf_config(
     if family == "qwen3":
         return Qwen3Config(rope_theta=1_000_000.0, head_dim=hidden // heads, **common)
     if family == "llama":
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192, "rope_theta": 500_000.0}  # fmt: skip
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 500_000.0,
+        }
         return LlamaConfig(rope_parameters=scaling, **common)
     raise ValueError(f"family={family!r} is not one of ['qwen2', 'qwen3', 'llama']")
 

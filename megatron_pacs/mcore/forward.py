@@ -65,8 +65,9 @@ def model_token_logprobs(
     output: torch.Tensor, mb: MicroBatch, tp_group: dist.ProcessGroup, temperature: float = 1.0
 ) -> torch.Tensor:
     """``[b, L - 1]`` log-prob of ``tokens[:, 1:]`` from the last stage's logits ``[b, L, Vp]``."""
-    return vocab_parallel_logprobs(output[:, :-1], mb.tokens[:, 1:].to(output.device), tp_group,
-                                   temperature=temperature)  # fmt: skip
+    return vocab_parallel_logprobs(
+        output[:, :-1], mb.tokens[:, 1:].to(output.device), tp_group, temperature=temperature
+    )
 
 
 def _forward_step_factory(loss_fn: LossFn):

@@ -20,8 +20,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_pacs.config import ParallelConfig
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
-from megatron_pacs.mcore.parallel import ParallelConfig, ParallelGroups
+from megatron_pacs.mcore.parallel import ParallelGroups
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "build_gpt_model", "hf_to_transformer_config", "rope_settings", "te_available"]
 
@@ -81,21 +82,24 @@ class SDPAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):  # fmt: skip
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("the SDPA attention spec supports neither packed sequences nor attention bias")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         mask_type = attn_mask_type or self.attn_mask_type
         causal = mask_type == AttnMaskType.causal and (attention_mask is None or q.shape[2] == k.shape[2])
         out = F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             attn_mask=None if causal else ~attention_mask,
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=causal,
             scale=self.scale,
             enable_gqa=k.shape[1] != q.shape[1],
-        )  # fmt: skip
+        )
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 

@@ -42,53 +42,12 @@ from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
+from megatron_pacs.config import OptimConfig
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.forward import LossFn, MicroBatch, run_schedule
 from megatron_pacs.mcore.parallel import ParallelGroups
 
-__all__ = ["LRSchedule", "OptimConfig", "StepResult", "build_trainable", "masked_sum_and_count", "train_step"]
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    """AdamW (decoupled weight decay) through Megatron's optimizer; fp32 main params and gradients."""
-
-    lr: float
-    """Peak learning rate (reached after the warm-up, then constant)."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay of matrices; biases and 1-D parameters (norms) get none."""
-    adam_beta1: float = 0.9
-    """Adam first-moment decay."""
-    adam_beta2: float = 0.999
-    """Adam second-moment decay."""
-    adam_eps: float = 1e-8
-    """Adam denominator epsilon."""
-    clip_grad: float = 0.0
-    """Clip the global gradient norm to this value; 0 turns clipping off."""
-    lr_warmup_steps: int = 0
-    """Optimizer steps of linear warm-up (step k of the warm-up uses ``lr * (k + 1) / lr_warmup_steps``)."""
-    lr_decay_steps: int = 0
-    """After the warm-up, decay linearly towards 0 over this many steps (0: constant, as PACS and GRPO use)."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer; GPU only)."""
-    bf16: bool = False
-    """The model is bf16 (build it with ``dtype=torch.bfloat16``); fp32 main params in the optimizer (GPU only)."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
-        if not self.adam_eps > 0:
-            raise ValueError(f"adam_eps={self.adam_eps} must be > 0")
-        if self.clip_grad < 0:
-            raise ValueError(f"clip_grad={self.clip_grad} must be >= 0 (0 turns clipping off)")
-        for name in ("lr_warmup_steps", "lr_decay_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+__all__ = ["LRSchedule", "StepResult", "Trainable", "build_trainable", "masked_sum_and_count", "train_step"]
 
 
 @dataclass
@@ -132,19 +91,34 @@ class StepResult:
     lr: float = 0.0
 
 
+@dataclass
+class Trainable:
+    """Model chunks in Megatron DDP with their optimizer and learning-rate schedule (from :func:`build_trainable`).
+
+    Attributes:
+        models: DDP-wrapped chunks; their parameters are the built model's (updated in place).
+        optimizer: Megatron's optimizer over them.
+        config: The optimizer settings.
+        schedule: The learning-rate schedule; checkpoint its ``state_dict``.
+    """
+
+    models: list[DDP]
+    optimizer: MegatronOptimizer
+    config: OptimConfig
+    schedule: LRSchedule
+
+
 def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def build_trainable(
-    models: list[torch.nn.Module], groups: ParallelGroups, cfg: OptimConfig
-) -> tuple[list[DDP], MegatronOptimizer]:
+def build_trainable(models: list[torch.nn.Module], groups: ParallelGroups, cfg: OptimConfig) -> Trainable:
     """Wrap model chunks in Megatron DDP and build the AdamW optimizer; wire the schedule hooks.
 
     Sets on the chunks' ``TransformerConfig``: ``finalize_model_grads_func`` (DP gradient all-reduce, tied and
     sequence-parallel gradient sync, division by the global count; with ``groups.pg_collection``),
-    ``no_sync_func`` and ``grad_scale_func``. The optimizer carries ``cfg`` as ``optimizer.pacs_config`` and its
-    :class:`LRSchedule` (save its ``state_dict`` with checkpoints) as ``optimizer.pacs_lr_schedule``.
+    ``no_sync_func`` and ``grad_scale_func``. A bf16 model (``TransformerConfig.bf16``) gets Megatron's
+    mixed-precision optimizer with fp32 main parameters.
 
     Args:
         models: Chunks from :func:`megatron_pacs.mcore.model.build_gpt_model`, built with
@@ -153,11 +127,10 @@ def build_trainable(
         cfg: Optimizer settings.
 
     Returns:
-        ``(ddp_models, optimizer)``; the chunks' parameters are shared with ``models`` (updated in place).
+        The :class:`Trainable`; the chunks' parameters are shared with ``models`` (updated in place).
 
     Raises:
-        ValueError: for a model built without ``calculate_per_token_loss``, a dtype that disagrees with
-            ``cfg.bf16``, or GPU-only options on CPU.
+        ValueError: for a model built without ``calculate_per_token_loss``, or GPU-only options on CPU.
     """
     tcfg = models[0].config
     if not tcfg.calculate_per_token_loss:
@@ -165,12 +138,11 @@ def build_trainable(
             "the model was built with calculate_per_token_loss=False; build it with "
             "build_gpt_model(hf_config, groups, calculate_per_token_loss=True) so the loss is sum / global count"
         )
-    if bool(tcfg.bf16) != cfg.bf16:
-        raise ValueError(f"bf16={cfg.bf16} but the model's bf16={tcfg.bf16}; build the model with the matching dtype")
+    bf16 = bool(tcfg.bf16)
     if _on_cpu() and cfg.use_distributed_optimizer:
-        raise ValueError("use_distributed_optimizer=True needs CUDA (Megatron's distributed optimizer); set it False")
-    if _on_cpu() and cfg.bf16:
-        raise ValueError("bf16=True needs CUDA (Megatron's mixed-precision optimizer checks CUDA types); use fp32")
+        raise ValueError("--use-distributed-optimizer needs CUDA (Megatron's distributed optimizer); drop it on CPU")
+    if _on_cpu() and bf16:
+        raise ValueError("--bf16 needs CUDA (Megatron's mixed-precision optimizer checks CUDA types); use fp32")
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.use_distributed_optimizer
     )
@@ -184,9 +156,9 @@ def build_trainable(
         adam_eps=cfg.adam_eps,
         decoupled_weight_decay=True,
         clip_grad=0.0 if _on_cpu() else cfg.clip_grad,  # CPU: clipped in train_step (Megatron's asserts CUDA)
-        bf16=cfg.bf16,
+        bf16=bf16,
         fp16=False,
-        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     with cuda_to_cpu():
@@ -209,9 +181,8 @@ def build_trainable(
         chunk_config.finalize_model_grads_func = finalize
         chunk_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         chunk_config.grad_scale_func = optimizer.scale_loss
-    optimizer.pacs_lr_schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
-    optimizer.pacs_config = cfg
-    return ddp_models, optimizer
+    schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
+    return Trainable(models=ddp_models, optimizer=optimizer, config=cfg, schedule=schedule)
 
 
 def _params(ddp_models: list[DDP]) -> list[torch.nn.Parameter]:
@@ -257,14 +228,11 @@ def _step_with_torch_clip(optimizer: MegatronOptimizer, clip_grad: float) -> tup
 
 
 def train_step(
-    ddp_models: list[DDP],
-    optimizer: MegatronOptimizer,
-    groups: ParallelGroups,
+    trainable: Trainable,
     micro_batches: list[MicroBatch],
     loss_fn: LossFn,
     *,
     world_group: dist.ProcessGroup | None = None,
-    inject_nan: bool = False,
 ) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's share of the global batch). Collective.
 
@@ -274,35 +242,27 @@ def train_step(
     warm-up counter does not advance) and ``skipped=True``.
 
     Args:
-        ddp_models: From :func:`build_trainable`.
-        optimizer: From :func:`build_trainable`.
-        groups: Parallel groups (the micro-batches must have one shape across the pipeline).
-        micro_batches: This rank's micro-batches, each ``tokens [b, L]``.
+        trainable: From :func:`build_trainable`.
+        micro_batches: This rank's micro-batches, each ``tokens [b, L]`` (one shape across the pipeline).
         loss_fn: ``(logits_shard [b, L, Vp], micro_batch) -> (loss_sum, count, report)``.
         world_group: Group over which all ranks agree on skipping; None means ``torch.distributed.group.WORLD``
             (``ParallelGroups`` has no world group: every rank of the job must call this together).
-        inject_nan: Test hook: write NaN into this rank's first parameter's ``main_grad`` before the check.
 
     Returns:
         The step's :class:`StepResult`.
     """
-    del groups  # the schedule and the finalize hook carry the groups (see build_trainable)
-    schedule: LRSchedule = optimizer.pacs_lr_schedule
+    ddp_models, optimizer, cfg, schedule = trainable.models, trainable.optimizer, trainable.config, trainable.schedule
     for m in ddp_models:
         m.train()
     _zero_grads(ddp_models, optimizer)
     reports = run_schedule(ddp_models, micro_batches, loss_fn, forward_only=False)
-    params = _params(ddp_models)
-    if inject_nan:
-        params[0].main_grad.view(-1)[0] = float("nan")
-    bad = _any_nonfinite(params)
+    bad = _any_nonfinite(_params(ddp_models))
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=world_group)
     if bad.item() > 0:
         _zero_grads(ddp_models, optimizer)
         return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)
     lr = schedule.current_lr()
-    cfg: OptimConfig = optimizer.pacs_config
     _set_lr(optimizer, lr, cfg.lr, cfg.weight_decay)
     clip = cfg.clip_grad
     with cuda_to_cpu():

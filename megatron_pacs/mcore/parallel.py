@@ -1,6 +1,7 @@
 """Parallel state: the one place that initialises Megatron's process groups and reads its globals.
 
-Everything else in the project receives a :class:`ParallelGroups` (or a single process group) as an argument.
+Everything else in the project receives a :class:`ParallelGroups` (or a single process group) as an argument. The
+layout itself is :class:`megatron_pacs.config.ParallelConfig`.
 """
 
 from __future__ import annotations
@@ -12,64 +13,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_pacs.config import ParallelConfig
 from megatron_pacs.mcore.cpu_support import apply_cpu_support
 
-__all__ = ["ParallelConfig", "ParallelGroups", "destroy_parallel", "init_parallel"]
-
-
-@dataclass(kw_only=True)
-class ParallelConfig:
-    """Model-parallel layout; data parallelism takes the remaining ranks (DP = world / (TP * PP))."""
-
-    tensor_model_parallel_size: int = 1
-    """TP: shards attention heads, MLP columns and the vocabulary across this many ranks."""
-    pipeline_model_parallel_size: int = 1
-    """PP: splits the layers into this many stages."""
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Model chunks per pipeline stage for the interleaved 1F1B schedule (None: not interleaved)."""
-    sequence_parallel: bool = False
-    """Shard the sequence dimension of norms and dropout across TP ranks (needs TP > 1)."""
-    overlap_p2p_comm: bool = False
-    """Overlap pipeline sends/receives with compute; required (with ``batch_p2p_comm=False``) when interleaved."""
-    batch_p2p_comm: bool = True
-    """Batch pipeline sends/receives into one call; must be False when ``overlap_p2p_comm``."""
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None:
-            if vpp < 2:
-                raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} must be >= 2, or None to disable it")
-            if self.pipeline_model_parallel_size < 2:
-                raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
-            # With the defaults Megatron's interleaved schedule runs but computes wrong losses and gradients
-            # (no error or warning): refuse that combination instead of training on it.
-            if not self.overlap_p2p_comm or self.batch_p2p_comm:
-                raise ValueError(
-                    "interleaved pipelining (virtual_pipeline_model_parallel_size set) needs overlap_p2p_comm=True "
-                    "and batch_p2p_comm=False; with other settings Megatron silently computes wrong gradients"
-                )
-        if self.overlap_p2p_comm and self.batch_p2p_comm:
-            raise ValueError("overlap_p2p_comm=True needs batch_p2p_comm=False")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1; disable it at TP=1")
-
-    @property
-    def model_parallel_size(self) -> int:
-        """TP * PP: ranks holding one copy of the model."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """DP for ``world_size`` ranks, or a ``ValueError`` naming the sizes when the layout does not divide."""
-        if world_size % self.model_parallel_size:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor_model_parallel_size * "
-                f"pipeline_model_parallel_size = {self.tensor_model_parallel_size} * "
-                f"{self.pipeline_model_parallel_size}; change the layout or the number of ranks"
-            )
-        return world_size // self.model_parallel_size
+__all__ = ["ParallelGroups", "destroy_parallel", "init_parallel"]
 
 
 @dataclass

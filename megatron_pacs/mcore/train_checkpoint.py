@@ -72,9 +72,14 @@ def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def save_training_checkpoint(
-    save: str | os.PathLike, step: int, models: list[torch.nn.Module], optimizer: Any, metadata: dict[str, Any],
-    *, keep_last: int = 2,
-) -> Path:  # fmt: skip
+    save: str | os.PathLike,
+    step: int,
+    models: list[torch.nn.Module],
+    optimizer: Any,
+    metadata: dict[str, Any],
+    *,
+    keep_last: int = 2,
+) -> Path:
     """Write ``save/iter_<step>`` atomically (collective: every rank calls it).
 
     Args:
@@ -98,20 +103,29 @@ def save_training_checkpoint(
     tmp = box[0]
     with cuda_to_cpu():
         dist_checkpointing.save(_sharded(models, optimizer, is_loading=False), tmp)
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}  # fmt: skip
+    rng = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
     torch.save(rng, os.path.join(tmp, f"rng_rank{_rank():05d}.pt"))
     _barrier()
     if _rank() == 0:
         with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump({**metadata, "step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1},
-                      f, indent=2, default=str)  # fmt: skip
+            json.dump(
+                {**metadata, "step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+                f,
+                indent=2,
+                default=str,
+            )
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         (final.parent / "latest").write_text(f"{step}\n")
-        complete = sorted((p for p in final.parent.iterdir() if _ITER.match(p.name) and (p / META_FILE).is_file()),
-                          key=lambda p: p.name)  # fmt: skip
+        complete = sorted(
+            (p for p in final.parent.iterdir() if _ITER.match(p.name) and (p / META_FILE).is_file()),
+            key=lambda p: p.name,
+        )
         for old in complete[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
@@ -130,8 +144,10 @@ def load_training_checkpoint(ckpt: str | os.PathLike, models: list[torch.nn.Modu
     ckpt = Path(ckpt)
     meta_path = ckpt / META_FILE
     if not meta_path.is_file():
-        raise ValueError(f"--load: {ckpt} is not a complete checkpoint (no {META_FILE}); it may be an interrupted "
-                         "write: point --load at the checkpoint root to take the newest complete one")  # fmt: skip
+        raise ValueError(
+            f"--load: {ckpt} is not a complete checkpoint (no {META_FILE}); it may be an interrupted "
+            "write: point --load at the checkpoint root to take the newest complete one"
+        )
     metadata = json.loads(meta_path.read_text())
     sharded = _sharded(models, optimizer, is_loading=True)
     try:

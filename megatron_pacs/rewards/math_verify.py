@@ -10,7 +10,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["math_verify_reward", "normalize_ground_truth", "score_with_status"]
+from megatron_pacs.data.formats import normalize_ground_truth
+
+__all__ = ["math_verify_reward", "score_with_status"]
 
 OK, ERROR, TIMEOUT, TOO_LONG = "ok", "error", "timeout", "too_long"
 
@@ -28,23 +30,6 @@ def _verifier():
         gold_extraction_target=(LatexExtractionConfig(),),
         pred_extraction_target=(ExprExtractionConfig(), LatexExtractionConfig()),
     )
-
-
-def normalize_ground_truth(ground_truth: Any) -> str:
-    """A ground truth as a string: ints as written, integral floats without ``.0`` (AMC's ``27.0`` -> ``27``).
-
-    Raises:
-        TypeError: for anything but str, int or float.
-    """
-    if isinstance(ground_truth, bool):
-        raise TypeError(f"ground truth must be a string or a number, got bool {ground_truth!r}")
-    if isinstance(ground_truth, int):
-        return str(ground_truth)
-    if isinstance(ground_truth, float):
-        return str(int(ground_truth)) if ground_truth.is_integer() else repr(ground_truth)
-    if isinstance(ground_truth, str):
-        return ground_truth.strip()
-    raise TypeError(f"ground truth must be a string or a number, got {type(ground_truth).__name__}")
 
 
 def score_with_status(response: Any, ground_truth: Any) -> tuple[float, str]:

@@ -6,12 +6,11 @@ until asked for, so the trainer's non-zero ranks and the tests of the types stay
 
 from megatron_pacs.rollout.types import Prompt, Response, RolloutEngine, RolloutGroup, SamplingConfig
 
-__all__ = ["FleetConfig", "Prompt", "Response", "RolloutEngine", "RolloutFleet", "RolloutGroup", "SamplingConfig",
-           "VLLMEngine"]  # fmt: skip
+__all__ = ["Prompt", "Response", "RolloutEngine", "RolloutFleet", "RolloutGroup", "SamplingConfig", "VLLMEngine"]
 
 
 def __getattr__(name: str):
-    if name in ("RolloutFleet", "FleetConfig"):
+    if name == "RolloutFleet":
         from megatron_pacs.rollout import fleet
 
         return getattr(fleet, name)

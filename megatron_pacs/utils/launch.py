@@ -30,8 +30,14 @@ def ensure_world(world_size: int, argv: list[str] | None = None) -> int | None:
     if world_size <= 1 or "RANK" in os.environ:
         return None
     args = sys.argv[1:] if argv is None else argv
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # fmt: skip
+    base = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
     procs = [
         subprocess.Popen([sys.executable, sys.argv[0], *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
         for r in range(world_size)

@@ -14,9 +14,18 @@ def test_help_documents_every_flag():
     assert len(actions) > 50
     assert all(a.help for a in actions), [a.option_strings for a in actions if not a.help]
     flags = {s for a in actions for s in a.option_strings}
-    for megatron_flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
-                          "--global-batch-size", "--lr", "--seq-length", "--bf16", "--fp8-format",
-                          "--use-distributed-optimizer", "--recompute-activations"):  # fmt: skip
+    for megatron_flag in (
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--micro-batch-size",
+        "--global-batch-size",
+        "--lr",
+        "--seq-length",
+        "--bf16",
+        "--fp8-format",
+        "--use-distributed-optimizer",
+        "--recompute-activations",
+    ):
         assert megatron_flag in flags
 
 
@@ -55,8 +64,9 @@ def test_validate_checks_layout_and_files(tmp_path):
     cfg = parse_config(["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "nope.jsonl")])
     with pytest.raises(ValueError, match=r"--train-data: .*nope.jsonl does not exist"):
         cfg.validate(1)
-    cfg = parse_config(["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "config.json"),
-                        "--eval-interval", "5"])  # fmt: skip
+    cfg = parse_config(
+        ["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "config.json"), "--eval-interval", "5"]
+    )
     with pytest.raises(ValueError, match="--eval-interval"):
         cfg.validate(1)
 
@@ -68,3 +78,57 @@ def test_train_refuses_bad_data_before_building_anything(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--train-data" in proc.stderr and "tools/prepare_data.py" in proc.stderr
+
+
+def _leaf_fields(cls, prefix=""):
+    """Every (dotted path, section class, field) of the config tree under ``cls``."""
+    import dataclasses
+    from typing import get_type_hints
+
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            yield from _leaf_fields(kind, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", cls, f
+
+
+def test_every_config_field_has_a_flag_and_a_docstring():
+    """Walk the whole config tree: each field is reachable from exactly one flag and documented."""
+    from megatron_pacs.config import TrainConfig, field_docs, flag
+
+    parser = build_parser()
+    flags = {s: a for a in parser._actions for s in a.option_strings}
+    leaves = list(_leaf_fields(TrainConfig))
+    assert len(leaves) > 60
+    missing_flag = [path for path, _, f in leaves if flag(f.name) not in flags]
+    missing_doc = [path for path, cls, f in leaves if not field_docs(cls).get(f.name)]
+    assert not missing_flag, f"fields without a flag: {missing_flag}"
+    assert not missing_doc, f"fields without a docstring: {missing_doc}"
+    names = [f.name for _, _, f in leaves]
+    assert len(names) == len(set(names)), "two sections declare the same field name (one flag for two fields)"
+    for path, _, f in leaves:
+        assert flags[flag(f.name)].dest == path, f"{flag(f.name)} sets {flags[flag(f.name)].dest}, not {path}"
+    assert all(field_docs(TrainConfig).get(f) for f in ("model", "batch", "rollout", "run"))
+
+
+def test_command_line_defaults_are_the_library_defaults():
+    """One definition: the parser's defaults build exactly the config a library user gets from ``TrainConfig()``."""
+    from megatron_pacs.config import TrainConfig
+
+    assert parse_config([]) == TrainConfig()
+
+
+def test_colocate_is_refused_before_anything_starts_without_cuda(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --colocate is allowed here")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text("")
+    cfg = parse_config(["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl"), "--colocate"])
+    with pytest.raises(ValueError, match=r"--colocate: .*needs CUDA"):
+        cfg.validate(1)
+    help_text = build_parser().format_help()
+    assert "GPU only; refused on a machine without CUDA" in " ".join(help_text.split())

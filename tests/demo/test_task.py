@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_pacs import demo_task
+from megatron_pacs.demo import task as demo_task
 from megatron_pacs.rewards.math_verify import math_verify_reward
 
 
@@ -71,7 +71,7 @@ def test_errors_name_the_argument():
 
 def test_tokenizer_corpus_trains_a_digit_level_tokenizer():
     from megatron_pacs.data.prompts import INSTRUCTION
-    from megatron_pacs.tiny import build_tokenizer
+    from megatron_pacs.demo.tiny import build_tokenizer
 
     corpus = demo_task.tokenizer_corpus(num_lines=600)
     assert INSTRUCTION in corpus

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from megatron_pacs.config import ParallelConfig
 from megatron_pacs.mcore.checkpoint import load_model_checkpoint, save_model_checkpoint
 from megatron_pacs.mcore.forward import MicroBatch, make_micro_batches, run_schedule, sequence_logprobs
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
 from megatron_pacs.mcore.model import build_gpt_model
-from megatron_pacs.mcore.parallel import ParallelConfig, destroy_parallel, init_parallel
+from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 
 
@@ -81,8 +82,9 @@ def check_vocab_logprobs(groups, results):
     w_lp, w_h = torch.randn(num_tokens, dtype=torch.float64), torch.randn(num_tokens, dtype=torch.float64)
     vp = vocab // groups.tp_size
     shard = full[:, groups.tp_rank * vp : (groups.tp_rank + 1) * vp].clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs(shard, labels, groups.tp_group, chunk_size=7, temperature=0.8,
-                                      return_entropy=True)  # fmt: skip
+    lp, ent = vocab_parallel_logprobs(
+        shard, labels, groups.tp_group, chunk_size=7, temperature=0.8, return_entropy=True
+    )
     (lp * w_lp + ent * w_h).sum().backward()
     ref_in = full.clone().requires_grad_(True)
     ref = torch.log_softmax(ref_in / 0.8, -1)
@@ -103,8 +105,12 @@ def main():
     ap.add_argument("--vpp", type=int, default=None)
     args = ap.parse_args()
     interleaved = {"overlap_p2p_comm": True, "batch_p2p_comm": False} if args.vpp else {}
-    layout = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                            virtual_pipeline_model_parallel_size=args.vpp, **interleaved)  # fmt: skip
+    layout = ParallelConfig(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+        **interleaved,
+    )
     groups = init_parallel(layout)
     torch.manual_seed(0)
     tokens = torch.randint(0, 512, (3, 24))

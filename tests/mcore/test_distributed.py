@@ -15,16 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pacs.mcore.launch import free_port
-from megatron_pacs.tiny import build_tiny_model, tiny_hf_config
+from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
+from megatron_pacs.utils.launch import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 HERE = Path(__file__).parent
 # (TP, PP, VPP). TP=2 runs first: it writes the checkpoint the TP=1 run reshards.
 LAYOUTS = [(2, 1, None), (1, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
-MODELS = {"qwen2_tied": ("qwen2", True), "qwen2_untied": ("qwen2", False), "llama": ("llama", False),
-          "qwen3_tied": ("qwen3", True)}  # fmt: skip
+MODELS = {
+    "qwen2_tied": ("qwen2", True),
+    "qwen2_untied": ("qwen2", False),
+    "llama": ("llama", False),
+    "qwen3_tied": ("qwen3", True),
+}
 FP32_TOL = 1e-5
 
 
@@ -37,8 +41,18 @@ def results(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for tp, pp, vpp in LAYOUTS:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}"]
-        cmd = [*launcher, f"--master-port={free_port()}", str(HERE / "dist_checks.py"), "--workdir", str(work),
-               "--tp", str(tp), "--pp", str(pp), *(["--vpp", str(vpp)] if vpp else [])]  # fmt: skip
+        cmd = [
+            *launcher,
+            f"--master-port={free_port()}",
+            str(HERE / "dist_checks.py"),
+            "--workdir",
+            str(work),
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            *(["--vpp", str(vpp)] if vpp else []),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, f"TP={tp} PP={pp} VPP={vpp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         suffix = f"_vpp{vpp}" if vpp else ""

@@ -17,7 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_pacs.tiny import build_tiny_model, tiny_hf_config
+from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from faults import poison_gradient
 
 pytestmark = pytest.mark.distributed
 
@@ -26,8 +29,9 @@ LR, EPS, WD = 1e-2, 1e-3, 0.1
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    from megatron_pacs.mcore.launch import free_port
-    from megatron_pacs.mcore.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megatron_pacs.config import ParallelConfig
+    from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
+    from megatron_pacs.utils.launch import free_port
 
     torch.set_num_threads(1)
     owns_group, old_port = not dist.is_initialized(), os.environ.get("MASTER_PORT")
@@ -69,23 +73,22 @@ def _nll_loss_fn(tp_group):
 
 
 def _trainable(env, **optim):
+    from megatron_pacs.config import OptimConfig
     from megatron_pacs.mcore.model import build_gpt_model
-    from megatron_pacs.mcore.optim import OptimConfig, build_trainable
+    from megatron_pacs.mcore.optim import build_trainable
     from megatron_pacs.mcore.weights import load_hf_weights
 
     models = build_gpt_model(env["cfg"], env["groups"], calculate_per_token_loss=True)
     load_hf_weights(models, env["dir"], env["groups"], env["cfg"])
-    ddp, opt = build_trainable(models, env["groups"], OptimConfig(**{"lr": LR, "adam_eps": EPS, "weight_decay": WD,
-                                                                    **optim}))  # fmt: skip
-    return models, ddp, opt
+    return models, build_trainable(models, env["groups"], OptimConfig(lr=LR, adam_eps=EPS, weight_decay=WD, **optim))
 
 
-def _step(env, ddp, opt, micro_batch_size, **kw):
+def _step(env, trainable, micro_batch_size):
     from megatron_pacs.mcore.forward import make_micro_batches
     from megatron_pacs.mcore.optim import train_step
 
     mbs = make_micro_batches(env["tokens"], env["mask"], micro_batch_size)
-    return train_step(ddp, opt, env["groups"], mbs, _nll_loss_fn(env["groups"].tp_group), **kw)
+    return train_step(trainable, mbs, _nll_loss_fn(env["groups"].tp_group))
 
 
 def _export(env, models):
@@ -103,8 +106,9 @@ def _reference(env, steps, lrs, clip):
     named = list(hf.named_parameters())
     decay = [p for n, p in named if p.dim() > 1 and not n.endswith(".bias")]
     no_decay = [p for n, p in named if not (p.dim() > 1 and not n.endswith(".bias"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, eps=EPS)  # fmt: skip
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR, eps=EPS
+    )
     tokens, mask = env["tokens"], env["mask"][:, 1:]
     norms = []
     for step in range(steps):
@@ -126,8 +130,8 @@ def _reference(env, steps, lrs, clip):
 
 @pytest.mark.parametrize("clip_grad", [0.0, 1.0], ids=["no_clip", "clip"])
 def test_train_steps_match_torch_adamw_with_per_token_normalisation(env, clip_grad):
-    models, ddp, opt = _trainable(env, clip_grad=clip_grad, lr_warmup_steps=2)
-    results = [_step(env, ddp, opt, micro_batch_size=2) for _ in range(2)]  # 3 micro-batches of unequal counts
+    models, trainable = _trainable(env, clip_grad=clip_grad, lr_warmup_steps=2)
+    results = [_step(env, trainable, micro_batch_size=2) for _ in range(2)]  # 3 micro-batches of unequal counts
     assert [r.skipped for r in results] == [False, False]
     assert [r.lr for r in results] == pytest.approx([LR / 2, LR])
     ref_state, ref_norms = _reference(env, steps=2, lrs=[LR / 2, LR], clip=clip_grad)
@@ -145,44 +149,51 @@ def test_train_steps_match_torch_adamw_with_per_token_normalisation(env, clip_gr
 def test_one_or_three_micro_batches_give_the_same_update(env):
     outs = []
     for micro_batch_size in (6, 2):
-        models, ddp, opt = _trainable(env)
-        _step(env, ddp, opt, micro_batch_size=micro_batch_size)
+        models, trainable = _trainable(env)
+        _step(env, trainable, micro_batch_size=micro_batch_size)
         outs.append(_export(env, models))
     assert max((outs[0][k] - outs[1][k]).abs().max().item() for k in outs[0]) < 1e-6
 
 
 def test_non_finite_gradient_skips_the_step_everywhere(env):
-    models, ddp, opt = _trainable(env, lr_warmup_steps=3)
+    models, trainable = _trainable(env, lr_warmup_steps=3)
     before = _export(env, models)
-    result = _step(env, ddp, opt, micro_batch_size=3, inject_nan=True)
+    hook = poison_gradient(models)
+    result = _step(env, trainable, micro_batch_size=3)
+    hook.remove()
     assert result.skipped and result.lr == 0.0
     after = _export(env, models)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert opt.pacs_lr_schedule.num_steps == 0  # the warm-up does not advance on a skipped step
-    assert all(float(p.main_grad.abs().sum()) == 0.0 for m in ddp for p in m.module.parameters())
+    assert trainable.schedule.num_steps == 0  # the warm-up does not advance on a skipped step
+    assert all(float(p.main_grad.abs().sum()) == 0.0 for m in trainable.models for p in m.module.parameters())
     # The next step is a normal first step: the same norm and warm-up lr as a fresh model's.
-    again = _step(env, ddp, opt, micro_batch_size=3)
-    _, fresh_ddp, fresh_opt = _trainable(env, lr_warmup_steps=3)
-    fresh = _step(env, fresh_ddp, fresh_opt, micro_batch_size=3)
+    again = _step(env, trainable, micro_batch_size=3)
+    _, fresh_trainable = _trainable(env, lr_warmup_steps=3)
+    fresh = _step(env, fresh_trainable, micro_batch_size=3)
     assert not again.skipped and again.lr == pytest.approx(LR / 3)
     assert again.grad_norm == pytest.approx(fresh.grad_norm, rel=1e-6)
 
 
 def test_refusals_and_config_validation(env):
+    from megatron_pacs.config import OptimConfig
     from megatron_pacs.mcore.model import build_gpt_model
-    from megatron_pacs.mcore.optim import LRSchedule, OptimConfig, build_trainable
+    from megatron_pacs.mcore.optim import LRSchedule, build_trainable
 
     with pytest.raises(ValueError, match="calculate_per_token_loss=True"):
         build_trainable(build_gpt_model(env["cfg"], env["groups"]), env["groups"], OptimConfig(lr=1e-3))
     models = build_gpt_model(env["cfg"], env["groups"], calculate_per_token_loss=True)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="use_distributed_optimizer=True needs CUDA"):
+        with pytest.raises(ValueError, match="--use-distributed-optimizer needs CUDA"):
             build_trainable(models, env["groups"], OptimConfig(lr=1e-3, use_distributed_optimizer=True))
-    with pytest.raises(ValueError, match="bf16=True but the model's bf16=False"):
-        build_trainable(models, env["groups"], OptimConfig(lr=1e-3, bf16=True))
-    for bad, match in [({"lr": 0.0}, "lr=0.0 must be > 0"), ({"lr": 1.0, "clip_grad": -1.0}, "clip_grad=-1.0"),
-                       ({"lr": 1.0, "adam_beta2": 1.0}, "adam_beta2=1.0 must be in"),
-                       ({"lr": 1.0, "lr_warmup_steps": -1}, "lr_warmup_steps=-1")]:  # fmt: skip
+        bf16 = build_gpt_model(env["cfg"], env["groups"], calculate_per_token_loss=True, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="--bf16 needs CUDA"):
+            build_trainable(bf16, env["groups"], OptimConfig(lr=1e-3))
+    for bad, match in [
+        ({"lr": 0.0}, "--lr: 0.0 must be > 0"),
+        ({"lr": 1.0, "clip_grad": -1.0}, "--clip-grad: -1.0"),
+        ({"lr": 1.0, "adam_beta2": 1.0}, "--adam-beta2: 1.0 must be in"),
+        ({"lr": 1.0, "lr_warmup_steps": -1}, "--lr-warmup-steps: -1"),
+    ]:
         with pytest.raises(ValueError, match=match):
             OptimConfig(**bad)
     warm = LRSchedule(lr=1.0, warmup_steps=4)
@@ -199,23 +210,45 @@ def test_refusals_and_config_validation(env):
 def test_sft_warmup_lowers_the_loss_and_exports_a_loadable_model(env, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_pacs import demo_task
-    from megatron_pacs.mcore.sft import sft_warmup
-    from megatron_pacs.tiny import build_tokenizer
+    from megatron_pacs.demo import task as demo_task
+    from megatron_pacs.demo.sft import sft_warmup
+    from megatron_pacs.demo.tiny import build_tokenizer
 
     tok = build_tokenizer(512, corpus=demo_task.tokenizer_corpus(num_lines=500), split_digits=True)
     base = tmp_path / "base"
-    build_tiny_model(str(base), tiny_hf_config("qwen2", hidden=32, layers=2), seed=0, tokenizer=tok,
-                     perturb_norms=False)  # fmt: skip
+    build_tiny_model(
+        str(base), tiny_hf_config("qwen2", hidden=32, layers=2), seed=0, tokenizer=tok, perturb_norms=False
+    )
     rows = demo_task.sft_rows(demo_task.make_problems(64, seed=0, split="train"), correct_prob=1.0, seed=0)
-    metrics = sft_warmup(base, tmp_path / "out", rows, steps=80, lr=3e-3, micro_batch_size=8, seed=0,
-                         groups=env["groups"], batch_size=16, lr_warmup_steps=5)  # fmt: skip
+    metrics = sft_warmup(
+        base,
+        tmp_path / "out",
+        rows,
+        steps=80,
+        lr=3e-3,
+        micro_batch_size=8,
+        seed=0,
+        groups=env["groups"],
+        batch_size=16,
+        lr_warmup_steps=5,
+    )
     assert metrics["skipped_steps"] == 0 and len(metrics["loss"]) == metrics["steps"] == 80
     assert metrics["final_loss"] < 0.5 * metrics["first_loss"]
     # Early stop on the estimated sampled accuracy: a threshold of 0 stops at the first estimate.
     clean = demo_task.sft_rows(demo_task.make_problems(8, seed=0, split="val"), correct_prob=1.0, seed=0)
-    early = sft_warmup(base, tmp_path / "early", rows, steps=80, lr=3e-3, micro_batch_size=8, seed=0,
-                       groups=env["groups"], eval_rows=clean, eval_every=10, stop_at=0.0)  # fmt: skip
+    early = sft_warmup(
+        base,
+        tmp_path / "early",
+        rows,
+        steps=80,
+        lr=3e-3,
+        micro_batch_size=8,
+        seed=0,
+        groups=env["groups"],
+        eval_rows=clean,
+        eval_every=10,
+        stop_at=0.0,
+    )
     assert early["steps"] == 10 and len(early["sampled_acc_est"]) == 1
     assert 0.0 <= early["sampled_acc_est"][0][1] < 0.01
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -228,11 +261,19 @@ def test_sft_warmup_lowers_the_loss_and_exports_a_loadable_model(env, tmp_path):
 def test_two_data_parallel_ranks_match_the_reference_and_skip_together(env, tmp_path):
     """DP=2 (gradients summed over ranks, divided by the global count) equals the one-process reference; a NaN on
     one rank makes both ranks skip."""
-    from megatron_pacs.mcore.launch import free_port
+    from megatron_pacs.utils.launch import free_port
 
     out = tmp_path / "dp2.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           __file__, env["dir"], str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        __file__,
+        env["dir"],
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     res = torch.load(out)
@@ -246,27 +287,42 @@ def _dp_main(model_dir: str, out: str) -> None:
     """Under torchrun: one step with the batch split over the data-parallel ranks, then a NaN on rank 1 only."""
     from transformers import AutoConfig
 
-    from megatron_pacs.mcore.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megatron_pacs.config import ParallelConfig
+    from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 
     torch.set_num_threads(1)
     groups = init_parallel(ParallelConfig())
     cfg = AutoConfig.from_pretrained(model_dir)
     tokens, mask = _batch(cfg.vocab_size)
     n, r = tokens.shape[0] // groups.dp_size, groups.dp_rank
-    env = {"groups": groups, "dir": model_dir, "cfg": cfg, "tokens": tokens[r * n : (r + 1) * n],
-           "mask": mask[r * n : (r + 1) * n]}  # fmt: skip
-    models, ddp, opt = _trainable(env)
-    result = _step(env, ddp, opt, micro_batch_size=1)
+    env = {
+        "groups": groups,
+        "dir": model_dir,
+        "cfg": cfg,
+        "tokens": tokens[r * n : (r + 1) * n],
+        "mask": mask[r * n : (r + 1) * n],
+    }
+    models, trainable = _trainable(env)
+    result = _step(env, trainable, micro_batch_size=1)
     state = _export(env, models)
-    models, ddp, opt = _trainable(env)
+    models, trainable = _trainable(env)
     before = _export(env, models)
-    skipped = _step(env, ddp, opt, micro_batch_size=1, inject_nan=r == 1).skipped
+    if r == 1:
+        poison_gradient(models)
+    skipped = _step(env, trainable, micro_batch_size=1).skipped
     after = _export(env, models)
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, (skipped, all(torch.equal(before[k], after[k]) for k in before)))
     if dist.get_rank() == 0:
-        torch.save({"grad_norm": result.grad_norm, "state": state, "nan_skipped": [f[0] for f in flags],
-                    "nan_unchanged": [f[1] for f in flags]}, out)  # fmt: skip
+        torch.save(
+            {
+                "grad_norm": result.grad_norm,
+                "state": state,
+                "nan_skipped": [f[0] for f in flags],
+                "nan_unchanged": [f[1] for f in flags],
+            },
+            out,
+        )
     destroy_parallel()
 
 

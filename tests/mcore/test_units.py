@@ -3,25 +3,29 @@
 import pytest
 import torch
 
+from megatron_pacs.config import ParallelConfig
+from megatron_pacs.demo.tiny import tiny_hf_config
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
-from megatron_pacs.mcore.parallel import ParallelConfig
-from megatron_pacs.tiny import tiny_hf_config
 
 
 def test_interleaved_pipeline_needs_overlap_settings():
     with pytest.raises(ValueError, match="silently computes wrong gradients"):
         ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
-    ok = ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                        overlap_p2p_comm=True, batch_p2p_comm=False)  # fmt: skip
+    ok = ParallelConfig(
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        overlap_p2p_comm=True,
+        batch_p2p_comm=False,
+    )
     assert ok.model_parallel_size == 2
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"tensor_model_parallel_size": 0}, "tensor_model_parallel_size=0"),
-        ({"virtual_pipeline_model_parallel_size": 2}, "needs pipeline_model_parallel_size >= 2"),
-        ({"sequence_parallel": True}, "sequence_parallel needs tensor_model_parallel_size > 1"),
+        ({"tensor_model_parallel_size": 0}, "--tensor-model-parallel-size: 0 must be >= 1"),
+        ({"virtual_pipeline_model_parallel_size": 2}, "needs --pipeline-model-parallel-size >= 2"),
+        ({"sequence_parallel": True}, "--sequence-parallel: needs --tensor-model-parallel-size > 1"),
     ],
 )
 def test_layout_errors(kwargs, match):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_pacs.rewards import math_verify_reward, normalize_ground_truth, score_with_status
+from megatron_pacs.data.formats import normalize_ground_truth
+from megatron_pacs.rewards import math_verify_reward, score_with_status
 
 
 @pytest.mark.parametrize(

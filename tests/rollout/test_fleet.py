@@ -20,7 +20,7 @@ FAMILY = dict(vocab_size=None, hidden=64, heads=2, kv_heads=1, layers=2)  # head
 
 
 def _build(root, tokenizer, name, seed, tied):
-    from megatron_pacs.tiny import build_tiny_model, tiny_hf_config
+    from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
 
     cfg = tiny_hf_config("qwen2", **{**FAMILY, "vocab_size": len(tokenizer)}, tied=tied)
     path = root / name
@@ -30,23 +30,32 @@ def _build(root, tokenizer, name, seed, tied):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from megatron_pacs.tiny import build_tokenizer
+    from megatron_pacs.demo.tiny import build_tokenizer
 
     root = tmp_path_factory.mktemp("fleet_models")
     tok = build_tokenizer(vocab_size=512)
-    paths = {name: _build(root, tok, name, seed, tied) for name, seed, tied in
-             [("a", 0, False), ("b", 1, False), ("c", 2, True), ("d", 3, True)]}  # fmt: skip
+    paths = {
+        name: _build(root, tok, name, seed, tied)
+        for name, seed, tied in [("a", 0, False), ("b", 1, False), ("c", 2, True), ("d", 3, True)]
+    }
     return paths, tok
 
 
 @pytest.fixture(scope="module")
 def fleet(models, tmp_path_factory):
-    from megatron_pacs.rollout.fleet import FleetConfig, RolloutFleet
+    from megatron_pacs.config import RolloutConfig
+    from megatron_pacs.rollout.fleet import RolloutFleet
 
     shm_before = set(os.listdir("/dev/shm"))
     run_dir = tmp_path_factory.mktemp("fleet_run")
-    f = RolloutFleet(FleetConfig(model=models[0]["a"], dtype="float32", max_model_len=256, run_dir=str(run_dir),
-                                 bucket_mb=1, progress=False))  # fmt: skip
+    f = RolloutFleet(
+        RolloutConfig(weight_sync_bucket_mb=1),
+        model=models[0]["a"],
+        dtype="float32",
+        max_model_len=256,
+        run_dir=str(run_dir),
+        progress=False,
+    )
     yield f
     import psutil
 
@@ -89,8 +98,10 @@ def _hf_greedy(model, prompt, steps):
 def _prompts(tok, count, prefix=""):
     from megatron_pacs.data.prompts import apply_chat_template
 
-    return [apply_chat_template(tok, [{"role": "user", "content": f"{prefix}What is {i} + {3 * i + 1}?"}])
-            for i in range(count)]  # fmt: skip
+    return [
+        apply_chat_template(tok, [{"role": "user", "content": f"{prefix}What is {i} + {3 * i + 1}?"}])
+        for i in range(count)
+    ]
 
 
 def _state(path, drop_lm_head):
@@ -214,8 +225,16 @@ def test_evaluate_writes_passk_and_resumes_without_generating(fleet, models, tmp
     from megatron_pacs.rollout.types import SamplingConfig
 
     _paths, tok = models
-    rows = [PromptRow(id=str(i), data_source="toy_a" if i < 5 else "toy_b", prompt=build_messages(f"{i} + {i}?"),
-                      ground_truth=str(2 * i), question=f"{i} + {i}?") for i in range(8)]  # fmt: skip
+    rows = [
+        PromptRow(
+            id=str(i),
+            data_source="toy_a" if i < 5 else "toy_b",
+            prompt=build_messages(f"{i} + {i}?"),
+            ground_truth=str(2 * i),
+            question=f"{i} + {i}?",
+        )
+        for i in range(8)
+    ]
 
     class Counting:
         def __init__(self, inner):
@@ -261,8 +280,10 @@ def test_evaluate_cli_resumes_a_finished_run_without_an_engine(models, tmp_path,
     from megatron_pacs.data.prompts import PromptRow, build_messages
 
     paths, _ = models
-    rows = [PromptRow(id=str(i), data_source="toy", prompt=build_messages(f"{i}?"), ground_truth=str(i),
-                      question=f"{i}?") for i in range(3)]  # fmt: skip
+    rows = [
+        PromptRow(id=str(i), data_source="toy", prompt=build_messages(f"{i}?"), ground_truth=str(i), question=f"{i}?")
+        for i in range(3)
+    ]
     data = tmp_path / "toy.jsonl"
     write_rows(rows, data)
     out = tmp_path / "eval"
@@ -274,6 +295,7 @@ def test_evaluate_cli_resumes_a_finished_run_without_an_engine(models, tmp_path,
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     assert tool.main(["--model", paths["a"], "--data", str(data), "--n", "2", "--out", str(out), "--no-plot"]) == 0
-    assert json.loads((out / "eval_metrics.json").read_text()) == {"toy": {"pass@1": pytest.approx(1 / 3),
-                                                                          "pass@2": pytest.approx(2 / 3)}}  # fmt: skip
+    assert json.loads((out / "eval_metrics.json").read_text()) == {
+        "toy": {"pass@1": pytest.approx(1 / 3), "pass@2": pytest.approx(2 / 3)}
+    }
     assert "| toy |" in capsys.readouterr().out

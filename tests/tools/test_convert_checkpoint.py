@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_pacs.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
+from megatron_pacs.demo.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +44,9 @@ def test_round_trip_at_tp2_is_bitwise(hf_dir, tmp_path):
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
     AutoTokenizer.from_pretrained(tmp_path / "hf2")
-    refused = convert("mcore-to-hf", "--load", tmp_path / "mc", "--hf-config", hf_dir, "--out", tmp_path / "hf2",
-                      check=False)  # fmt: skip
+    refused = convert(
+        "mcore-to-hf", "--load", tmp_path / "mc", "--hf-config", hf_dir, "--out", tmp_path / "hf2", check=False
+    )
     assert refused.returncode == 2 and "--force" in refused.stderr
 
 
@@ -68,8 +69,9 @@ def test_truncated_and_misshaped_checkpoints_are_named(hf_dir, tmp_path):
     proc = convert("hf-to-mcore", "--hf-dir", bad, "--out", tmp_path / "o3", check=False)
     assert proc.returncode == 2 and "not a readable safetensors file" in proc.stderr
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
-    proc = convert("mcore-to-hf", "--load", tmp_path / "nothing", "--hf-config", hf_dir, "--out", tmp_path / "o4",
-                   check=False)  # fmt: skip
+    proc = convert(
+        "mcore-to-hf", "--load", tmp_path / "nothing", "--hf-config", hf_dir, "--out", tmp_path / "o4", check=False
+    )
     assert proc.returncode == 2 and "not a complete megatron_pacs checkpoint" in proc.stderr
 
 

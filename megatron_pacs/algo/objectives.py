@@ -1,0 +1,279 @@
+"""Training objectives as objects: what log-probs each needs, and its micro-batch loss from token log-probs.
+
+An :class:`Objective` states its needs (the rollout policy's log-probs at sequence or token level, or none; the
+current policy's sequence log-probs before the backward, i.e. phase 1 of the two-phase gradient; whole groups per
+micro-batch) and turns one optimizer step's share of responses (:class:`MiniBatch`) into a :class:`Prepared` loss:
+a function from a micro-batch's token log-probs to Megatron's ``(loss_sum, count, report)``. The step that drives
+them (``megatron_pacs.rl_step``) knows nothing of PACS or GRPO. Every objective's ``count`` is the number of real
+responses in the micro-batch, so the trainer divides once by the global response count (docs/algorithm.md §4).
+
+Registered names (``--loss``): ``pacs`` (two-phase by default, direct with ``--keep-groups-in-microbatch``) and
+``grpo``. A new objective (a KL term against a reference, a REAL- or NFT-style sequence loss) is one new class
+here: declare its needs, write ``prepare``, register a builder.
+
+Legend: S responses of the step, M responses of the mini-batch on this rank, b rows of a micro-batch, T scored
+positions per row (the padded length minus one).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from megatron_pacs.algo.grpo import grpo_advantages, grpo_loss
+from megatron_pacs.algo.metrics import pacs_metrics
+from megatron_pacs.algo.pacs import (
+    compute_scores,
+    group_advantages,
+    group_weights,
+    pacs_loss,
+    pacs_score_grads,
+    pacs_surrogate,
+)
+from megatron_pacs.algo.registry import Registry
+from megatron_pacs.config import BatchConfig, LossConfig
+
+__all__ = ["OBJECTIVES", "GrpoObjective", "Logprobs", "MiniBatch", "Objective", "PacsDirect", "PacsTwoPhase"]
+
+#: ``(token_logp [b, T], score_mask [b, T], index [b]) -> (loss_sum, count, report)``; ``index`` is -1 on padding rows.
+MicroBatchLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+]
+Level = Literal["sequence", "token"]
+
+
+@dataclass
+class Logprobs:
+    """Log-probs of a step's responses under one policy, indexed by response.
+
+    Attributes:
+        seq: ``[S]`` masked sums over each response's tokens (0 for responses that were not computed).
+        tokens: Response index -> ``[L_i - 1]`` log-probs of every token after the first, when asked for.
+    """
+
+    seq: torch.Tensor
+    tokens: dict[int, torch.Tensor] | None = None
+
+
+@dataclass
+class MiniBatch:
+    """What an objective sees of one optimizer step: this rank's responses and the step's tensors.
+
+    Attributes:
+        rows: ``[M]`` response indices of this rank's share (whole groups, contiguous).
+        rewards: ``[S]`` the step's rewards in [0, 1].
+        response_lens: ``[S]`` response lengths in tokens.
+        group_size: n.
+        fresh: No optimizer step has happened since the rollout (the first mini-batch of the first epoch), so the
+            current policy is the rollout policy exactly.
+        old: The rollout policy's log-probs (None when ``fresh`` or when the objective needs none).
+        current: ``[S]`` phase-1 sequence log-probs under the current parameters, when requested.
+    """
+
+    rows: torch.Tensor
+    rewards: torch.Tensor
+    response_lens: torch.Tensor
+    group_size: int
+    fresh: bool
+    old: Logprobs | None = None
+    current: torch.Tensor | None = None
+
+
+@dataclass
+class Prepared:
+    """An objective ready for one optimizer step: the micro-batch loss and metrics computed up front."""
+
+    loss: MicroBatchLoss
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Objective(ABC):
+    """A training objective (see the module docstring)."""
+
+    #: The metric reported as ``train/loss``.
+    loss_key: str = "train/loss"
+    #: The rollout policy's log-probs the loss compares against, recomputed when the parameters may have moved.
+    old_logprobs: Level | None = None
+    #: Micro-batches must hold whole groups.
+    whole_groups: bool = False
+
+    def needs_current(self, fresh: bool) -> bool:
+        """Whether ``prepare`` needs the current policy's sequence log-probs (a forward pass before the backward)."""
+        del fresh
+        return False
+
+    @abstractmethod
+    def prepare(self, mb: MiniBatch) -> Prepared:
+        """The loss of one optimizer step over ``mb``'s responses (its micro-batches may be cut any way unless
+        ``whole_groups``)."""
+
+
+def _real(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    keep = index >= 0
+    return keep, index[keep]
+
+
+def _sequence_sums(logp: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``[b']`` float32 masked sums of the real rows' token log-probs."""
+    return torch.where(mask, logp, 0.0).sum(-1)[keep.to(logp.device)].float()
+
+
+class _Pacs(Objective):
+    """PACS (docs/algorithm.md §2): s = beta * (l - l_old) or beta * l / L, group logits, weighted BCE on R."""
+
+    loss_key = "pacs/loss"
+
+    def __init__(self, cfg: LossConfig) -> None:
+        self.beta, self.score = cfg.pacs_beta, cfg.pacs_score
+        self.advantage, self.weights = cfg.pacs_advantage, cfg.pacs_weights
+        self.old_logprobs = "sequence" if cfg.pacs_score == "log_ratio" else None
+
+
+class PacsTwoPhase(_Pacs):
+    """PACS through the two-phase group gradient (docs/algorithm.md §3): micro-batches may split groups.
+
+    Phase 1 computes every response's score under the current parameters (free, and exactly 0, when ``fresh``
+    with ``log_ratio``), then ``c = dL/ds`` in closed form per group; the micro-batch loss is the surrogate
+    ``sum_i c_i * s_i(theta)``, whose gradient is the exact PACS gradient. The reported ``pacs/loss`` is the
+    phase-1 loss.
+    """
+
+    def needs_current(self, fresh: bool) -> bool:
+        return not (fresh and self.score == "log_ratio")
+
+    def prepare(self, mb: MiniBatch) -> Prepared:
+        idx, num = mb.rows, mb.rewards.shape[0]
+        log_ratio = self.score == "log_ratio"
+        anchor = None if mb.old is None else mb.old.seq
+        if mb.current is None:
+            scores = torch.zeros(len(idx))
+        else:
+            old = anchor[idx].cpu() if log_ratio and anchor is not None else None
+            scores = compute_scores(
+                mb.current[idx].cpu(), old, beta=self.beta, score=self.score, response_lens=mb.response_lens[idx]
+            )
+        coeffs = torch.zeros(num)
+        coeffs[idx] = pacs_score_grads(
+            scores,
+            mb.rewards[idx],
+            group_size=mb.group_size,
+            advantage=self.advantage,
+            weights=self.weights,
+            normalizer=1.0,
+        )
+        if anchor is None and log_ratio:
+            anchor = torch.zeros(num)  # fresh: l_old = l; only the surrogate's gradient matters, not its value
+        return Prepared(self._loss(anchor, coeffs, mb.response_lens), self._phase1_metrics(scores, mb, idx))
+
+    def _loss(self, anchor: torch.Tensor | None, coeffs: torch.Tensor, lens: torch.Tensor) -> MicroBatchLoss:
+        def loss(logp: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
+            keep, idx = _real(index)
+            seq = _sequence_sums(logp, mask, keep)
+            old = None if anchor is None else anchor[idx].to(seq.device)
+            s = compute_scores(seq, old, beta=self.beta, score=self.score, response_lens=lens[idx])
+            return pacs_surrogate(s, coeffs[idx].to(s.device)), torch.tensor(int(idx.numel()), dtype=torch.int), {}
+
+        return loss
+
+    def _phase1_metrics(self, scores: torch.Tensor, mb: MiniBatch, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The PACS loss and critic metrics at the phase-1 scores (the loss value the step minimises)."""
+        n, rewards = mb.group_size, mb.rewards[idx]
+        adv = group_advantages(scores, group_size=n, advantage=self.advantage)
+        w = group_weights(rewards, group_size=n, weights=self.weights)
+        loss_sum = F.binary_cross_entropy_with_logits(adv, rewards, weight=w, reduction="sum")
+        m = pacs_metrics(scores, adv, rewards, w, group_size=n)
+        m["pacs/loss"] = torch.stack([loss_sum, loss_sum.new_tensor(float(scores.numel()))])
+        return m
+
+
+class PacsDirect(_Pacs):
+    """PACS with whole groups per micro-batch and autograd through the group (the reference's layout)."""
+
+    whole_groups = True
+
+    def prepare(self, mb: MiniBatch) -> Prepared:
+        anchor = None if mb.old is None else mb.old.seq
+        rewards, lens, n = mb.rewards, mb.response_lens, mb.group_size
+
+        def loss(logp: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
+            keep, idx = _real(index)
+            seq = _sequence_sums(logp, mask, keep)
+            # No old log-probs means the parameters have not moved since the rollout: l_old = l, exactly.
+            old = seq.detach() if anchor is None else anchor[idx].to(seq.device)
+            out = pacs_loss(
+                seq,
+                old,
+                rewards[idx].to(seq.device),
+                group_size=n,
+                beta=self.beta,
+                score=self.score,
+                advantage=self.advantage,
+                weights=self.weights,
+                response_lens=lens[idx],
+            )
+            return out.loss_sum, torch.tensor(out.count, dtype=torch.int), out.metrics
+
+        return Prepared(loss)
+
+
+class GrpoObjective(Objective):
+    """The GRPO baseline (docs/algorithm.md §6): group-normalised advantages, token-level PPO clip."""
+
+    loss_key = "grpo/loss"
+    old_logprobs = "token"
+
+    def __init__(self, cfg: LossConfig, max_response_length: int) -> None:
+        self.clip_ratio, self.max_response_length = cfg.clip_ratio, max_response_length
+
+    def prepare(self, mb: MiniBatch) -> Prepared:
+        advantages = grpo_advantages(mb.rewards, group_size=mb.group_size)
+        old_tokens = None if mb.old is None else mb.old.tokens
+        rewards = mb.rewards
+
+        def loss(logp: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
+            keep, idx = _real(index)
+            keep = keep.to(logp.device)
+            logp, mask = logp[keep], mask[keep]
+            if old_tokens is None:
+                old = logp.detach()
+            else:
+                old = torch.zeros_like(logp)
+                for j, i in enumerate(idx.tolist()):
+                    t = old_tokens[i].to(old.device)
+                    n = min(t.numel(), old.shape[1])
+                    old[j, :n] = t[:n]
+            out = grpo_loss(
+                logp,
+                old,
+                mask,
+                advantages[idx].to(logp.device),
+                max_response_len=self.max_response_length,
+                clip_ratio=self.clip_ratio,
+                rewards=rewards[idx].to(logp.device),
+            )
+            return out.loss_sum, torch.tensor(out.count, dtype=torch.int), out.metrics
+
+        return Prepared(loss)
+
+
+OBJECTIVES: Registry[Callable[[LossConfig, BatchConfig], Objective]] = Registry("loss")
+
+
+@OBJECTIVES.register("pacs")
+def _build_pacs(loss: LossConfig, batch: BatchConfig) -> Objective:
+    return PacsDirect(loss) if batch.keep_groups_in_microbatch else PacsTwoPhase(loss)
+
+
+@OBJECTIVES.register("grpo")
+def _build_grpo(loss: LossConfig, batch: BatchConfig) -> Objective:
+    return GrpoObjective(loss, batch.max_response_length)
+
+
+def build_objective(loss: LossConfig, batch: BatchConfig) -> Objective:
+    """The objective named by ``--loss``, configured."""
+    return OBJECTIVES.get(loss.loss)(loss, batch)

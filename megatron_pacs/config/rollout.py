@@ -1,0 +1,70 @@
+"""The rollout fleet (Ray-managed vLLM engines) and how training rollouts are sampled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_pacs.config.base import bad
+
+__all__ = ["RolloutConfig"]
+
+WEIGHT_SYNC = ("auto", "object_store", "broadcast", "ipc")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """The vLLM fleet and sampling."""
+
+    num_engines: int = 1
+    """Independent vLLM engines (data-parallel generation)."""
+    rollout_tensor_parallel_size: int = 1
+    """GPUs per engine (vLLM tensor parallelism); 1 on CPU."""
+    temperature: float = 1.0
+    """Sampling temperature (also the temperature of the trainer's log-probs)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off."""
+    rollout_dtype: str = "auto"
+    """Engine dtype; auto: the trainer's (bfloat16 with --bf16, else float32)."""
+    ray_address: str | None = None
+    """Existing Ray cluster for the fleet (auto, ray://host:10001, host:6379); default: a local one inside
+    --log-dir."""
+    ray_object_store_gb: float = 0.5
+    """Object store of a locally started Ray, GiB (weight updates pass through it on CPU)."""
+    colocate: bool = False
+    """Engines share the trainer's GPUs, sleeping while it trains (GPU only; refused on a machine without CUDA)."""
+    gpu_memory_utilization: float = 0.85
+    """GPU memory share per engine for weights and KV cache (engines own their GPUs; lower it when colocated)."""
+    kv_cache_gb: float = 1.0
+    """CPU only: KV cache per engine, GiB."""
+    weight_sync: str = "auto"
+    """How new weights reach the engines: object_store, broadcast (NCCL side group) or ipc (CUDA IPC, colocated);
+    auto: object_store on CPU, ipc when colocated, else broadcast."""
+    weight_sync_bucket_mb: int = 256
+    """Weight-sync bucket size in MiB."""
+    keep_weights_for_restart: bool = True
+    """Keep the last weight update in the object store so a restarted engine can be re-synced (one model copy of
+    host memory); without it a restarted engine waits for the next update."""
+    chunks_per_engine: int = 4
+    """Work units per engine per generate call: more balances better and loses less on a crash, fewer costs less
+    RPC."""
+    max_engine_restarts: int = 3
+    """Engine restarts allowed within one generate call before the step fails."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_engines", "rollout_tensor_parallel_size", "weight_sync_bucket_mb", "chunks_per_engine"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"{getattr(self, name)} must be >= 1")
+        if self.max_engine_restarts < 0:
+            raise bad("max_engine_restarts", "must be >= 0")
+        if self.temperature <= 0:
+            raise bad("temperature", "training rollouts must be sampled: use a temperature > 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must lie in (0, 1]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must lie in (0, 1]")
+        if self.weight_sync not in WEIGHT_SYNC:
+            raise bad("weight_sync", f"{self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
+        if self.ray_object_store_gb <= 0 or self.kv_cache_gb <= 0:
+            raise bad("ray_object_store_gb" if self.ray_object_store_gb <= 0 else "kv_cache_gb", "must be > 0")

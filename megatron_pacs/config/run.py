@@ -1,0 +1,101 @@
+"""The run around the step: data, length, checkpoints, validation, rewards and logging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_pacs.config.base import bad
+
+__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "RewardConfig", "RunConfig"]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompt data."""
+
+    train_data: list[str] = field(default_factory=list)
+    """Prepared training files (.jsonl/.json/.parquet; see tools/prepare_data.py)."""
+    val_data: list[str] = field(default_factory=list)
+    """Prepared validation files, one data source each."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Checkpoints: model, optimizer, RNG and data position, resharded on load."""
+
+    save: str | None = None
+    """Checkpoint directory."""
+    load: str | None = None
+    """Resume from the latest complete checkpoint here."""
+    save_interval: int = 0
+    """Steps between checkpoints (0: only at the end when --save is set)."""
+    keep_last: int = 2
+    """Checkpoints kept."""
+    save_hf: bool = False
+    """Also write a Hugging Face directory beside every checkpoint."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise bad("keep_last", "keep at least one checkpoint")
+        if self.save_interval < 0:
+            raise bad("save_interval", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Validation during training."""
+
+    eval_interval: int = 0
+    """Steps between validations (0: off); validation also runs before the first step and after the last."""
+    val_temperature: float = 0.0
+    """Validation sampling temperature: 0 is greedy (the reference); > 0 samples (with --top-p)."""
+    val_n: int = 1
+    """Validation samples per problem (> 1 needs --val-temperature > 0)."""
+
+    def __post_init__(self) -> None:
+        if self.eval_interval < 0:
+            raise bad("eval_interval", "must be >= 0")
+        if self.val_n < 1 or (self.val_n > 1 and self.val_temperature == 0):
+            raise bad("val_n", "use 1 for greedy validation, or set --val-temperature > 0 to sample several")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """The math-verify reward pool."""
+
+    reward_workers: int = 2
+    """math-verify worker processes."""
+    reward_timeout: float = 10.0
+    """Seconds per response before it scores 0."""
+
+    def __post_init__(self) -> None:
+        if self.reward_workers < 1:
+            raise bad("reward_workers", "must be >= 1")
+        if not self.reward_timeout > 0:
+            raise bad("reward_timeout", "must be > 0")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Length of the run, seed, logging and the dry run."""
+
+    train_iters: int = 10
+    """Training steps."""
+    seed: int = 1
+    """Seed for data order, sampling and initialisation."""
+    log_dir: str = "runs/default"
+    """Metrics, TensorBoard, rollout dumps."""
+    wandb_project: str | None = None
+    """Weights & Biases project (offline without an account)."""
+    wandb_exp_name: str | None = None
+    """W&B run name."""
+    dry_run: bool = False
+    """Validate the configuration, print the layout and memory plan, and exit (no GPUs needed)."""
+    world_size: int | None = None
+    """With --dry-run: the world size to plan for (default: this launch's)."""
+
+    def __post_init__(self) -> None:
+        if self.train_iters < 1:
+            raise bad("train_iters", "must be >= 1")
+        if self.world_size is not None and self.world_size < 1:
+            raise bad("world_size", "must be >= 1")

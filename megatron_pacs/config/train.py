@@ -1,0 +1,104 @@
+"""The whole run: one field per concern, and the checks that need more than one section or the world size."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from megatron_pacs.config.base import bad
+from megatron_pacs.config.batch import BatchConfig
+from megatron_pacs.config.loss import LossConfig
+from megatron_pacs.config.model import ModelConfig
+from megatron_pacs.config.optim import OptimConfig
+from megatron_pacs.config.parallel import ParallelConfig
+from megatron_pacs.config.rollout import RolloutConfig
+from megatron_pacs.config.run import CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """Batch arithmetic."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Objective."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Fleet and sampling."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Validation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward pool."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Length of the run, seed, logging."""
+
+    def validate(self, world_size: int, *, need_files: bool = True) -> int:
+        """Checks across sections for ``world_size`` ranks, before anything is built; returns the DP size.
+
+        Args:
+            world_size: Ranks of the launch (or the planned launch, for the dry run).
+            need_files: Also check that the model directory and data files exist.
+
+        Raises:
+            ValueError: naming the flag and the fix.
+        """
+        b = self.batch
+        dp = self.parallel.data_parallel_size(world_size)
+        if b.ppo_mini_batch_size % dp:
+            raise bad(
+                "ppo_mini_batch_size",
+                f"{b.ppo_mini_batch_size} prompts must split into whole groups over {dp} data-parallel ranks; use "
+                f"a multiple of {dp}",
+            )
+        if self.model.fp8_format and not _importable("transformer_engine"):
+            raise bad("fp8_format", "needs Transformer Engine (pip install .[gpu] on a CUDA machine)")
+        if not need_files:
+            return dp
+        if self.rollout.colocate and not _cuda_available():
+            raise bad(
+                "colocate",
+                "shares GPUs between the trainer and the engines and needs CUDA; this machine has none, so drop "
+                "--colocate (the engines then run beside the trainer)",
+            )
+        if not self.model.hf_model or not os.path.isfile(os.path.join(self.model.hf_model, "config.json")):
+            raise bad("hf_model", f"{self.model.hf_model!r} has no config.json; pass a Hugging Face model directory")
+        if not self.data.train_data:
+            raise bad("train_data", "give at least one prepared training file (tools/prepare_data.py)")
+        for name in ("train_data", "val_data"):
+            for path in getattr(self.data, name):
+                if not os.path.isfile(path):
+                    raise bad(name, f"{path} does not exist; prepare it with tools/prepare_data.py")
+        if self.eval.eval_interval and not self.data.val_data:
+            raise bad("eval_interval", "validation needs --val-data files")
+        return dp
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (for checkpoints and metric sinks)."""
+        return dataclasses.asdict(self)
+
+
+@cache
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _cuda_available() -> bool:
+    import torch  # deferred: --help and the dry run stay instant
+
+    return torch.cuda.is_available()
