@@ -16,8 +16,6 @@ import os
 import sys
 
 from megatron_pacs.config import parse_config
-from megatron_pacs.utils.logging import get_logger
-
 
 
 def main(argv: list[str] | None = None) -> int:
