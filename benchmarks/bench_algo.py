@@ -28,7 +28,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "math50
 
 
 def reference_loop_loss(seq_logp, seq_old_logp, rewards, n, beta):
-    """The reference's per-group computation (spec Part B 1.2-1.6), one group per micro-batch."""
+    """The reference's per-group computation (docs/algorithm.md §9.1), one group per micro-batch."""
     num_groups = seq_logp.shape[0] // n
     total = seq_logp.new_zeros(())
     for g in range(num_groups):

@@ -1,4 +1,4 @@
-"""Offline pass@k evaluation with the PACS protocol (spec Part A item 8), resumable, on any rollout engine.
+"""Offline pass@k evaluation with the PACS protocol (docs/algorithm.md §8.3), resumable, on any rollout engine.
 
 ``evaluate`` samples n responses per problem, scores them, and appends one line per problem to
 ``eval_rollout.jsonl`` as each batch finishes, so an interrupted run resumes where it stopped. The metrics are then

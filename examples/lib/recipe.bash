@@ -36,7 +36,7 @@ if [[ "$DRY_RUN" == 1 && ! -e "$HF_MODEL" ]]; then
 fi
 read -r -a VAL_FILES <<<"$VAL_DATA"
 
-# The reference recipe's data, batches, lengths, rollouts and schedule (spec Part B 2.3), common to PACS and GRPO.
+# The reference recipe's data, batches, lengths, rollouts and schedule (docs/algorithm.md §10.1), common to PACS and GRPO.
 RECIPE_ARGS=(
     --hf-model "$HF_MODEL"
     --bf16 --recompute-activations --use-distributed-optimizer

@@ -100,7 +100,7 @@ def check_1d(name: str, tensor: torch.Tensor, size: int | None = None) -> None:
 def masked_sequence_sum(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum token log-probs over each response's real tokens.
 
-    Padding never contributes, whatever value it holds (the reference sums unmasked; spec Part B 1.2).
+    Padding never contributes, whatever value it holds (the reference sums unmasked; docs/algorithm.md §9.2).
 
     Args:
         token_logp: ``[S, T]`` per-token log-probs.

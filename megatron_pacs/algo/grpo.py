@@ -1,4 +1,4 @@
-"""The GRPO baseline loss (spec Part A item 7): group-normalised outcome advantage, PPO clipped surrogate.
+"""The GRPO baseline loss (docs/algorithm.md §6): group-normalised outcome advantage, PPO clipped surrogate.
 
     adv_i  = (R_i - mean_g R) / (std_g R + 1e-6)            # per group, std unbiased; no std: R_i - mean_g R
     ratio  = exp(logp - logp_old)                           # per token

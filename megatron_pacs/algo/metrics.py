@@ -1,4 +1,4 @@
-"""Loss metrics in a reducible form, and the PACS metrics the reference does not log (spec Part A item 6).
+"""Loss metrics in a reducible form, and the PACS metrics the reference does not log (docs/algorithm.md §7).
 
 Convention: every metric is a float tensor ``[value, weight]``. Means reduce as ``sum(value) / sum(weight)``
 over micro-batches and ranks, so they are exact global means whatever the split; keys ending in ``/max`` or

@@ -157,8 +157,7 @@ class PacsTwoPhase(_Pacs):
             scores = compute_scores(
                 mb.current[idx].cpu(), old, beta=self.beta, score=self.score, response_lens=mb.response_lens[idx]
             )
-        coeffs = torch.zeros(num)
-        coeffs[idx] = pacs_score_grads(
+        grads = pacs_score_grads(
             scores,
             mb.rewards[idx],
             group_size=mb.group_size,
@@ -166,6 +165,8 @@ class PacsTwoPhase(_Pacs):
             weights=self.weights,
             normalizer=1.0,
         )
+        coeffs = torch.zeros(num, dtype=grads.dtype)
+        coeffs[idx] = grads
         if anchor is None and log_ratio:
             anchor = torch.zeros(num)  # fresh: l_old = l; only the surrogate's gradient matters, not its value
         return Prepared(self._loss(anchor, coeffs, mb.response_lens), self._phase1_metrics(scores, mb, idx))

@@ -2,7 +2,7 @@
 
 For a group of N responses to one prompt with 0/1 rewards R_i and sequence log-likelihoods l_i (token sums over
 the response), PACS scores each response by the policy itself, centres the scores within the group into logits,
-and trains with weighted binary cross-entropy (spec Part A, items 1 to 5):
+and trains with weighted binary cross-entropy (docs/algorithm.md §2 and §3):
 
     s_i = beta * (l_i - l_i^old)                    # score="log_ratio"  (or beta * l_i / L_i, "mean_logp")
     A_i = s_i - mean_{j != i} s_j                   # advantage="rloo"   (or grpo, grpo_no_std, naive)
@@ -136,7 +136,7 @@ def compute_scores(
     score: str = "log_ratio",
     response_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """PACS scores (implicit rewards), spec Part A item 1.
+    """PACS scores (implicit rewards), docs/algorithm.md §2.1.
 
     Args:
         seq_logp: ``[S]`` sequence log-likelihoods under the current policy (token sums, masked).
@@ -162,7 +162,7 @@ def compute_scores(
 
 
 def group_advantages(scores: torch.Tensor, *, group_size: int, advantage: str = "rloo") -> torch.Tensor:
-    """Group-centred logits A from scores s, spec Part A item 2.
+    """Group-centred logits A from scores s, docs/algorithm.md §2.3.
 
     Args:
         scores: ``[S]`` scores, groups of ``group_size`` contiguous.
@@ -178,7 +178,7 @@ def group_advantages(scores: torch.Tensor, *, group_size: int, advantage: str = 
 
 
 def group_weights(rewards: torch.Tensor, *, group_size: int, weights: str = "balanced") -> torch.Tensor:
-    """Per-response BCE weights, spec Part A item 3.
+    """Per-response BCE weights, docs/algorithm.md §2.4.
 
     A response counts as positive when its reward is > 0.5 (exactly the 0/1 classes for binary rewards).
 
@@ -230,8 +230,8 @@ def pacs_loss(
 ) -> LossOutput:
     """The PACS loss over whole groups, as a global sum and count.
 
-    ``loss_sum / count`` equals the reference's ``BCEWithLogitsLoss(weight=w)(A, R)`` mean (spec Part A items 1
-    to 4). The computation runs in at least float32 (bf16 inputs are upcast).
+    ``loss_sum / count`` equals the reference's ``BCEWithLogitsLoss(weight=w)(A, R)`` mean (docs/algorithm.md
+    §2.5). The computation runs in at least float32 (bf16 inputs are upcast).
 
     Args:
         seq_logp: ``[S]`` current-policy sequence log-likelihoods (masked token sums), with grad.
@@ -245,7 +245,7 @@ def pacs_loss(
         response_lens: ``[S]`` token counts, needed by ``mean_logp``.
 
     Returns:
-        ``LossOutput(loss_sum, count=S, metrics)`` with the spec item 6 metrics.
+        ``LossOutput(loss_sum, count=S, metrics)`` with the docs/algorithm.md §7 metrics.
     """
     rewards = _validate(seq_logp, seq_old_logp, rewards, group_size, score, advantage, weights)
     dt = _compute_dtype(seq_logp)
@@ -273,7 +273,7 @@ def pacs_score_grads(
     weights: str = "balanced",
     normalizer: float,
 ) -> torch.Tensor:
-    """Closed-form dL/ds of the PACS loss (spec Part A item 5), for the two-phase group gradient.
+    """Closed-form dL/ds of the PACS loss (docs/algorithm.md §3.2), for the two-phase group gradient.
 
     With ``e_i = w_i * (sigmoid(A_i) - R_i) / normalizer`` (dL/dA), returns ``c = (dA/ds)^T e`` per group; for
     rloo ``c_k = e_k - (1/(N-1)) * sum_{i != k} e_i``. Back-propagating ``sum_i c_i * s_i(theta)`` through any

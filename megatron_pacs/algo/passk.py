@@ -1,4 +1,4 @@
-"""Unbiased pass@k (Chen et al. 2021), spec Part A item 8."""
+"""Unbiased pass@k (Chen et al. 2021), docs/algorithm.md §8.3."""
 
 from __future__ import annotations
 

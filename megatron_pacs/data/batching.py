@@ -2,7 +2,7 @@
 
 Pure PyTorch. Legend: P prompts, n group size, S = P * n responses (groups contiguous), L padded length.
 
-The layout follows the reference (spec Part B 1.6): the step's prompts are cut contiguously into mini-batches of
+The sizes follow the reference (docs/algorithm.md §4.3): the step's prompts are cut contiguously into mini-batches of
 ``ppo_mini_batch_size`` prompts, each split over DP ranks in whole groups; a rank's share of a mini-batch is cut
 into micro-batches either by a token budget (groups may split: the two-phase gradient makes that exact) or in
 whole groups (the reference's constraint).

@@ -1,4 +1,4 @@
-"""The PACS prompt (spec Part A item 9) and the canonical row every dataset is converted to."""
+"""The PACS prompt (docs/algorithm.md §8.1) and the canonical row every dataset is converted to."""
 
 from __future__ import annotations
 

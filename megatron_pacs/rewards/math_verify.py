@@ -1,4 +1,4 @@
-"""The math-verify reward with the reference semantics (spec Part A item 10, Part B 2.2).
+"""The math-verify reward with the reference semantics (docs/algorithm.md §8.2).
 
 The gold answer is wrapped as ``\\boxed{gt}`` and parsed with a LaTeX extractor; the response is parsed with
 expression and LaTeX extractors; the score is 1.0 if math-verify finds them equivalent, else 0.0. Any error gives
