@@ -13,19 +13,64 @@ megatron.core is edited. Verified on megatron-core 0.16.1 and 0.19.2 (see the pr
 
 Callers also pass an explicit causal mask (the default one is built on "cuda") and set ``batch_p2p_sync=False``
 and ``clip_grad=0.0`` (the Megatron optimizer's clip asserts CUDA tensor types) on CPU.
+
+Importing this module on CPU also silences, by exact message, the warnings megatron-core raises at import about
+Transformer Engine and Apex being absent (:data:`HARMLESS_ON_CPU`): both are CUDA-only, so on CPU the fallbacks are
+the only implementations. On GPU they stay, since there a missing TE or Apex is real information. The filters
+only act if this module is imported before megatron.core.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["apply_cpu_support", "cpu_support_active", "cuda_to_cpu"]
+__all__ = ["HARMLESS_ON_CPU", "apply_cpu_support", "cpu_support_active", "cuda_to_cpu", "silence_harmless_cpu_warnings"]
 
 _applied = False
+
+HARMLESS_ON_CPU: tuple[tuple[str, str], ...] = (
+    (
+        "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+        "both are CUDA-only; torch.optim's optimizers are the only ones on CPU",
+    ),
+    (
+        "Transformer Engine and Apex are not installed. Falling back to local implementations of "
+        "multi_tensor_applier and multi_tensor_scale",
+        "the fused multi-tensor kernels are CUDA-only; the local loops are exact",
+    ),
+    (
+        "Transformer Engine and Apex are not installed. Falling back to local implementations of "
+        "multi_tensor_applier, multi_tensor_l2norm, and multi_tensor_scale",
+        "the fused multi-tensor kernels are CUDA-only; the local loops are exact",
+    ),
+    (
+        "Apex is not installed. Falling back to Torch Norm",
+        "Apex's fused norm is CUDA-only, and the local spec swaps every norm for HFRMSNorm anyway",
+    ),
+)
+"""``(exact message, why it is harmless on CPU)`` of the megatron-core import warnings that
+:func:`silence_harmless_cpu_warnings` filters (UserWarning, megatron modules only)."""
+
+
+def silence_harmless_cpu_warnings() -> bool:
+    """Ignore :data:`HARMLESS_ON_CPU` (exact messages) when CUDA is absent; idempotent.
+
+    Megatron-core warns once, at import, so this must run before megatron.core is first imported.
+
+    Returns:
+        True if the filters are installed (CPU), False on a CUDA machine (the warnings stay).
+    """
+    if torch.cuda.is_available():
+        return False
+    for message, _why in HARMLESS_ON_CPU:
+        warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z", category=UserWarning, module="megatron")
+    return True
 
 
 def cpu_support_active() -> bool:
@@ -44,6 +89,7 @@ def apply_cpu_support() -> bool:
         return False
     if _applied:
         return True
+    silence_harmless_cpu_warnings()
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
@@ -135,3 +181,6 @@ class _NoOpEvent:
 
     def query(self) -> bool:
         return True
+
+
+silence_harmless_cpu_warnings()  # at import, so importing this module before megatron.core is enough

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import gc
 import os
+import re
+import time
+import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,8 +29,11 @@ from megatron_pacs.rollout.sync import (
     standalone_group,
     unpack_bucket,
 )
-from megatron_pacs.rollout.types import Prompt, Response, RolloutGroup, SamplingConfig
+from megatron_pacs.rollout.types import Prompt, Response, RolloutEngine, RolloutGroup, SamplingConfig
 from megatron_pacs.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 __all__ = ["VLLMEngine", "WeightSyncExtension"]
 
@@ -35,10 +41,25 @@ log = get_logger("rollout.engine")
 
 _EXTENSION = f"{__name__}.WeightSyncExtension"
 
+# Harmless: vLLM's kernel-override registration probes every module attribute with hasattr(), which touches torch's
+# deprecated `torch.distributed.reduce_op` alias; vLLM never uses it.
+warnings.filterwarnings(
+    "ignore",
+    message=re.escape("`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead")
+    + r"\Z",
+    category=FutureWarning,
+    module=r"vllm\.triton_utils\.dispatcher\Z",
+)
+
 
 def _metas(raw: Sequence[Any]) -> list[TensorMeta]:
     # Metadata crosses vLLM's RPC as plain lists in multiprocess mode.
     return [m if isinstance(m, TensorMeta) else TensorMeta(m[0], tuple(m[1]), m[2], m[3], m[4]) for m in raw]
+
+
+def _plain(metas: Sequence[TensorMeta]) -> list[list[Any]]:
+    """The inverse of :func:`_metas`: what survives vLLM's msgpack RPC."""
+    return [[m.name, list(m.shape), m.dtype, m.offset, m.nbytes] for m in metas]
 
 
 class WeightSyncExtension:
@@ -47,6 +68,8 @@ class WeightSyncExtension:
     An update is ``begin`` -> any number of buckets -> ``finish``. vLLM's layer-wise reload buffers each layer's
     tensors until the layer is complete, then runs its post-load processing, so buckets may cut layers anywhere.
     """
+
+    model_runner: Any  # the worker's own (declared for the type checker; this class never sets it)
 
     def mp_begin_update(self, tied: bool) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
@@ -87,8 +110,50 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         runner = self.model_runner
-        finalize_layerwise_reload(runner.get_model(), runner.model_config)
+        model = runner.get_model()
+        _reload_derived_buffers(model)
+        finalize_layerwise_reload(model, runner.model_config)
         return len(self._mp_loaded)
+
+
+def _reload_derived_buffers(model: torch.nn.Module) -> int:
+    """Hand the layer-wise reload the values of buffers that no checkpoint holds, so every layer completes.
+
+    The reload moves each module's parameters *and* buffers to ``meta`` and expects all of them to be loaded.
+    A module whose only tensors are non-persistent buffers derived at init (RoPE's ``cos_sin_cache``) gets
+    nothing from HF-named weights, so vLLM would fall back to its old tensors with "RotaryEmbedding: Failed to
+    load weights". Such a module, when the update loaded nothing into it, is fed its own current values through
+    the reload's loader: the layer is processed like any other and keeps exactly the same buffers. Modules with
+    parameters are never touched here, so a weight genuinely missing from an update still warns.
+
+    Returns:
+        The number of buffers fed.
+    """
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    fed = 0
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if not info.can_load() or info.load_numel > 0 or info.kernel_tensors is None:
+            continue
+        if is_deferred_attention_layer(layer):
+            continue  # KV-cache scales: vLLM's finalize restores and re-processes them itself
+        params, buffers = info.kernel_tensors
+        if params or not buffers or not buffers.keys() <= info.kernel_non_persistent_buffers:
+            continue
+        for name, placeholder in list(layer._buffers.items()):
+            kernel = buffers.get(name)
+            loader = getattr(placeholder, "weight_loader", None)
+            if not info.can_load():
+                break  # the layer completed and was processed
+            if placeholder is None or kernel is None or loader is None:
+                continue
+            if not placeholder.is_meta or placeholder.shape != kernel.shape:
+                continue
+            loader(placeholder, kernel)
+            fed += 1
+    return fed
 
 
 class VLLMEngine:
@@ -127,15 +192,20 @@ class VLLMEngine:
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
-            model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
-            max_model_len=max_model_len, worker_extension_cls=_EXTENSION, enable_prefix_caching=True,
-        )  # fmt: skip
+            model=model,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            worker_extension_cls=_EXTENSION,
+            enable_prefix_caching=True,
+        )
         if self.on_cpu:
             kwargs["enforce_eager"] = True  # compiling adds about a minute per start on CPU
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
         kwargs.update(engine_kwargs or {})
-        self.llm = LLM(**kwargs)
+        self.llm: LLM = LLM(**kwargs)
         self.multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -150,11 +220,18 @@ class VLLMEngine:
         # vLLM refuses n > 1 when greedy: sample once and repeat (every greedy response is the same anyway).
         n = 1 if sampling.temperature == 0 else sampling.n
         return SamplingParams(
-            n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
-            stop_token_ids=list(sampling.stop_token_ids) or None, seed=seed,
-            logprobs=0 if sampling.logprobs else None, ignore_eos=sampling.ignore_eos, **extra,
-        )  # fmt: skip
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            seed=seed,
+            logprobs=0 if sampling.logprobs else None,
+            ignore_eos=sampling.ignore_eos,
+            **extra,
+        )
 
     @staticmethod
     def _inputs(prompts: Sequence[Prompt]) -> list[Any]:
@@ -193,6 +270,7 @@ class VLLMEngine:
             while len(responses) < sampling.n:
                 r = responses[0]
                 responses.append(Response(list(r.token_ids), r.text, list(r.logprobs), r.finish_reason))
+            assert out.prompt_token_ids is not None  # vLLM fills it for every generation request
             groups.append(RolloutGroup(prompt, list(out.prompt_token_ids), responses))
         return groups
 
@@ -204,7 +282,14 @@ class VLLMEngine:
         outs = self.llm.generate(self._inputs(token_ids), params, use_tqdm=False)
         result = []
         for ids, out in zip(token_ids, outs, strict=True):
-            result.append([out.prompt_logprobs[t][int(ids[t])].logprob for t in range(1, len(ids))])
+            per_position = out.prompt_logprobs  # requested above; entry 0 (no context) is None
+            assert per_position is not None
+            row = []
+            for t in range(1, len(ids)):
+                entry = per_position[t]
+                assert entry is not None
+                row.append(entry[int(ids[t])].logprob)
+            result.append(row)
         return result
 
     # -- weights ----------------------------------------------------------------------------------------------
@@ -214,22 +299,18 @@ class VLLMEngine:
 
     def load_bucket(self, buffer: torch.Tensor, metas: list[TensorMeta]) -> None:
         if self.multiprocess:  # tensors do not survive vLLM's msgpack RPC; bytes and plain lists do
-            payload: Any = buffer.cpu().numpy().tobytes()
-            metas = [[m.name, list(m.shape), m.dtype, m.offset, m.nbytes] for m in metas]
+            self.llm.collective_rpc("mp_load_bucket", args=(buffer.cpu().numpy().tobytes(), _plain(metas)))
         else:
-            payload = buffer
-        self.llm.collective_rpc("mp_load_bucket", args=(payload, metas))
+            self.llm.collective_rpc("mp_load_bucket", args=(buffer, metas))
 
     def init_broadcast_group(self, backend: str, host: str, port: int, rank_offset: int, world_size: int) -> None:
         self.llm.collective_rpc("mp_init_broadcast_group", args=(backend, host, port, rank_offset, world_size))
 
     def receive_broadcast(self, metas: list[TensorMeta], nbytes: int) -> None:
-        plain = [[m.name, list(m.shape), m.dtype, m.offset, m.nbytes] for m in metas]
-        self.llm.collective_rpc("mp_receive_broadcast", args=(plain, nbytes))
+        self.llm.collective_rpc("mp_receive_broadcast", args=(_plain(metas), nbytes))
 
     def load_ipc(self, handle: tuple[Any, tuple], metas: list[TensorMeta]) -> None:
-        plain = [[m.name, list(m.shape), m.dtype, m.offset, m.nbytes] for m in metas]
-        self.llm.collective_rpc("mp_load_ipc", args=(handle, plain))
+        self.llm.collective_rpc("mp_load_ipc", args=(handle, _plain(metas)))
 
     def finish_weight_update(self) -> int:
         """Process the loaded layers and drop every cached prefix (its KV came from the old weights).
@@ -241,12 +322,24 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         return int(loaded[0])
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 256 << 20) -> None:
-        """Load HF-named weights in place (the protocol call; the fleet uses the bucket calls directly)."""
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 256 << 20
+    ) -> dict[str, float]:
+        """Load HF-named weights in place (the protocol call; the fleet uses the bucket calls directly).
+
+        Returns:
+            ``{"sync/seconds": ..., "sync/megabytes": ..., "sync/num_buckets": ...}``, as the fleet's.
+        """
+        started = time.perf_counter()
+        total, num = 0, 0
         self.begin_weight_update()
         for bucket in iter_buckets(named_tensors, bucket_bytes):
-            self.load_bucket(*pack_bucket(bucket, device="cpu"))
+            buffer, metas = pack_bucket(bucket, device="cpu")
+            total, num = total + buffer.numel(), num + 1
+            self.load_bucket(buffer, metas)
         self.finish_weight_update()
+        seconds = time.perf_counter() - started
+        return {"sync/seconds": seconds, "sync/megabytes": total / 2**20, "sync/num_buckets": float(num)}
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
@@ -271,6 +364,12 @@ class VLLMEngine:
             llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # noqa: BLE001 - shutting down must not raise over a half-dead engine
             log.warning("engine shutdown: %s", exc)
-        self.llm = None
+        del self.llm  # later calls fail plainly; a second shutdown is a no-op
         del llm
         gc.collect()
+
+
+if TYPE_CHECKING:  # a static assertion for the type checker; nothing runs
+
+    def _is_a_rollout_engine(engine: VLLMEngine) -> RolloutEngine:
+        return engine

@@ -20,10 +20,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
 
 __all__ = [
     "SideGroup",
@@ -132,8 +135,10 @@ def add_tied_lm_head(
 class SideGroup:
     """A process group outside the default one, with the TCP store it was built on (kept alive with it)."""
 
-    group: dist.ProcessGroup
-    store: dist.Store
+    group: Any
+    """The c10d backend itself (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), used without a ``ProcessGroup``;
+    typed ``Any`` because torch's stubs omit the collectives (``broadcast``) that a backend has at runtime."""
+    store: Store
     rank: int
     world_size: int
 
@@ -153,8 +158,12 @@ def standalone_group(
         timeout_s: Store and collective timeout.
     """
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore("megatron_pacs_weight_sync", store)
+    # TCPStore is documented as torch.distributed's, but torch does not re-export it for type checkers.
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
+    from torch.distributed.distributed_c10d import PrefixStore
+
+    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    prefixed = PrefixStore("megatron_pacs_weight_sync", store)
     if backend == "gloo":
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     elif backend == "nccl":

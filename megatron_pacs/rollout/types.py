@@ -74,8 +74,12 @@ class Response:
     finish_reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "text": self.text, "logprobs": self.logprobs,
-                "finish_reason": self.finish_reason}  # fmt: skip
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+        }
 
 
 @dataclass
@@ -94,8 +98,11 @@ class RolloutGroup:
 
     def to_dict(self) -> dict[str, Any]:
         prompt = self.prompt if isinstance(self.prompt, str) else list(self.prompt)
-        return {"prompt": prompt, "prompt_token_ids": self.prompt_token_ids,
-                "responses": [r.to_dict() for r in self.responses]}  # fmt: skip
+        return {
+            "prompt": prompt,
+            "prompt_token_ids": self.prompt_token_ids,
+            "responses": [r.to_dict() for r in self.responses],
+        }
 
 
 @runtime_checkable
@@ -106,8 +113,13 @@ class RolloutEngine(Protocol):
         """Sample ``sampling.n`` responses for every prompt; one group per prompt, in the prompts' order."""
         ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights given under their Hugging Face names; later generations use them."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Load new weights given under their Hugging Face names; later generations use them.
+
+        Returns:
+            Sync statistics for the metrics log: ``sync/seconds``, ``sync/megabytes`` (packed bytes sent) and
+            ``sync/num_buckets``.
+        """
         ...
 
     def sleep(self) -> None:

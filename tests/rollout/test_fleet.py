@@ -6,6 +6,7 @@ evaluation with resume, and that shutdown leaves nothing behind.
 """
 
 import json
+import logging
 import math
 import os
 import threading
@@ -166,6 +167,15 @@ def test_update_weights_then_outputs_and_logprobs_are_the_new_models(fleet, mode
     assert fleet.verify_sync(probes, [_hf_logprobs(model_a, ids) for ids in probes]) < 1e-4
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def test_tied_embedding_model_on_the_in_process_engine(models):
     """The exporter omits lm_head for tied models; the engine must still refresh vLLM's own output layer."""
     from megatron_pacs.rollout.engine import VLLMEngine
@@ -178,7 +188,15 @@ def test_tied_embedding_model_on_the_in_process_engine(models):
         prompts = _prompts(tok, 4, prefix="A shared prefix that is long enough to be cached. " * 3)
         greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=8, ignore_eos=True)
         engine.generate(prompts, greedy)
-        engine.update_weights(_state(paths["d"], drop_lm_head=True), bucket_bytes=64 << 10)
+        reload_log = _Records()  # vLLM's layer-wise reload warns for any module it could not reload
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        layerwise.addHandler(reload_log)
+        try:
+            stats = engine.update_weights(_state(paths["d"], drop_lm_head=True), bucket_bytes=64 << 10)
+        finally:
+            layerwise.removeHandler(reload_log)
+        assert [r.getMessage() for r in reload_log.records if r.levelno >= logging.WARNING] == []
+        assert stats["sync/num_buckets"] > 1 and stats["sync/megabytes"] > 0
         model_d = _hf(paths["d"])
         groups = engine.generate(prompts, greedy)
         for p, g in zip(prompts, groups, strict=True):

@@ -68,7 +68,7 @@ def _receiver(port, rank, world, metas, nbytes, queue):
 
 def test_broadcast_side_group_delivers_the_bucket_to_every_receiver():
     """The disaggregated GPU transport's logic (NCCL there) on gloo: trainer rank 0 broadcasts a packed bucket."""
-    from megatron_pacs.mcore.launch import free_port
+    from megatron_pacs.utils.launch import free_port
 
     named = _tensors()
     buffer, metas = pack_bucket(named)
@@ -105,7 +105,12 @@ def test_balance_chunks_spreads_cost_and_covers_every_item():
 def test_sampling_config_validation_names_the_field():
     from megatron_pacs.rollout.types import SamplingConfig
 
-    for kwargs, field in [({"n": 0}, "n="), ({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"),
-                          ({"top_k": 0}, "top_k"), ({"max_tokens": 0}, "max_tokens")]:  # fmt: skip
+    for kwargs, field in [
+        ({"n": 0}, "n="),
+        ({"top_p": 0.0}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ]:
         with pytest.raises(ValueError, match=field):
             SamplingConfig(**kwargs)
