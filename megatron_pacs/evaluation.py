@@ -157,6 +157,7 @@ def evaluate(
         raise ValueError("evaluate: problems remain to be sampled but no engine was given")
     with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="evaluate", disable=not progress) as bar:
         for start in range(0, len(todo), batch_size):
+            assert engine is not None  # checked above: todo is not empty
             batch = todo[start : start + batch_size]
             prompts = [apply_chat_template(tokenizer, r.prompt) for r in batch]
             groups = engine.generate(prompts, sampling)

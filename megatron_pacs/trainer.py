@@ -156,6 +156,7 @@ class Trainer:
         """Stream the actor's weights into every engine (all ranks take part in the export)."""
         weights = self.actor.export_hf_weights()
         if self.driver:
+            assert self.fleet is not None, "the driver owns the fleet"
             return self.fleet.update_weights(weights)
         for _ in weights:
             pass
@@ -172,6 +173,7 @@ class Trainer:
         tokens = self.actor.logprobs([mb], batch.num_responses, temperature=1.0, tokens=True).tokens
         diff = torch.zeros(1)
         if self.driver and tokens:
+            assert self.fleet is not None, "the driver owns the fleet"
             probes = [batch.sequences[i] for i in rows]
             refs = [tokens[i][: len(batch.sequences[i]) - 1].tolist() for i in rows]
             diff[0] = self.fleet.verify_sync(probes, refs)
@@ -181,6 +183,7 @@ class Trainer:
         """Mean reward per validation source, greedy by default (driver only; the others return {})."""
         if not self.driver or not self.val_rows:
             return {}
+        assert self.fleet is not None and self.scorer is not None, "the driver owns the fleet and the scorer"
         from megatron_pacs.rollout.types import SamplingConfig
 
         started = time.perf_counter()

@@ -92,7 +92,7 @@ def prepare_dataset(
         raise ValueError(f"output {output_path} is the input file; choose another output path")
     rows, skipped = read_prompt_rows(input_path, data_source=data_source, skip_bad_rows=skip_bad_rows)
     too_long = 0
-    if tokenizer_dir is not None:
+    if tokenizer_dir is not None and max_prompt_length is not None:  # both or neither (checked above)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)

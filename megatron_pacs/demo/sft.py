@@ -14,6 +14,7 @@ Shapes: N rows, L padded length, B global batch, b micro-batch.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from megatron_pacs.config import OptimConfig
 from megatron_pacs.data.prompts import apply_chat_template, build_messages
 from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
 from megatron_pacs.mcore.forward import MicroBatch, make_micro_batches, model_token_logprobs, sequence_logprobs
-from megatron_pacs.mcore.model import build_gpt_model
+from megatron_pacs.mcore.model import MegatronModule, build_gpt_model
 from megatron_pacs.mcore.optim import build_trainable, masked_sum_and_count, train_step
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
@@ -89,7 +90,7 @@ def _accuracy_estimator(tokenizer: Any, rows: list[dict[str, Any]], groups: Para
     """``models -> mean probability of the rows' (correct) responses``, the same on every rank."""
     tokens, score_mask = encode_sft_rows(tokenizer, rows)
 
-    def evaluate(models: list[torch.nn.Module]) -> float:
+    def evaluate(models: Sequence[MegatronModule]) -> float:
         seq_logp = sequence_logprobs(models, groups, tokens, score_mask, micro_batch_size=micro_batch_size)
         return seq_logp.double().exp().mean().item()
 

@@ -108,7 +108,7 @@ def tiny_hf_config(
     """A small random-init-ready config of a supported family: ``qwen2``, ``qwen3`` or ``llama``."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -123,9 +123,10 @@ def tiny_hf_config(
         pad_token_id=0,
     )
     if family == "qwen2":
-        return Qwen2Config(rope_theta=1_000_000.0, **common)
+        # transformers 5's dataclass configs take legacy kwargs (rope_theta) that their typed __init__ omits.
+        return Qwen2Config(rope_theta=1_000_000.0, **common)  # pyright: ignore[reportCallIssue]
     if family == "qwen3":
-        return Qwen3Config(rope_theta=1_000_000.0, head_dim=hidden // heads, **common)
+        return Qwen3Config(rope_theta=1_000_000.0, head_dim=hidden // heads, **common)  # pyright: ignore[reportCallIssue]
     if family == "llama":
         scaling = {
             "rope_type": "llama3",

@@ -11,7 +11,8 @@ Legend: b rows per micro-batch, L padded length, Vp vocabulary shard, S response
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, train_step
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 __all__ = ["Actor"]
 
@@ -60,7 +64,7 @@ class Actor:
                 p.requires_grad_(False)
 
     @property
-    def chunks(self) -> list[torch.nn.Module]:
+    def chunks(self) -> Sequence[MegatronModule]:
         return list(self.trainable.models) if self.trainable is not None else self.models
 
     # -- forward-only ----------------------------------------------------------------------------------------

@@ -7,15 +7,18 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 __all__ = ["HF_SIDE_FILES", "load_model_checkpoint", "save_hf_checkpoint", "save_model_checkpoint"]
 
@@ -42,7 +45,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _sharded_state_dict(models: list[torch.nn.Module]) -> dict[str, Any]:
+def _sharded_state_dict(models: Sequence[MegatronModule]) -> dict[str, Any]:
     if len(models) == 1:
         return {"model": models[0].sharded_state_dict()}
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
@@ -52,10 +55,11 @@ def _broadcast_path(path: str | None) -> str:
     obj = [path]
     if dist.is_initialized():
         dist.broadcast_object_list(obj, src=0)
+    assert obj[0] is not None, "rank 0 makes the folder and broadcasts its path"
     return obj[0]
 
 
-def save_model_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.PathLike, metadata: dict) -> None:
+def save_model_checkpoint(models: Sequence[MegatronModule], ckpt_dir: str | os.PathLike, metadata: dict) -> None:
     """Save the model chunks as a Megatron distributed checkpoint, atomically.
 
     All ranks write their shards into a sibling temporary folder; rank 0 adds ``megatron_pacs.json``
@@ -88,7 +92,7 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
-def load_model_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.PathLike) -> dict:
+def load_model_checkpoint(models: Sequence[MegatronModule], ckpt_dir: str | os.PathLike) -> dict:
     """Load a distributed checkpoint into the model chunks, resharding to their TP/PP layout.
 
     Returns:
@@ -101,7 +105,8 @@ def load_model_checkpoint(models: list[torch.nn.Module], ckpt_dir: str | os.Path
     sharded = _sharded_state_dict(models)
     try:
         with cuda_to_cpu():
-            state = dist_checkpointing.load(sharded, str(ckpt_dir))
+            # A dict: load returns a tuple only for the strict="return_*" modes.
+            state = cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt_dir)))
     except Exception as e:  # noqa: BLE001 - Megatron raises several exception types here
         raise ValueError(f"{ckpt_dir} does not fit the model: {type(e).__name__}: {e}") from None
     for i, m in enumerate(models):
@@ -151,6 +156,7 @@ def save_hf_checkpoint(
 
     def flush() -> None:
         nonlocal shard, shard_bytes
+        assert tmp is not None, "only the writer flushes"
         if shard:
             name = f"part-{len(shards):05d}.safetensors"
             save_file(shard, tmp / name, metadata={"format": "pt"})
@@ -170,7 +176,7 @@ def save_hf_checkpoint(
         shard_bytes += size
         total_size += size
     bar.close()
-    if writer:
+    if tmp is not None:  # the writer
         flush()
         n = len(shards)
         for i, (part, names) in enumerate(shards):

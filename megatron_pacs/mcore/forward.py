@@ -9,8 +9,9 @@ Shapes: N sequences, L padded length, b micro-batch size, Vp = V / TP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
 from megatron_pacs.mcore.parallel import ParallelGroups
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 __all__ = [
     "MicroBatch",
@@ -87,7 +91,7 @@ def _forward_step_factory(loss_fn: LossFn):
 
 
 def run_schedule(
-    models: list[torch.nn.Module],
+    models: Sequence[MegatronModule],
     micro_batches: list[MicroBatch],
     loss_fn: LossFn,
     *,
@@ -111,7 +115,7 @@ def run_schedule(
         return get_forward_backward_func()(
             forward_step_func=_forward_step_factory(loss_fn),
             data_iterator=data_iterator,
-            model=models,
+            model=list(models),
             num_microbatches=len(micro_batches),
             seq_length=seq_length,
             micro_batch_size=mbs,
@@ -130,7 +134,7 @@ def _token_logp_loss_fn(tp_group: dist.ProcessGroup, temperature: float) -> Loss
 
 @torch.no_grad()
 def token_logprobs(
-    models: list[torch.nn.Module],
+    models: Sequence[MegatronModule],
     groups: ParallelGroups,
     tokens: torch.Tensor,
     *,
@@ -166,7 +170,7 @@ def token_logprobs(
 
 
 def sequence_logprobs(
-    models: list[torch.nn.Module],
+    models: Sequence[MegatronModule],
     groups: ParallelGroups,
     tokens: torch.Tensor,
     score_mask: torch.Tensor,

@@ -12,6 +12,8 @@ Shapes: T tokens, Vp = V / TP vocabulary entries on this rank.
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 
@@ -59,6 +61,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             logp[s:e] = stats[1] - log_z
             lse[s:e] = m + log_z
             if with_entropy:
+                assert entropy is not None and mean_x is not None  # allocated above when with_entropy
                 ex_shifted = stats[2] / stats[0]  # E_p[x - m]
                 entropy[s:e] = log_z - ex_shifted
                 mean_x[s:e] = ex_shifted + m
@@ -88,6 +91,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             # d logp / dx = onehot(label) - p;  d H / dx = -p * (x - E_p[x]); so with upstream grads g, h:
             # dL/dx = g * onehot - p * (g + h * (x - E_p[x]))
             if use_entropy:
+                assert mean_x is not None and grad_entropy is not None  # saved in forward when with_entropy
                 p.mul_(x.sub_(mean_x[s:e, None]).mul_(grad_entropy[s:e, None]).add_(grad_logp[s:e, None]))
             else:
                 p.mul_(grad_logp[s:e, None])
@@ -99,6 +103,42 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 p.div_(ctx.temperature)
             grad[s:e].copy_(p)
         return grad, None, None, None, None, None, None
+
+
+@overload
+def vocab_parallel_logprobs(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    chunk_size: int = 512,
+    temperature: float = 1.0,
+    return_entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def vocab_parallel_logprobs(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    chunk_size: int = 512,
+    temperature: float = 1.0,
+    return_entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def vocab_parallel_logprobs(
+    logits_shard: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    chunk_size: int = 512,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def vocab_parallel_logprobs(

@@ -9,22 +9,32 @@ parallelism, so the local spec matches HF and works with ``sequence_parallel=Tru
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from megatron_pacs.config import ParallelConfig
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.parallel import ParallelGroups
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "build_gpt_model", "hf_to_transformer_config", "rope_settings", "te_available"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "MegatronModule",
+    "build_gpt_model",
+    "hf_to_transformer_config",
+    "rope_settings",
+    "te_available",
+]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SPECS = ("auto", "te", "sdpa", "local")
@@ -47,7 +57,8 @@ class HFRMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # finalize_model_grads all-reduces the grads of sequence-parallel params over TP.
-        self.weight.sequence_parallel = config.sequence_parallel
+        # Megatron's convention: flags set as attributes on the Parameter (torch does not declare them).
+        self.weight.sequence_parallel = config.sequence_parallel  # pyright: ignore[reportAttributeAccessIssue]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -80,7 +91,10 @@ class SDPAttention(MegatronModule):
             raise ValueError("the SDPA attention spec does not support context parallelism; use the TE spec")
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        if softmax_scale is None:
+            assert config.kv_channels is not None  # TransformerConfig.__post_init__ fills it in
+            softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        self.scale = softmax_scale
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
@@ -94,7 +108,7 @@ class SDPAttention(MegatronModule):
             q,
             k,
             v,
-            attn_mask=None if causal else ~attention_mask,
+            attn_mask=None if causal or attention_mask is None else ~attention_mask,
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=causal,
             scale=self.scale,
@@ -211,6 +225,8 @@ def hf_to_transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # megatron-core 0.16.1 defaults to the deprecated "full" scope (and warns); [] means the same.
+        cuda_graph_scope=[],
     )
     if on_cpu:
         kw["batch_p2p_sync"] = False
@@ -222,16 +238,22 @@ def hf_to_transformer_config(
 
 def _local_spec(config: TransformerConfig, core_attention: type | None, vp_stage: int | None):
     layer = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    layer.submodules.input_layernorm = HFRMSNorm
-    layer.submodules.pre_mlp_layernorm = HFRMSNorm
-    attn = layer.submodules.self_attention.submodules
+    # ModuleSpec types its submodules as `object`; the local spec's are a TransformerLayer's and a SelfAttention's.
+    layer_submodules = cast(TransformerLayerSubmodules, layer.submodules)
+    layer_submodules.input_layernorm = HFRMSNorm
+    layer_submodules.pre_mlp_layernorm = HFRMSNorm
+    attn = cast(SelfAttentionSubmodules, cast(ModuleSpec, layer_submodules.self_attention).submodules)
     if config.qk_layernorm:
         attn.q_layernorm = HFRMSNorm
         attn.k_layernorm = HFRMSNorm
     if core_attention is not None:
         attn.core_attention = core_attention
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=HFRMSNorm)
+    # layer_norm is typed ModuleSpec | Module, but Megatron's build_module takes a class too (its own specs pass one).
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * n,
+        layer_norm=HFRMSNorm,  # pyright: ignore[reportArgumentType]
+    )
 
 
 def _te_spec(config: TransformerConfig):
@@ -288,11 +310,12 @@ def build_gpt_model(
         else:
             layer_spec = _local_spec(config, SDPAttention if kind == "sdpa" else None, vp_stage)
         first_chunk = vp_stage in (None, 0)
-        last_chunk = vp_stage is None or vp_stage == vpp - 1
+        last_chunk = vp_stage is None or vp_stage == (vpp or 1) - 1  # an int vp_stage means vpp is set
         with cuda_to_cpu():  # tied embeddings under PP sync the output layer with a `.cuda()` all-reduce
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec,
+                # Typed ModuleSpec, but TransformerBlock takes TransformerBlockSubmodules too (Megatron's block specs).
+                transformer_layer_spec=layer_spec,  # pyright: ignore[reportArgumentType]
                 vocab_size=hf_config.vocab_size,
                 max_sequence_length=hf_config.max_position_embeddings,
                 pre_process=groups.is_first_stage and first_chunk,

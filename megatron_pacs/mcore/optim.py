@@ -33,8 +33,9 @@ mixed-precision wrapper are GPU only and refused on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,9 @@ from megatron_pacs.config import OptimConfig
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.forward import LossFn, MicroBatch, run_schedule
 from megatron_pacs.mcore.parallel import ParallelGroups
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 __all__ = ["LRSchedule", "StepResult", "Trainable", "build_trainable", "masked_sum_and_count", "train_step"]
 
@@ -112,7 +116,7 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-def build_trainable(models: list[torch.nn.Module], groups: ParallelGroups, cfg: OptimConfig) -> Trainable:
+def build_trainable(models: Sequence[MegatronModule], groups: ParallelGroups, cfg: OptimConfig) -> Trainable:
     """Wrap model chunks in Megatron DDP and build the AdamW optimizer; wire the schedule hooks.
 
     Sets on the chunks' ``TransformerConfig``: ``finalize_model_grads_func`` (DP gradient all-reduce, tied and
@@ -167,7 +171,10 @@ def build_trainable(models: list[torch.nn.Module], groups: ParallelGroups, cfg: 
             for i, m in enumerate(models)
         ]
         optimizer = get_megatron_optimizer(
-            opt_cfg, ddp_models, use_gloo_process_groups=False, pg_collection=groups.pg_collection
+            opt_cfg,
+            cast("list[MegatronModule]", ddp_models),
+            use_gloo_process_groups=False,
+            pg_collection=groups.pg_collection,
         )
     pg_collection = groups.pg_collection
 
@@ -179,7 +186,8 @@ def build_trainable(models: list[torch.nn.Module], groups: ParallelGroups, cfg: 
     no_sync = [m.no_sync for m in ddp_models]
     for chunk_config in {id(m.config): m.config for m in ddp_models}.values():
         chunk_config.finalize_model_grads_func = finalize
-        chunk_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        # Typed as one callable; Megatron's interleaved schedule takes a list of them, one per chunk.
+        chunk_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync  # pyright: ignore[reportAttributeAccessIssue]
         chunk_config.grad_scale_func = optimizer.scale_loss
     schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
     return Trainable(models=ddp_models, optimizer=optimizer, config=cfg, schedule=schedule)
@@ -197,7 +205,8 @@ def _zero_grads(ddp_models: list[DDP], optimizer: MegatronOptimizer) -> None:
 
 def _any_nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """``[]`` float: 1.0 if some local ``main_grad`` holds NaN or inf, else 0.0 (one host sync, by the caller)."""
-    device = params[0].main_grad.device if params else torch.device("cpu")
+    # main_grad: the fp32 gradient buffer Megatron's DDP attaches to each Parameter (undeclared on torch's type).
+    device = params[0].main_grad.device if params else torch.device("cpu")  # pyright: ignore[reportAttributeAccessIssue]
     bad = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
         g = getattr(p, "main_grad", None)
@@ -269,7 +278,8 @@ def train_step(
         if clip > 0 and _on_cpu():
             ok, grad_norm = _step_with_torch_clip(optimizer, clip)
         else:
-            ok, norm, _ = optimizer.step()
+            # MegatronOptimizer.step is an untyped abstract method; every implementation returns this triple.
+            ok, norm, _ = cast("tuple[bool, float | None, int | None]", optimizer.step())
             if ok:  # Megatron returns the norm it computed; versions that skip it when not clipping: compute it
                 grad_norm = float(optimizer.get_grad_norm() if norm is None else norm)
     if not ok:  # a loss scaler found inf (fp16 only): Megatron skipped the update on every rank

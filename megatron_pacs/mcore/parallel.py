@@ -9,12 +9,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
 from megatron_pacs.config import ParallelConfig
 from megatron_pacs.mcore.cpu_support import apply_cpu_support
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 __all__ = ["ParallelGroups", "destroy_parallel", "init_parallel"]
 
@@ -31,7 +35,7 @@ class ParallelGroups:
     pp_rank: int
     dp_rank: int
     dp_size: int
-    pg_collection: object = field(repr=False)
+    pg_collection: ProcessGroupCollection = field(repr=False)
     """Megatron's ``ProcessGroupCollection`` for model constructors that accept one."""
 
     @property
@@ -69,7 +73,7 @@ def _init_process_group(backend: str | None, timeout_minutes: int) -> None:
         return
     # A plain single process: a private store, and no RANK/WORLD_SIZE written into os.environ, where child
     # processes (a later torchrun or ensure_world launch) would inherit them and believe they are rank 0 of 1.
-    store = dist.HashStore()
+    store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage] - public API, re-exported without `as`
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
@@ -110,9 +114,10 @@ def init_parallel(
     model_parallel_cuda_manual_seed(seed)
     groups = ParallelGroups(
         config=config,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        pp_group=ps.get_pipeline_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(),
+        # Megatron types its group globals loosely (ProcessGroup | int | list | None); initialised, they are groups.
+        tp_group=cast(dist.ProcessGroup, ps.get_tensor_model_parallel_group()),
+        pp_group=cast(dist.ProcessGroup, ps.get_pipeline_model_parallel_group()),
+        dp_group=cast(dist.ProcessGroup, ps.get_data_parallel_group()),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),

@@ -16,8 +16,9 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from megatron.core import dist_checkpointing
 from megatron_pacs.mcore.checkpoint import META_FILE
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 __all__ = ["find_latest_checkpoint", "load_training_checkpoint", "save_training_checkpoint"]
 
@@ -43,7 +47,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _sharded(models: list[torch.nn.Module], optimizer: Any, is_loading: bool) -> dict[str, Any]:
+def _sharded(models: Sequence[MegatronModule], optimizer: Any, is_loading: bool) -> dict[str, Any]:
     model_sd: dict[str, Any] = {}
     for i, m in enumerate(models):
         inner = getattr(m, "module", m)  # DDP wraps the GPTModel
@@ -68,13 +72,13 @@ def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
     if not root.is_dir():
         return None
     done = [p for p in root.iterdir() if _ITER.match(p.name) and (p / META_FILE).is_file()]
-    return max(done, key=lambda p: int(_ITER.match(p.name).group(1))) if done else None
+    return max(done, key=lambda p: int(p.name.removeprefix("iter_"))) if done else None  # names matched _ITER
 
 
 def save_training_checkpoint(
     save: str | os.PathLike,
     step: int,
-    models: list[torch.nn.Module],
+    models: Sequence[MegatronModule],
     optimizer: Any,
     metadata: dict[str, Any],
     *,
@@ -101,6 +105,7 @@ def save_training_checkpoint(
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     tmp = box[0]
+    assert tmp is not None, "rank 0 makes the folder and broadcasts its path"
     with cuda_to_cpu():
         dist_checkpointing.save(_sharded(models, optimizer, is_loading=False), tmp)
     rng = {
@@ -132,7 +137,7 @@ def save_training_checkpoint(
     return final
 
 
-def load_training_checkpoint(ckpt: str | os.PathLike, models: list[torch.nn.Module], optimizer: Any) -> dict:
+def load_training_checkpoint(ckpt: str | os.PathLike, models: Sequence[MegatronModule], optimizer: Any) -> dict:
     """Load model and optimizer state (resharded to this run's layout) and this rank's RNG state.
 
     Returns:
@@ -152,7 +157,8 @@ def load_training_checkpoint(ckpt: str | os.PathLike, models: list[torch.nn.Modu
     sharded = _sharded(models, optimizer, is_loading=True)
     try:
         with cuda_to_cpu():
-            state = dist_checkpointing.load(sharded, str(ckpt))
+            # A dict: load returns a tuple only for the strict="return_*" modes.
+            state = cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt)))
     except Exception as exc:  # noqa: BLE001 - Megatron raises several types here
         raise ValueError(f"--load: {ckpt} does not fit this model: {type(exc).__name__}: {exc}") from None
     for i, m in enumerate(models):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from mbridge.core.parallel_states import ParallelStates
@@ -24,6 +24,9 @@ from mbridge.models.qwen3 import Qwen3Bridge
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.parallel import ParallelGroups
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 __all__ = ["export_hf_weights", "hf_state_dict_shapes", "load_hf_weights", "make_bridge"]
 
@@ -122,7 +125,7 @@ def hf_state_dict_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_hf_weights(models: list[torch.nn.Module], hf_dir: str, groups: ParallelGroups, hf_config: Any) -> None:
+def load_hf_weights(models: Sequence[MegatronModule], hf_dir: str, groups: ParallelGroups, hf_config: Any) -> None:
     """Load a Hugging Face safetensors checkpoint into this rank's model chunks, exactly.
 
     Args:
@@ -147,7 +150,7 @@ def load_hf_weights(models: list[torch.nn.Module], hf_dir: str, groups: Parallel
 
 
 def export_hf_weights(
-    models: list[torch.nn.Module], groups: ParallelGroups, hf_config: Any
+    models: Sequence[MegatronModule], groups: ParallelGroups, hf_config: Any
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream this model's weights as ``(hf_name, full tensor)`` in Hugging Face layout.
 

@@ -228,7 +228,7 @@ class RewardScorer:
             for conn in wait([w.conn for w in self._workers], timeout=wait_s):
                 w = next(w for w in self._workers if w.conn is conn)
                 try:
-                    msg = conn.recv()
+                    msg = w.conn.recv()  # w.conn is conn (wait() types its result as Connection | socket | int)
                 except (EOFError, OSError):  # the worker died: its item is an error, the worker is replaced
                     if w.item is not None:
                         results[w.item[0]] = (0.0, ERROR)

@@ -4,7 +4,13 @@
 until asked for, so the trainer's non-zero ranks and the tests of the types stay light.
 """
 
+from typing import TYPE_CHECKING
+
 from megatron_pacs.rollout.types import Prompt, Response, RolloutEngine, RolloutGroup, SamplingConfig
+
+if TYPE_CHECKING:  # imported on demand by __getattr__ below
+    from megatron_pacs.rollout.engine import VLLMEngine
+    from megatron_pacs.rollout.fleet import RolloutFleet
 
 __all__ = ["Prompt", "Response", "RolloutEngine", "RolloutFleet", "RolloutGroup", "SamplingConfig", "VLLMEngine"]
 

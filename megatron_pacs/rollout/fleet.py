@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -27,7 +27,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from tqdm.auto import tqdm
 
 from megatron_pacs.config import RolloutConfig
-from megatron_pacs.rollout.sync import broadcast_buffer, iter_buckets, pack_bucket, standalone_group
+from megatron_pacs.rollout.sync import SideGroup, broadcast_buffer, iter_buckets, pack_bucket, standalone_group
 from megatron_pacs.rollout.types import Prompt, RolloutGroup, SamplingConfig
 from megatron_pacs.utils.logging import get_logger
 
@@ -109,7 +109,7 @@ class RolloutFleet:
         self._own_ray, self._temp_dir, self._remove_temp = False, None, False
         self._start_ray()
         self._latest: list[Any] = []  # object refs of the last update's packed buckets
-        self._group = None
+        self._group: SideGroup | None = None
         self._placement_groups: list[Any] = []
         self._response_len = None  # running mean of response lengths, for load balancing
         self.num_restarts = 0
@@ -167,7 +167,7 @@ class RolloutFleet:
             from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            bundles = [{"GPU": 1, "CPU": 1}] * cfg.rollout_tensor_parallel_size
+            bundles: list[dict[str, float]] = [{"GPU": 1, "CPU": 1}] * cfg.rollout_tensor_parallel_size
             pg = placement_group(bundles, strategy="PACK")
             ray.get(pg.ready())
             self._placement_groups.append(pg)
@@ -245,10 +245,11 @@ class RolloutFleet:
                 idle.append(index)
                 bar.update(len(chunk))
         self.num_in_flight = 0
-        lengths = [len(r.token_ids) for g in results for r in g.responses]
+        filled = cast(list[RolloutGroup], results)  # every chunk has come back: no None is left
+        lengths = [len(r.token_ids) for g in filled for r in g.responses]
         mean = sum(lengths) / max(1, len(lengths))
         self._response_len = mean if self._response_len is None else 0.5 * (self._response_len + mean)
-        return results  # type: ignore[return-value]
+        return filled
 
     # -- weights ----------------------------------------------------------------------------------------------
 
@@ -275,9 +276,9 @@ class RolloutFleet:
             buffer, metas = pack_bucket(bucket)
             total += buffer.numel()
             if self.transport == "broadcast":
-                self._ensure_group()
+                group = self._ensure_group()
                 pending = [e.call.remote("receive_broadcast", metas, buffer.numel()) for e in self.engines]
-                self._await_broadcast(broadcast_buffer(self._group, buffer, src=0, async_op=True), pending)
+                self._await_broadcast(broadcast_buffer(group, buffer, src=0, async_op=True), pending)
             else:  # ipc: the engines map the trainer's CUDA buffer; it must outlive their copy
                 from torch.multiprocessing.reductions import reduce_tensor
 
@@ -303,9 +304,9 @@ class RolloutFleet:
         work.wait()
         ray.get(pending)
 
-    def _ensure_group(self) -> None:
+    def _ensure_group(self) -> SideGroup:
         if self._group is not None:
-            return
+            return self._group
         from megatron_pacs.utils.launch import free_port
 
         host, port = ray.util.get_node_ip_address(), free_port()
@@ -319,6 +320,7 @@ class RolloutFleet:
         ]
         self._group = standalone_group(backend, host, port, 0, world)
         ray.get(pending)
+        return self._group
 
     def verify_sync(
         self, probe_token_ids: Sequence[Sequence[int]], reference_logprobs: Sequence[Sequence[float]]

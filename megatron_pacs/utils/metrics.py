@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 
@@ -213,7 +213,7 @@ class MetricsWriter:
             name=name,
             dir=str(self.log_dir) if self.log_dir is not None else None,
             config=config,
-            mode=mode,
+            mode=cast(Literal["online", "offline", "disabled", "shared"], mode),  # wandb validates WANDB_MODE itself
         )
 
     def log(self, step: int, metrics: Mapping[str, float | int | torch.Tensor]) -> None:

@@ -46,7 +46,7 @@ def _smooth(values: list[float], window: int) -> list[float]:
 def _panels(keys: Sequence[str] | None, available: set[str]) -> list[tuple[str, ...]]:
     """One tuple of alternative keys per panel, keeping only panels some run has."""
     if keys is None:
-        panels = [ALIASES.get(k, (k,)) for k in DEFAULT_KEYS]
+        panels: list[tuple[str, ...]] = [ALIASES.get(k, (k,)) for k in DEFAULT_KEYS]
         panels = [p for p in panels if available.intersection(p)]
         if not panels:
             raise _die(f"none of the default keys {list(DEFAULT_KEYS)} is logged; available: {sorted(available)}")

@@ -105,7 +105,10 @@ def test_gradient_equals_analytic_formula_of_spec_1_8():
 
 
 def test_first_minibatch_unweighted_gradient_is_rloo_on_reward():
-    """At A = 0 (theta == theta_old) with no weights, the advantage is R_i - mean_{j != i} R_j (docs/algorithm.md §2.6)."""
+    """At A = 0 (theta == theta_old) with no weights, the advantage is R_i - mean_{j != i} R_j.
+
+    docs/algorithm.md §2.6.
+    """
     n = 4
     seq = torch.zeros(8, dtype=torch.float64, requires_grad=True)
     r = torch.tensor([1, 0, 0, 1, 1, 1, 1, 0], dtype=torch.float64)

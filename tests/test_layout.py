@@ -1,0 +1,57 @@
+"""The package's layout rules, read from the source: every folder is a package, and backends stay in their homes.
+
+- Every folder of ``megatron_pacs`` has an ``__init__.py`` (``find_packages`` skips one without, and a regular
+  install then lacks that folder).
+- ``megatron.core`` is imported only under ``mcore/``, vLLM only in ``rollout/engine.py``, Ray only in
+  ``rollout/fleet.py``; ``config/`` imports nothing heavy, so ``--help`` and the dry run stay instant.
+"""
+
+import ast
+from pathlib import Path
+
+import megatron_pacs
+
+ROOT = Path(megatron_pacs.__file__).parent
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def _offenders(module: str, allowed) -> list[str]:
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        for line, name in _imports(path):
+            if (name == module or name.startswith(module + ".")) and not allowed(rel):
+                bad.append(f"{rel}:{line} imports {name}")
+    return bad
+
+
+def test_every_folder_is_a_package():
+    folders = {p.parent for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts}
+    missing = [f.relative_to(ROOT).as_posix() for f in folders if not (f / "__init__.py").is_file()]
+    assert not missing, f"folders without __init__.py (left out of a regular install): {missing}"
+
+
+def test_backends_are_imported_only_in_their_homes():
+    assert not _offenders("megatron", lambda rel: rel.startswith("mcore/"))
+    assert not _offenders("vllm", lambda rel: rel == "rollout/engine.py")
+    assert not _offenders("ray", lambda rel: rel == "rollout/fleet.py")
+
+
+def test_config_imports_nothing_heavy():
+    heavy = ("torch", "megatron", "ray", "vllm", "transformers", "numpy")
+    for path in (ROOT / "config").glob("*.py"):
+        top = [(line, n) for line, n in _imports(path) if n.split(".")[0] in heavy]
+        # torch is allowed only inside a function (the CUDA check at validation time), never at module level
+        module_level = {
+            n.lineno for n in ast.parse(path.read_text()).body if isinstance(n, ast.Import | ast.ImportFrom)
+        }
+        assert not [t for t in top if t[0] in module_level], f"{path.name}: {top}"
