@@ -95,6 +95,7 @@ def collect_rollouts(
         "rollout/num_tokens": float(sum(len(s) for s in sequences)),
         "reward/num_errors": float(scored.num_errors),
         "reward/num_timeouts": float(scored.num_timeouts),
+        "reward/num_too_long": float(scored.num_too_long),
     }
     return StepRollouts(batch, records, metrics)
 

@@ -9,6 +9,7 @@ PP broadcasts inside the exporter).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from megatron_pacs.algo.objectives import build_objective
 from megatron_pacs.config import TrainConfig
@@ -103,18 +105,21 @@ class Trainer:
             initial=start_step,
             total=cfg.run.train_iters,
         )
-        for step in (s + 1 for s in bar):
-            metrics = self.step(loader.next_batch(), step)
-            if every and (step % every == 0 or step == cfg.run.train_iters):
-                metrics.update(self.validate())
-            self.writer.log(step, metrics)
-            history.append(metrics)
-            last = step == cfg.run.train_iters
-            ck = cfg.checkpoint
-            if ck.save and ((ck.save_interval and step % ck.save_interval == 0) or last):
-                self.save(step, loader)
-            if self.driver:
-                bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', float('nan')):.3f}")
+        # Log lines (one per step) go through tqdm.write, so the bar stays one line below them.
+        with logging_redirect_tqdm(loggers=[logging.getLogger("megatron_pacs")]):
+            for step in (s + 1 for s in bar):
+                metrics = self.step(loader.next_batch(), step)
+                if every and (step % every == 0 or step == cfg.run.train_iters):
+                    metrics.update(self.validate())
+                self.writer.log(step, metrics)
+                history.append(metrics)
+                last = step == cfg.run.train_iters
+                ck = cfg.checkpoint
+                if ck.save and ((ck.save_interval and step % ck.save_interval == 0) or last):
+                    self.save(step, loader)
+                if self.driver:
+                    bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', float('nan')):.3f}")
+        bar.close()
         return history
 
     def step(self, rows: list[PromptRow], step: int) -> dict[str, float]:

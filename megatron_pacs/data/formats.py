@@ -30,7 +30,6 @@ __all__ = ["BadRowError", "normalize_ground_truth", "read_prompt_rows", "read_re
 QUESTION_KEYS = ("problem", "Problem", "question", "Question")
 ANSWER_KEYS = ("answer", "Answer", "final_answer", "ground_truth")
 ID_KEYS = ("id", "unique_id", "ID", "idx", "index")
-SOURCE_KEYS = ("data_source",)
 
 
 class BadRowError(ValueError):

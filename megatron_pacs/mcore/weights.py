@@ -45,6 +45,10 @@ def _local_spec_bridge(base: type) -> type:
             self._MLP_MAPPING.update({"pre_mlp_layernorm.weight": _LOCAL_SPEC_NAMES["pre_mlp_layernorm.weight"]})
             super().__init__(*args, **kwargs)
 
+        def _build_base_config(self, **kwargs: Any) -> Any:
+            # mbridge keeps megatron-core's deprecated default cuda_graph_scope ("full", which warns); [] is the same.
+            return super()._build_base_config(**{"cuda_graph_scope": [], **kwargs})
+
     LocalSpecBridge.__name__ = f"LocalSpec{base.__name__}"
     return LocalSpecBridge
 

