@@ -40,3 +40,31 @@ def make_rl_setup(root: Path, *, tied: bool, num_problems: int) -> Path:
         for row in make_problems(num_problems, seed=0, split="train"):
             f.write(json.dumps(row) + "\n")
     return root
+
+
+def run_train(flags: list[str], *, log_dir: Path, cwd: Path, world: int = 1) -> list[dict]:
+    """``python -m megatron_pacs.train FLAGS --log-dir LOG_DIR`` (under torchrun for ``world > 1``); returns the
+    run's ``metrics.jsonl`` rows. Fails with the run's output when it exits non-zero."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    launcher = [sys.executable, "-m", "megatron_pacs.train"]
+    if world > 1:
+        from megatron_pacs.utils.launch import free_port
+
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={world}",
+            f"--master-port={free_port()}",
+            "-m",
+            "megatron_pacs.train",
+        ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [*launcher, *flags, "--log-dir", str(log_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=cwd)
+    assert proc.returncode == 0, f"{log_dir.name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]

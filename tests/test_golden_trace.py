@@ -21,13 +21,12 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -62,7 +61,6 @@ def _weights_sha256(hf_dir: Path) -> str:
 
 
 def _run(root: Path, name: str) -> list[dict]:
-    from megatron_pacs.utils.launch import free_port
 
     world, extra = RUNS[name]
     out, ckpt = root / name, root / f"{name}_ckpt"
@@ -94,25 +92,9 @@ def _run(root: Path, name: str) -> list[dict]:
         "--keep-last",
         str(STEPS),
         "--save-hf",
-        "--log-dir",
-        str(out),
         *extra,
     ]
-    launcher = [sys.executable, "-m", "megatron_pacs.train"]
-    if world > 1:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={world}",
-            f"--master-port={free_port()}",
-            "-m",
-            "megatron_pacs.train",
-        ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([*launcher, *flags], capture_output=True, text=True, timeout=900, env=env, cwd=root)
-    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
-    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    history = run_train(flags, log_dir=out, cwd=root, world=world)
     trace = []
     for m in (m for m in history if "train/loss" in m):
         row = {k: m[k] for k in KEYS}

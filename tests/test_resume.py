@@ -6,14 +6,13 @@ checkpoint's weights (checked against tools/convert_checkpoint.py mcore-to-hf).
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_rl_setup
+from conftest import make_rl_setup, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -47,27 +46,9 @@ def _train(root, name, *extra, world=1):
         "1e-3",
         "--reward-workers",
         "1",
-        "--log-dir",
-        str(root / name),
         *extra,
     ]
-    launcher = [sys.executable, "-m", "megatron_pacs.train"]
-    if world > 1:
-        from megatron_pacs.utils.launch import free_port
-
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={world}",
-            f"--master-port={free_port()}",
-            "-m",
-            "megatron_pacs.train",
-        ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([*launcher, *flags], capture_output=True, text=True, timeout=900, env=env, cwd=root)
-    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
-    return [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    return run_train(flags, log_dir=root / name, cwd=root, world=world)
 
 
 def _weights(path):
