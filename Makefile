@@ -26,7 +26,7 @@ $(VENV)/.installed: setup.py $(CPU_CONSTRAINTS)
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[cpu,dev]"
 	$(PY) -m pip uninstall -y -q $(CPU_REMOVED) || true
-	$(PY) -c "import torch, megatron.core, vllm, ray, math_verify; assert not torch.version.cuda, torch.__version__"
+	$(PY) -c "import torch, megatron_pacs.mcore, megatron.core, vllm, ray, math_verify; assert not torch.version.cuda, torch.__version__"
 	touch $@
 
 test: install
