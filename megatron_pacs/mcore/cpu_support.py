@@ -69,7 +69,9 @@ def silence_harmless_cpu_warnings() -> bool:
     if torch.cuda.is_available():
         return False
     for message, _why in HARMLESS_ON_CPU:
-        warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z", category=UserWarning, module="megatron")
+        # megatron-core, and mbridge (which repeats Apex's norm message), warn from their own modules
+        for module in ("megatron", "mbridge"):
+            warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z", category=UserWarning, module=module)
     return True
 
 
