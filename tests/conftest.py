@@ -42,6 +42,26 @@ def make_rl_setup(root: Path, *, tied: bool, num_problems: int) -> Path:
     return root
 
 
+#: The tiny RL run the CLI-level tests share (4 prompts x 4 responses per step, 2 optimizer steps, short texts);
+#: ``run_train`` callers add the model, data and their own flags.
+TINY_RUN_FLAGS = [
+    "--global-batch-size",
+    "4",
+    "--ppo-mini-batch-size",
+    "2",
+    "--group-size",
+    "4",
+    "--max-response-length",
+    "12",
+    "--max-prompt-length",
+    "96",
+    "--lr",
+    "1e-3",
+    "--reward-workers",
+    "1",
+]
+
+
 def run_train(flags: list[str], *, log_dir: Path, cwd: Path, world: int = 1) -> list[dict]:
     """``python -m megatron_pacs.train FLAGS --log-dir LOG_DIR`` (under torchrun for ``world > 1``); returns the
     run's ``metrics.jsonl`` rows. Fails with the run's output when it exits non-zero."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_train
+from conftest import TINY_RUN_FLAGS, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -61,7 +61,6 @@ def _weights_sha256(hf_dir: Path) -> str:
 
 
 def _run(root: Path, name: str) -> list[dict]:
-
     world, extra = RUNS[name]
     out, ckpt = root / name, root / f"{name}_ckpt"
     flags = [
@@ -69,20 +68,7 @@ def _run(root: Path, name: str) -> list[dict]:
         str(root / "model"),
         "--train-data",
         str(root / "train.jsonl"),
-        "--global-batch-size",
-        "4",
-        "--ppo-mini-batch-size",
-        "2",
-        "--group-size",
-        "4",
-        "--max-response-length",
-        "12",
-        "--max-prompt-length",
-        "96",
-        "--lr",
-        "1e-3",
-        "--reward-workers",
-        "1",
+        *TINY_RUN_FLAGS,
         "--train-iters",
         str(STEPS),
         "--save",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_rl_setup, run_train
+from conftest import TINY_RUN_FLAGS, make_rl_setup, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -30,22 +30,9 @@ def _train(root, name, *extra, world=1):
         str(root / "model"),
         "--train-data",
         str(root / "train.jsonl"),
-        "--global-batch-size",
-        "4",
-        "--ppo-mini-batch-size",
-        "2",
-        "--group-size",
-        "4",
+        *TINY_RUN_FLAGS,
         "--micro-batch-size",
         "8",
-        "--max-response-length",
-        "12",
-        "--max-prompt-length",
-        "96",
-        "--lr",
-        "1e-3",
-        "--reward-workers",
-        "1",
         *extra,
     ]
     return run_train(flags, log_dir=root / name, cwd=root, world=world)
