@@ -38,7 +38,18 @@ from megatron_pacs.algo.pacs import (
 from megatron_pacs.algo.registry import Registry
 from megatron_pacs.config import BatchConfig, LossConfig
 
-__all__ = ["OBJECTIVES", "GrpoObjective", "Logprobs", "MiniBatch", "Objective", "PacsDirect", "PacsTwoPhase"]
+__all__ = [
+    "OBJECTIVES",
+    "GrpoObjective",
+    "Logprobs",
+    "MicroBatchLoss",
+    "MiniBatch",
+    "Objective",
+    "PacsDirect",
+    "PacsTwoPhase",
+    "Prepared",
+    "build_objective",
+]
 
 #: ``(token_logp [b, T], score_mask [b, T], index [b]) -> (loss_sum, count, report)``; ``index`` is -1 on padding rows.
 MicroBatchLoss = Callable[

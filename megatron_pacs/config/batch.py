@@ -62,9 +62,3 @@ class BatchConfig:
                 f"{self.micro_batch_size} must be a multiple of --group-size {self.group_size} with "
                 "--keep-groups-in-microbatch",
             )
-
-    @property
-    def max_seq_length(self) -> int:
-        """``seq_length`` after defaulting (never None once constructed)."""
-        assert self.seq_length is not None
-        return self.seq_length
