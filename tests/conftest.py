@@ -62,6 +62,17 @@ TINY_RUN_FLAGS = [
 ]
 
 
+#: Float results of a CPU run depend on which vector kernels torch, MKL and oneDNN pick for the machine's ISA
+#: (AVX2 vs AVX-512 sum in different orders) and on the thread count. Pinning both makes the golden trace and the
+#: bitwise resume checks reproducible on any x86-64 machine with AVX2, whichever CPU CI lands on.
+PINNED_CPU_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+
+
 def run_train(flags: list[str], *, log_dir: Path, cwd: Path, world: int = 1) -> list[dict]:
     """``python -m megatron_pacs.train FLAGS --log-dir LOG_DIR`` (under torchrun for ``world > 1``); returns the
     run's ``metrics.jsonl`` rows. Fails with the run's output when it exits non-zero."""
@@ -83,7 +94,7 @@ def run_train(flags: list[str], *, log_dir: Path, cwd: Path, world: int = 1) -> 
             "-m",
             "megatron_pacs.train",
         ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, **PINNED_CPU_ENV)
     cmd = [*launcher, *flags, "--log-dir", str(log_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=cwd)
     assert proc.returncode == 0, f"{log_dir.name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"

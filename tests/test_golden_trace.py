@@ -7,7 +7,7 @@ PACS two-phase with groups split across micro-batches, PACS direct (groups intac
 process) and PP=2 (two gloo ranks). Every step records ``rollout/reward_mean``, ``train/loss``, ``train/grad_norm``
 and a SHA-256 of the weights the step produced (the ``--save-hf`` export of that step's checkpoint).
 
-The trace in ``tests/golden/trace.json`` was recorded before the consolidation refactor; a change that alters the
+The trace in ``tests/golden/trace.json`` pins the arithmetic of the step; a change that alters the
 arithmetic of the step must fail here. A deliberate numerical change re-records it::
 
     MEGATRON_PACS_RECORD_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden_trace.py
