@@ -7,6 +7,7 @@ What to compute is the objective's to say (:mod:`megatron_pacs.algo.objectives`)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -18,7 +19,8 @@ import torch.distributed as dist
 from megatron_pacs.algo.metrics import reduce_metrics
 from megatron_pacs.algo.objectives import MiniBatch, Objective
 from megatron_pacs.config import BatchConfig, TrainConfig
-from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_rows, pad_rows
+from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_rows, pack_rows, pad_rows
+from megatron_pacs.data.packing import balanced_group_shares, pack_micro_batches
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.forward import MicroBatch
@@ -26,7 +28,7 @@ from megatron_pacs.mcore.optim import StepResult
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.utils.metrics import PhaseTimer
 
-__all__ = ["StepRollouts", "collect_rollouts", "train_on_batch"]
+__all__ = ["StepLayout", "StepRollouts", "collect_rollouts", "train_on_batch"]
 
 
 @dataclass
@@ -100,26 +102,92 @@ def collect_rollouts(
     return StepRollouts(batch, records, metrics)
 
 
-def micro_batches(
-    batch: RolloutBatch, rows: list[int], cfg: BatchConfig, *, whole_groups: bool, uniform: bool
-) -> list[MicroBatch]:
-    """``rows`` cut into padded micro-batches by ``--micro-batch-size`` or ``--max-tokens-per-microbatch``.
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class StepLayout:
+    """Who trains which responses: every data-parallel rank's share of each mini-batch, and this rank's
+    micro-batches (docs/algorithm.md §4.3-4.4).
+
+    Padded (``--no-sequence-packing``): contiguous whole groups per rank; micro-batches cut in order by row count or
+    by a padded token budget, one shape under pipeline parallelism. Packed: groups dealt to ranks by token count,
+    then bin-packed into the same number of micro-batches on every rank (:mod:`megatron_pacs.data.packing`); under
+    pipeline parallelism every packed row is padded to the token budget.
 
     Args:
-        whole_groups: Cut only at group boundaries.
-        uniform: Give every micro-batch one shape (pipeline stages exchange fixed-size activations).
+        batch: The step's rollouts (identical on every rank).
+        cfg: Batch settings.
+        groups: This rank's parallel groups.
+        whole_groups: Micro-batches hold whole groups only.
+        align: Token-dimension multiple of every micro-batch (sequence parallelism, FP8).
     """
-    lengths = [len(s) for s in batch.sequences]
-    parts = micro_batch_rows(
-        rows,
-        lengths,
-        micro_batch_size=cfg.micro_batch_size,
-        max_tokens=cfg.max_tokens_per_microbatch,
-        group_size=batch.group_size if whole_groups else None,
-    )
-    num_rows = max(len(p) for p in parts) if uniform else None
-    length = max(lengths[i] for p in parts for i in p) if uniform else None
-    return [MicroBatch(*pad_rows(batch, p, num_rows=num_rows, length=length)) for p in parts]
+
+    def __init__(
+        self, batch: RolloutBatch, cfg: BatchConfig, groups: ParallelGroups, *, whole_groups: bool, align: int = 1
+    ) -> None:
+        self.batch, self.cfg, self.whole_groups, self.align = batch, cfg, whole_groups, align
+        self.dp_rank, self.dp_size, self.pipeline = groups.dp_rank, groups.dp_size, groups.pp_size > 1
+        self.lengths = [len(s) for s in batch.sequences]
+        n, per_mini, dp = batch.group_size, cfg.ppo_mini_batch_size, groups.dp_size
+        if cfg.sequence_packing:
+            self.shares = []
+            for start in range(0, batch.num_prompts, per_mini):
+                first = [(start + g) * n for g in range(per_mini)]
+                tokens = [sum(self.lengths[f : f + n]) for f in first]
+                dealt = balanced_group_shares(tokens, dp)
+                self.shares.append([[first[g] + j for g in share for j in range(n)] for share in dealt])
+        else:
+            per_rank = [mini_batch_rows(batch.num_prompts, n, per_mini, r, dp) for r in range(dp)]
+            self.shares = [[per_rank[r][m] for r in range(dp)] for m in range(len(per_rank[0]))]
+
+    @property
+    def num_mini_batches(self) -> int:
+        return len(self.shares)
+
+    def rows(self, minis: Sequence[int], rank: int | None = None) -> list[int]:
+        """A rank's (default: this rank's) response indices of mini-batches ``minis``, in order."""
+        r = self.dp_rank if rank is None else rank
+        return [i for m in minis for i in self.shares[m][r]]
+
+    def micro_batches(self, minis: Sequence[int]) -> list[MicroBatch]:
+        """This rank's micro-batches over mini-batches ``minis`` (one pass of the model)."""
+        return self._packed(minis) if self.cfg.sequence_packing else self._padded(self.rows(minis))
+
+    def _padded(self, rows: list[int]) -> list[MicroBatch]:
+        cfg, batch, lengths = self.cfg, self.batch, self.lengths
+        parts = micro_batch_rows(
+            rows,
+            lengths,
+            micro_batch_size=cfg.micro_batch_size,
+            max_tokens=cfg.max_tokens_per_microbatch,
+            group_size=batch.group_size if self.whole_groups else None,
+        )
+        num_rows = max(len(p) for p in parts) if self.pipeline else None
+        longest = max(lengths[i] for p in parts for i in p) if self.pipeline else None
+        out = []
+        for p in parts:
+            length = longest
+            if self.align > 1:
+                length = _round_up(length or max(lengths[i] for i in p), self.align)
+            out.append(MicroBatch(*pad_rows(batch, p, num_rows=num_rows, length=length)))
+        return out
+
+    def _packed(self, minis: Sequence[int]) -> list[MicroBatch]:
+        unit = self.batch.group_size if self.whole_groups else 1
+        rank_units = []
+        for r in range(self.dp_size):
+            rows = self.rows(minis, r)
+            rank_units.append([rows[k : k + unit] for k in range(0, len(rows), unit)])
+        budget = _round_up(self.cfg.packing_budget, self.align)
+        bins = pack_micro_batches(rank_units, self.lengths, budget)[self.dp_rank]
+        out = []
+        for b in bins:
+            used = sum(self.lengths[i] for i in b)
+            length = budget if self.pipeline else _round_up(max(used, 1), self.align)
+            tokens, mask, index, seqlens = pack_rows(self.batch, b, length=length)
+            out.append(MicroBatch(tokens, mask, index, seqlens=seqlens))
+        return out
 
 
 def train_on_batch(
@@ -138,31 +206,32 @@ def train_on_batch(
     then per mini-batch: the phase-1 forward if the objective asks for it, ``prepare``, one optimizer step.
 
     Returns:
-        Metrics reduced over every rank (identical on all ranks): loss and objective metrics, grad norm, skips.
+        Metrics reduced over every rank (identical on all ranks): loss and objective metrics, grad norm, skips,
+        padding fraction and training throughput.
     """
-    minis = mini_batch_rows(
-        batch.num_prompts, batch.group_size, cfg.ppo_mini_batch_size, groups.dp_rank, groups.dp_size
-    )
-    micro = partial(micro_batches, batch, cfg=cfg, whole_groups=objective.whole_groups, uniform=groups.pp_size > 1)
-    logprobs = partial(actor.logprobs, num_responses=batch.num_responses, temperature=temperature)
+    started = time.perf_counter()
+    layout = StepLayout(batch, cfg, groups, whole_groups=objective.whole_groups, align=actor.token_alignment)
+    logprobs = partial(actor.logprobs, response_lens=batch.response_lens, temperature=temperature)
+    minis = list(range(layout.num_mini_batches))
     old = None
     if objective.old_logprobs and (len(minis) > 1 or cfg.ppo_epochs > 1):
-        rows = [i for m in (minis if cfg.ppo_epochs > 1 else minis[1:]) for i in m]
         with timer.phase("old_logprobs"):
-            old = logprobs(micro(rows), tokens=objective.old_logprobs == "token")
+            which = minis if cfg.ppo_epochs > 1 else minis[1:]
+            old = logprobs(layout.micro_batches(which), tokens=objective.old_logprobs == "token")
     parts: list[dict[str, torch.Tensor]] = []
     results: list[StepResult] = []
+    padding = processed = 0
     for epoch in range(cfg.ppo_epochs):
-        for k, rows in enumerate(minis):
+        for k in minis:
             fresh = epoch == 0 and k == 0  # no optimizer step yet: theta == theta_old
-            mbs = micro(rows)
+            mbs = layout.micro_batches([k])
             current = None
             if objective.needs_current(fresh):
                 with timer.phase("phase1"):
                     current = logprobs(mbs).seq
             prepared = objective.prepare(
                 MiniBatch(
-                    rows=torch.tensor(rows),
+                    rows=torch.tensor(layout.rows([k])),
                     rewards=batch.rewards,
                     response_lens=batch.response_lens,
                     group_size=batch.group_size,
@@ -175,7 +244,13 @@ def train_on_batch(
                 result = actor.train(mbs, prepared.loss, temperature=temperature)
             parts.extend(r for r in (prepared.metrics, *result.reports) if r)
             results.append(result)
-    return _step_metrics(parts, results, objective.loss_key)
+            padding += sum(mb.num_padding for mb in mbs)
+            processed += sum(mb.tokens.numel() for mb in mbs)
+    parts.append({"train/padding_fraction": torch.tensor([float(padding), float(processed)])})
+    metrics = _step_metrics(parts, results, objective.loss_key)
+    real_tokens = sum(layout.lengths) * cfg.ppo_epochs
+    metrics["train/tokens_per_second"] = real_tokens / (time.perf_counter() - started)
+    return metrics
 
 
 def _step_metrics(parts: list[dict[str, torch.Tensor]], results: list[StepResult], loss_key: str) -> dict[str, float]:

@@ -168,21 +168,21 @@ class Trainer:
         return {}
 
     def check_sync(self, rollouts: StepRollouts, num_probes: int = 2) -> float:
-        """Max |engine - trainer| token log-prob on a few of this step's sequences (after the sync)."""
+        """Max |engine - trainer| token log-prob on a few of this step's sequences (after the sync). Collective;
+        every pipeline stage receives the trainer's log-probs, so the driver compares under PP too."""
         from megatron_pacs.data.batching import pad_rows
-        from megatron_pacs.mcore.forward import MicroBatch
+        from megatron_pacs.mcore.forward import token_logprobs
 
         batch = rollouts.batch
         rows = list(range(min(num_probes, batch.num_responses)))
-        mb = MicroBatch(*pad_rows(batch, rows))
-        tokens = self.actor.logprobs([mb], batch.num_responses, temperature=1.0, tokens=True).tokens
-        diff = torch.zeros(1)
-        if self.driver and tokens:
-            assert self.fleet is not None, "the driver owns the fleet"
-            probes = [batch.sequences[i] for i in rows]
-            refs = [tokens[i][: len(batch.sequences[i]) - 1].tolist() for i in rows]
-            diff[0] = self.fleet.verify_sync(probes, refs)
-        return float(diff[0])
+        tokens, _, _ = pad_rows(batch, rows)
+        logp = token_logprobs(self.actor.chunks, self.groups, tokens, micro_batch_size=len(rows))
+        if not self.driver:
+            return 0.0
+        assert self.fleet is not None, "the driver owns the fleet"
+        probes = [batch.sequences[i] for i in rows]
+        refs = [logp[j, : len(batch.sequences[i]) - 1].tolist() for j, i in enumerate(rows)]
+        return self.fleet.verify_sync(probes, refs)
 
     def validate(self) -> dict[str, float]:
         """Mean reward per validation source, greedy by default (driver only; the others return {})."""

@@ -1,9 +1,10 @@
 """The trainer's update against a single-process reference computed from megatron_pacs.algo and plain torch.
 
-One launch collects a step of rollouts from the real fleet and trains them at TP=1 three ways (token budget that
-splits groups, groups intact, 3 rows per micro-batch); a second launch trains them at TP=2 and checks that a NaN
-in one rank's gradient skips the step everywhere. All must equal a plain-PyTorch reference: HF transformers log-
-probs, ``pacs_loss`` per mini-batch, ``torch.optim.AdamW``.
+One launch collects a step of rollouts from the real fleet and trains them at TP=1 five ways (padded: token budget
+that splits groups, groups intact, 3 rows per micro-batch; packed: a budget that splits groups, whole groups); a
+second launch trains them at TP=2, padded and packed, and checks that a NaN in one rank's gradient skips the step
+everywhere. All must equal a plain-PyTorch reference: HF transformers log-probs, ``pacs_loss`` per mini-batch,
+``torch.optim.AdamW``.
 """
 
 import json
@@ -96,7 +97,9 @@ def _max_diff(weights, ref):
     return max((weights[n] - ref[n]).abs().max().item() for n in weights)
 
 
-@pytest.mark.parametrize("variant", ["budget_split", "groups_intact", "rows3", "tp2"])
+@pytest.mark.parametrize(
+    "variant", ["budget_split", "groups_intact", "rows3", "packed_split", "packed_groups", "tp2", "tp2_packed"]
+)
 def test_update_equals_single_process_reference(work, reference, variant):
     weights = torch.load(work / f"weights_{variant}.pt")
     assert set(weights) <= set(reference)
@@ -107,9 +110,10 @@ def test_update_equals_single_process_reference(work, reference, variant):
     assert off / sum(w.numel() for w in weights.values()) < REF_SHARE
 
 
-def test_budget_split_and_group_intact_modes_agree(work):
+@pytest.mark.parametrize("other", ["groups_intact", "packed_split", "packed_groups"])
+def test_micro_batching_and_packing_modes_agree(work, other):
     a = torch.load(work / "weights_budget_split.pt")
-    b = torch.load(work / "weights_groups_intact.pt")
+    b = torch.load(work / f"weights_{other}.pt")
     assert _max_diff(a, b) < TOL
 
 
@@ -126,10 +130,14 @@ def test_nan_in_one_rank_skips_the_step_on_every_rank(work):
 
 def test_pacs_metrics_are_reported(work):
     results = json.loads((work / "results_rollouts.json").read_text())
-    for name in ("budget_split", "groups_intact", "rows3"):
+    for name in ("budget_split", "groups_intact", "rows3", "packed_split", "packed_groups"):
         m = results[name]
         assert m["train/optimizer_steps"] == 2.0
         assert 0.0 < m["pacs/loss"] < 2.0
         assert {"pacs/critic_acc", "pacs/all_correct_groups", "train/grad_norm"} <= set(m)
     # the phase-1 loss (two-phase) and the direct loss are the same quantity
     assert results["budget_split"]["pacs/loss"] == pytest.approx(results["groups_intact"]["pacs/loss"], abs=1e-5)
+    assert results["packed_split"]["pacs/loss"] == pytest.approx(results["groups_intact"]["pacs/loss"], abs=1e-5)
+    assert results["packed_split"]["train/padding_fraction"] == 0.0  # one process, no pipeline: no padding
+    assert results["budget_split"]["train/padding_fraction"] > 0.0
+    assert results["packed_split"]["train/tokens_per_second"] > 0.0

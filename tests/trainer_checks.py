@@ -2,8 +2,9 @@
 
 modes:
   rollouts   world 1: start the real fleet + scorer through the Trainer, collect one step of rollouts, save them
-             (batch.pt), then train them with three micro-batching variants, saving each variant's weights.
-  tp2        world 2, TP=2: train the saved batch (default variant) and save the weights; then a NaN injected
+             (batch.pt), then train them with five micro-batching variants (padded and packed), saving each
+             variant's weights.
+  tp2        world 2, TP=2: train the saved batch padded and packed and save the weights; then a NaN injected
              into rank 1's gradient must skip the step on both ranks.
 """
 
@@ -23,10 +24,12 @@ from megatron_pacs.utils.launch import ensure_world
 ADAM_EPS = 1e-6
 
 VARIANTS = {
-    # name: (keep_groups_in_microbatch, micro_batch_size, max_tokens_per_microbatch)
-    "budget_split": (False, 8, None),  # set in main: a token budget that splits groups
-    "groups_intact": (True, 4, None),
-    "rows3": (False, 3, None),
+    # name: (keep_groups_in_microbatch, micro_batch_size, max_tokens_per_microbatch, sequence_packing)
+    "budget_split": (False, 8, None, False),  # set in main: a padded token budget that splits groups
+    "groups_intact": (True, 4, None, False),
+    "rows3": (False, 3, None, False),
+    "packed_split": (False, 8, None, True),  # set in main: a packed budget that splits groups
+    "packed_groups": (True, 4, None, True),  # whole groups packed, direct loss
 }
 
 
@@ -107,10 +110,16 @@ def main() -> int:
             batch.rewards = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.float32)
             torch.save(batch, out / "batch.pt")
             longest = max(len(s) for s in batch.sequences)
-            VARIANTS["budget_split"] = (False, 8, 3 * longest)  # 3 rows per micro-batch: groups of 4 split
-            for name, (keep, mbs, budget) in VARIANTS.items():
+            VARIANTS["budget_split"] = (False, 8, 3 * longest, False)  # 3 rows per micro-batch: groups of 4 split
+            # 5 sequences' worth of tokens per packed micro-batch: groups of 4 split, micro-batches filled unevenly
+            VARIANTS["packed_split"] = (False, 8, 5 * longest, True)
+            for name, (keep, mbs, budget, packing) in VARIANTS.items():
                 vcfg = _config(
-                    args, keep_groups_in_microbatch=keep, micro_batch_size=mbs, max_tokens_per_microbatch=budget
+                    args,
+                    keep_groups_in_microbatch=keep,
+                    micro_batch_size=mbs,
+                    max_tokens_per_microbatch=budget,
+                    sequence_packing=packing,
                 )
                 weights, metrics = _train(vcfg, trainer.groups, batch)
                 torch.save(weights, out / f"weights_{name}.pt")
@@ -119,12 +128,15 @@ def main() -> int:
         from megatron_pacs.config import ParallelConfig
         from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 
-        cfg = _config(args)
+        cfg = _config(args, sequence_packing=False)
         groups = init_parallel(ParallelConfig(tensor_model_parallel_size=2))
         batch = torch.load(out / "batch.pt", weights_only=False)
         weights, results["tp2"] = _train(cfg, groups, batch)
         if dist.get_rank() == 0:
             torch.save(weights, out / "weights_tp2.pt")
+        weights, results["tp2_packed"] = _train(_config(args), groups, batch)
+        if dist.get_rank() == 0:
+            torch.save(weights, out / "weights_tp2_packed.pt")
         nan_weights, results["nan"] = _train(cfg, groups, batch, poison=dist.get_rank() == 1)
         if dist.get_rank() == 0:
             torch.save(nan_weights, out / "weights_nan.pt")

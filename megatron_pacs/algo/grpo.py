@@ -29,7 +29,7 @@ from megatron_pacs.algo.common import (
     stat_entries,
 )
 
-__all__ = ["grpo_advantages", "grpo_loss"]
+__all__ = ["grpo_advantages", "grpo_loss", "grpo_token_loss"]
 
 GRPO_ADV_EPS = 1e-6
 
@@ -56,6 +56,67 @@ def grpo_advantages(rewards: torch.Tensor, *, group_size: int, norm_by_std: bool
     return adv.reshape(-1)
 
 
+def grpo_token_loss(
+    token_logp: torch.Tensor,
+    token_old_logp: torch.Tensor,
+    token_advantages: torch.Tensor,
+    *,
+    num_responses: int,
+    max_response_len: int,
+    clip_ratio: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    rewards: torch.Tensor | None = None,
+) -> LossOutput:
+    """PPO clipped surrogate with GRPO advantages over flat response tokens, as a global sum over responses.
+
+    The hot path of the trainer: no checks that need a device sync (:func:`grpo_loss` validates its inputs).
+
+    Args:
+        token_logp: ``[N]`` current-policy log-probs of the response tokens of ``num_responses`` responses, with
+            grad.
+        token_old_logp: ``[N]`` rollout-policy log-probs of the same tokens.
+        token_advantages: ``[N]`` each token's response advantage (from :func:`grpo_advantages`).
+        num_responses: S, the responses these tokens belong to (the loss's ``count``).
+        max_response_len: T_max, the constant token-sum normaliser (the configured max response length).
+        clip_ratio: PPO epsilon (verl default 0.2).
+        clip_ratio_c: Dual-clip bound for negative advantages (verl default 3.0); None disables it.
+        rewards: Optional ``[S]`` rewards in [0, 1], only for the reward metric.
+
+    Returns:
+        ``LossOutput(loss_sum, count=S, metrics)``; ``loss_sum / count`` is L in the module docstring.
+    """
+    if max_response_len <= 0:
+        raise ValueError(f"max_response_len={max_response_len} must be > 0 (the configured max response tokens)")
+    if not 0 < clip_ratio < 1:
+        raise ValueError(f"clip_ratio={clip_ratio} must lie in (0, 1); PPO's usual value is 0.2")
+    if clip_ratio_c is not None and clip_ratio_c <= 1:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (dual clip) or None to disable it")
+    log_ratio = (token_logp.float() - token_old_logp.float()).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    a = token_advantages.float()
+    surr = -a * ratio
+    surr_clipped = -a * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
+    tok_loss = torch.maximum(surr, surr_clipped)
+    lower_clipped = torch.zeros_like(tok_loss, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -a * clip_ratio_c
+        lower_clipped = (a < 0) & (tok_loss > bound)
+        tok_loss = torch.where(a < 0, torch.minimum(tok_loss, bound), tok_loss)
+    loss_sum = tok_loss.sum() / max_response_len
+
+    with torch.no_grad():
+        n_tok = token_logp.numel()
+        m = {
+            "grpo/loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(num_responses))]),
+            "grpo/clip_frac": mean_entry((surr_clipped > surr).sum().float(), n_tok, tok_loss),
+            "grpo/clip_frac_lower": mean_entry(lower_clipped.sum().float(), n_tok, tok_loss),
+            "grpo/approx_kl": mean_entry((-log_ratio).sum(), n_tok, tok_loss),
+        }
+        if rewards is not None:
+            m["grpo/reward_mean"] = mean_entry(rewards.detach().float().sum(), num_responses, tok_loss)
+    return LossOutput(loss_sum=loss_sum, count=num_responses, metrics=m)
+
+
 def grpo_loss(
     token_logp: torch.Tensor,
     token_old_logp: torch.Tensor,
@@ -67,7 +128,8 @@ def grpo_loss(
     clip_ratio_c: float | None = 3.0,
     rewards: torch.Tensor | None = None,
 ) -> LossOutput:
-    """PPO clipped surrogate with GRPO advantages, as a global sum over responses.
+    """PPO clipped surrogate with GRPO advantages on padded ``[S, T]`` tokens (validated; see
+    :func:`grpo_token_loss`, which it calls on the masked tokens).
 
     Args:
         token_logp: ``[S, T]`` current-policy token log-probs, with grad.
@@ -90,42 +152,21 @@ def grpo_loss(
     num = token_logp.shape[0]
     adv = as_float_vector("advantages", advantages, token_logp)
     check_finite("advantages", adv)
-    if max_response_len <= 0:
-        raise ValueError(f"max_response_len={max_response_len} must be > 0 (the configured max response tokens)")
-    if not 0 < clip_ratio < 1:
-        raise ValueError(f"clip_ratio={clip_ratio} must lie in (0, 1); PPO's usual value is 0.2")
-    if clip_ratio_c is not None and clip_ratio_c <= 1:
-        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (dual clip) or None to disable it")
     mask = response_mask.bool()
     check_finite("token_old_logp", torch.where(mask, token_old_logp, 0))
     check_finite("token_logp", torch.where(mask, token_logp.detach(), 0))
-
-    # Masked positions hold 0 before the exp so padding can never overflow; they are dropped again below.
-    log_ratio = torch.where(mask, token_logp.float() - token_old_logp.float(), 0).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    a = adv[:, None]
-    surr = -a * ratio
-    surr_clipped = -a * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
-    tok_loss = torch.maximum(surr, surr_clipped)
-    lower_clipped = torch.zeros_like(tok_loss, dtype=torch.bool)
-    if clip_ratio_c is not None:
-        bound = -a * clip_ratio_c
-        lower_clipped = (a < 0) & (tok_loss > bound)
-        tok_loss = torch.where(a < 0, torch.minimum(tok_loss, bound), tok_loss)
-    tok_loss = torch.where(mask, tok_loss, 0)
-    loss_sum = tok_loss.sum() / max_response_len
-
-    with torch.no_grad():
-        n_tok = int(mask.sum())
-        m = {
-            "grpo/loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(num))]),
-            "grpo/clip_frac": mean_entry(((surr_clipped > surr) & mask).sum().float(), n_tok, tok_loss),
-            "grpo/clip_frac_lower": mean_entry((lower_clipped & mask).sum().float(), n_tok, tok_loss),
-            "grpo/approx_kl": mean_entry(torch.where(mask, -log_ratio, 0).sum(), n_tok, tok_loss),
-        }
-        m.update(stat_entries("grpo/advantage", adv))
-        if rewards is not None:
-            r = as_float_vector("rewards", rewards, token_logp)
-            check_rewards(r)
-            m["grpo/reward_mean"] = mean_entry(r.sum(), num, tok_loss)
-    return LossOutput(loss_sum=loss_sum, count=num, metrics=m)
+    if rewards is not None:
+        rewards = as_float_vector("rewards", rewards, token_logp)
+        check_rewards(rewards)
+    out = grpo_token_loss(
+        token_logp[mask],
+        token_old_logp[mask],
+        adv[:, None].expand_as(token_logp)[mask],
+        num_responses=num,
+        max_response_len=max_response_len,
+        clip_ratio=clip_ratio,
+        clip_ratio_c=clip_ratio_c,
+        rewards=rewards,
+    )
+    out.metrics.update(stat_entries("grpo/advantage", adv))
+    return out

@@ -3,16 +3,18 @@
 An :class:`Objective` states its needs (the rollout policy's log-probs at sequence or token level, or none; the
 current policy's sequence log-probs before the backward, i.e. phase 1 of the two-phase gradient; whole groups per
 micro-batch) and turns one optimizer step's share of responses (:class:`MiniBatch`) into a :class:`Prepared` loss:
-a function from a micro-batch's token log-probs to Megatron's ``(loss_sum, count, report)``. The step that drives
-them (``megatron_pacs.rl_step``) knows nothing of PACS or GRPO. Every objective's ``count`` is the number of real
-responses in the micro-batch, so the trainer divides once by the global response count (docs/algorithm.md §4).
+a function from a micro-batch's scored tokens (:class:`~megatron_pacs.algo.tokens.TokenLogprobs`, flat, the same
+for padded and packed layouts) to Megatron's ``(loss_sum, count, report)``. The step that drives them
+(``megatron_pacs.rl_step``) knows nothing of PACS or GRPO. Every objective's ``count`` is the number of responses in
+the micro-batch, so the trainer divides once by the global response count (docs/algorithm.md §4). Sequence sums and
+scores are float64 (docs/algorithm.md §2.1).
 
 Registered names (``--loss``): ``pacs`` (two-phase by default, direct with ``--keep-groups-in-microbatch``) and
 ``grpo``. A new objective (a KL term against a reference, a REAL- or NFT-style sequence loss) is one new class
 here: declare its needs, write ``prepare``, register a builder.
 
-Legend: S responses of the step, M responses of the mini-batch on this rank, b rows of a micro-batch, T scored
-positions per row (the padded length minus one).
+Legend: S responses of the step, M responses of the mini-batch on this rank, m responses and N scored tokens of a
+micro-batch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from megatron_pacs.algo.grpo import grpo_advantages, grpo_loss
+from megatron_pacs.algo.common import stat_entries
+from megatron_pacs.algo.grpo import grpo_advantages, grpo_token_loss
 from megatron_pacs.algo.metrics import pacs_metrics
 from megatron_pacs.algo.pacs import (
     compute_scores,
@@ -36,6 +39,7 @@ from megatron_pacs.algo.pacs import (
     pacs_surrogate,
 )
 from megatron_pacs.algo.registry import Registry
+from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, LossConfig
 
 __all__ = [
@@ -48,13 +52,12 @@ __all__ = [
     "PacsDirect",
     "PacsTwoPhase",
     "Prepared",
+    "TokenLogprobs",
     "build_objective",
 ]
 
-#: ``(token_logp [b, T], score_mask [b, T], index [b]) -> (loss_sum, count, report)``; ``index`` is -1 on padding rows.
-MicroBatchLoss = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
-]
+#: ``(scored tokens of a micro-batch) -> (loss_sum, count, report)``, Megatron's 3-tuple.
+MicroBatchLoss = Callable[[TokenLogprobs], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 Level = Literal["sequence", "token"]
 
 
@@ -63,12 +66,12 @@ class Logprobs:
     """Log-probs of a step's responses under one policy, indexed by response.
 
     Attributes:
-        seq: ``[S]`` masked sums over each response's tokens (0 for responses that were not computed).
-        tokens: Response index -> ``[L_i - 1]`` log-probs of every token after the first, when asked for.
+        seq: ``[S]`` float64 sums over each response's tokens (0 for responses that were not computed).
+        tokens: Each response's token log-probs, when asked for (last pipeline stage only).
     """
 
     seq: torch.Tensor
-    tokens: dict[int, torch.Tensor] | None = None
+    tokens: TokenStore | None = None
 
 
 @dataclass
@@ -83,7 +86,7 @@ class MiniBatch:
         fresh: No optimizer step has happened since the rollout (the first mini-batch of the first epoch), so the
             current policy is the rollout policy exactly.
         old: The rollout policy's log-probs (None when ``fresh`` or when the objective needs none).
-        current: ``[S]`` phase-1 sequence log-probs under the current parameters, when requested.
+        current: ``[S]`` float64 phase-1 sequence log-probs under the current parameters, when requested.
     """
 
     rows: torch.Tensor
@@ -124,14 +127,8 @@ class Objective(ABC):
         ``whole_groups``)."""
 
 
-def _real(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    keep = index >= 0
-    return keep, index[keep]
-
-
-def _sequence_sums(logp: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``[b']`` float32 masked sums of the real rows' token log-probs."""
-    return torch.where(mask, logp, 0.0).sum(-1)[keep.to(logp.device)].float()
+def _count(tokens: TokenLogprobs) -> torch.Tensor:
+    return torch.tensor(tokens.num_sequences, dtype=torch.int)
 
 
 class _Pacs(Objective):
@@ -162,7 +159,7 @@ class PacsTwoPhase(_Pacs):
         log_ratio = self.score == "log_ratio"
         anchor = None if mb.old is None else mb.old.seq
         if mb.current is None:
-            scores = torch.zeros(len(idx))
+            scores = torch.zeros(len(idx), dtype=torch.float64)
         else:
             old = anchor[idx].cpu() if log_ratio and anchor is not None else None
             scores = compute_scores(
@@ -179,16 +176,17 @@ class PacsTwoPhase(_Pacs):
         coeffs = torch.zeros(num, dtype=grads.dtype)
         coeffs[idx] = grads
         if anchor is None and log_ratio:
-            anchor = torch.zeros(num)  # fresh: l_old = l; only the surrogate's gradient matters, not its value
+            # fresh: l_old = l; only the surrogate's gradient matters, not its value
+            anchor = torch.zeros(num, dtype=torch.float64)
         return Prepared(self._loss(anchor, coeffs, mb.response_lens), self._phase1_metrics(scores, mb, idx))
 
     def _loss(self, anchor: torch.Tensor | None, coeffs: torch.Tensor, lens: torch.Tensor) -> MicroBatchLoss:
-        def loss(logp: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
-            keep, idx = _real(index)
-            seq = _sequence_sums(logp, mask, keep)
+        def loss(tokens: TokenLogprobs):
+            seq = tokens.sequence_sums()
+            idx = tokens.index.cpu()
             old = None if anchor is None else anchor[idx].to(seq.device)
             s = compute_scores(seq, old, beta=self.beta, score=self.score, response_lens=lens[idx])
-            return pacs_surrogate(s, coeffs[idx].to(s.device)), torch.tensor(int(idx.numel()), dtype=torch.int), {}
+            return pacs_surrogate(s, coeffs[idx].to(s.device)).float(), _count(tokens), {}
 
         return loss
 
@@ -212,9 +210,9 @@ class PacsDirect(_Pacs):
         anchor = None if mb.old is None else mb.old.seq
         rewards, lens, n = mb.rewards, mb.response_lens, mb.group_size
 
-        def loss(logp: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
-            keep, idx = _real(index)
-            seq = _sequence_sums(logp, mask, keep)
+        def loss(tokens: TokenLogprobs):
+            seq = tokens.sequence_sums()
+            idx = tokens.index.cpu()
             # No old log-probs means the parameters have not moved since the rollout: l_old = l, exactly.
             old = seq.detach() if anchor is None else anchor[idx].to(seq.device)
             out = pacs_loss(
@@ -228,7 +226,7 @@ class PacsDirect(_Pacs):
                 weights=self.weights,
                 response_lens=lens[idx],
             )
-            return out.loss_sum, torch.tensor(out.count, dtype=torch.int), out.metrics
+            return out.loss_sum.float(), _count(tokens), out.metrics
 
         return Prepared(loss)
 
@@ -247,28 +245,21 @@ class GrpoObjective(Objective):
         old_tokens = None if mb.old is None else mb.old.tokens
         rewards = mb.rewards
 
-        def loss(logp: torch.Tensor, mask: torch.Tensor, index: torch.Tensor):
-            keep, idx = _real(index)
-            keep = keep.to(logp.device)
-            logp, mask = logp[keep], mask[keep]
-            if old_tokens is None:
-                old = logp.detach()
-            else:
-                old = torch.zeros_like(logp)
-                for j, i in enumerate(idx.tolist()):
-                    t = old_tokens[i].to(old.device)
-                    n = min(t.numel(), old.shape[1])
-                    old[j, :n] = t[:n]
-            out = grpo_loss(
-                logp,
+        def loss(tokens: TokenLogprobs):
+            idx = tokens.index.cpu()
+            # No old log-probs means the parameters have not moved since the rollout: the ratio is 1, exactly.
+            old = tokens.logp.detach() if old_tokens is None else old_tokens.gather(tokens)
+            out = grpo_token_loss(
+                tokens.logp,
                 old,
-                mask,
-                advantages[idx].to(logp.device),
+                tokens.per_token(advantages),
+                num_responses=tokens.num_sequences,
                 max_response_len=self.max_response_length,
                 clip_ratio=self.clip_ratio,
-                rewards=rewards[idx].to(logp.device),
+                rewards=rewards[idx],
             )
-            return out.loss_sum, torch.tensor(out.count, dtype=torch.int), out.metrics
+            out.metrics.update(stat_entries("grpo/advantage", advantages[idx].to(tokens.logp.device)))
+            return out.loss_sum, _count(tokens), out.metrics
 
         return Prepared(loss)
 

@@ -22,9 +22,14 @@ class BatchConfig:
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
     micro_batch_size: int = 8
-    """Responses per micro-batch (when --max-tokens-per-microbatch is not given)."""
+    """Padded layout: responses per micro-batch (when --max-tokens-per-microbatch is not given). Packed layout:
+    the default token budget is this many sequences of --seq-length."""
     max_tokens_per_microbatch: int | None = None
-    """Token budget per micro-batch (padded rows x length); micro-batches may then split groups."""
+    """Token budget per micro-batch: packed, the tokens of its sequences; padded, rows x longest row. Micro-batches
+    may split groups (exact, docs/algorithm.md §3)."""
+    sequence_packing: bool = True
+    """Pack each micro-batch's sequences into one row without padding (Megatron's thd format; varlen attention);
+    --no-sequence-packing gives one right-padded row per sequence."""
     keep_groups_in_microbatch: bool = False
     """Keep whole groups per micro-batch (the reference layout; the loss then runs directly with autograd)."""
     max_prompt_length: int = 512
@@ -56,9 +61,27 @@ class BatchConfig:
                 f"{self.max_tokens_per_microbatch} cannot hold one sequence of --seq-length {self.seq_length}; "
                 "raise it",
             )
+        if (
+            self.sequence_packing
+            and self.keep_groups_in_microbatch
+            and self.max_tokens_per_microbatch is not None
+            and self.max_tokens_per_microbatch < self.group_size * self.seq_length
+        ):
+            raise bad(
+                "max_tokens_per_microbatch",
+                f"{self.max_tokens_per_microbatch} cannot hold a whole group of {self.group_size} sequences of "
+                f"--seq-length {self.seq_length} with --keep-groups-in-microbatch; raise it to at least "
+                f"{self.group_size * self.seq_length}",
+            )
         if self.keep_groups_in_microbatch and self.micro_batch_size % self.group_size:
             raise bad(
                 "micro_batch_size",
                 f"{self.micro_batch_size} must be a multiple of --group-size {self.group_size} with "
                 "--keep-groups-in-microbatch",
             )
+
+    @property
+    def packing_budget(self) -> int:
+        """Tokens per packed micro-batch: --max-tokens-per-microbatch, else --micro-batch-size x --seq-length."""
+        assert self.seq_length is not None  # filled in by __post_init__
+        return self.max_tokens_per_microbatch or self.micro_batch_size * self.seq_length

@@ -44,7 +44,7 @@ def field_docs(cls: type) -> dict[str, str]:
 def _argument(section: str, f: dataclasses.Field, kind: Any, doc: str) -> dict[str, Any]:
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
     kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "help": doc, "default": default}
-    if kind is bool:
+    if kind is bool or kind == bool | None:  # --x / --no-x; an optional one keeps None (automatic) by default
         kwargs["action"] = argparse.BooleanOptionalAction
     elif kind == list[str]:
         kwargs.update(nargs="+", type=str, metavar=f.name.upper())

@@ -29,6 +29,12 @@ class ModelConfig:
     """Full activation recompute: keep only each layer's input, recompute the rest in the backward pass."""
     transformer_impl: str = "auto"
     """Layer implementation: auto (TE on GPU when importable, else local), te, sdpa or local."""
+    bias_swiglu_fusion: bool | None = None
+    """Fuse the SwiGLU activation (Megatron's bias_swiglu_impl); default: on with CUDA, off on CPU (exact)."""
+    rope_fusion: bool | None = None
+    """Fused RoPE (Transformer Engine's kernel); default: on with the TE spec."""
+    masked_softmax_fusion: bool | None = None
+    """Apex's fused scale-mask-softmax in the local spec; default: on where Apex's kernels import."""
 
     def __post_init__(self) -> None:
         if self.fp8_format not in (None, *FP8_FORMATS):
@@ -39,6 +45,15 @@ class ModelConfig:
             raise bad("fp8_recipe", f"{self.fp8_recipe!r}: use one of {list(FP8_RECIPES)}")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise bad("transformer_impl", f"{self.transformer_impl!r}: use one of {list(TRANSFORMER_IMPLS)}")
+
+    @property
+    def fusions(self) -> dict[str, bool | None]:
+        """The fusion requests, as ``megatron_pacs.mcore.model.resolve_fusions`` takes them."""
+        return {
+            "bias_swiglu": self.bias_swiglu_fusion,
+            "rope": self.rope_fusion,
+            "masked_softmax": self.masked_softmax_fusion,
+        }
 
     @property
     def fp8(self) -> dict[str, str] | None:

@@ -76,6 +76,13 @@ class TrainConfig:
                 "shares GPUs between the trainer and the engines and needs CUDA; this machine has none, so drop "
                 "--colocate (the engines then run beside the trainer)",
             )
+        m = self.model
+        if m.bias_swiglu_fusion and not _cuda_available():
+            raise bad("bias_swiglu_fusion", "the fused SwiGLU kernel needs CUDA; drop the flag on this machine")
+        if m.rope_fusion and not (_cuda_available() and _importable("transformer_engine")):
+            raise bad("rope_fusion", "the fused RoPE kernel is Transformer Engine's (CUDA); drop the flag")
+        if m.masked_softmax_fusion and not (_importable("scaled_masked_softmax_cuda") and _cuda_available()):
+            raise bad("masked_softmax_fusion", "needs Apex's fused softmax kernels (CUDA); drop the flag")
         if not self.model.hf_model or not os.path.isfile(os.path.join(self.model.hf_model, "config.json")):
             raise bad("hf_model", f"{self.model.hf_model!r} has no config.json; pass a Hugging Face model directory")
         if not self.data.train_data:

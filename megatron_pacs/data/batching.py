@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RolloutBatch", "micro_batch_rows", "mini_batch_rows", "pad_rows"]
+__all__ = ["RolloutBatch", "micro_batch_rows", "mini_batch_rows", "pack_rows", "pad_rows"]
 
 
 @dataclass
@@ -142,3 +142,34 @@ def pad_rows(
             mask[j, p : p + r] = True
             index[j] = i
     return tokens, mask, index
+
+
+def pack_rows(
+    batch: RolloutBatch, rows: Sequence[int], *, length: int | None = None, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """One packed row of some responses: their sequences one after another, then padding.
+
+    Args:
+        batch: The step's rollouts.
+        rows: Response indices, in the order to pack them (may be empty: a row of padding only).
+        length: The row's length T (default: the sequences' total, at least 1).
+        pad_id: Token id of the padding.
+
+    Returns:
+        ``tokens [1, T]`` long, ``score_mask [1, T]`` bool (True at response tokens), ``index [m]`` long (the
+        response indices), the m sequence lengths.
+    """
+    lengths = tuple(len(batch.sequences[i]) for i in rows)
+    used = sum(lengths)
+    total = max(length or used, 1)
+    if used > total:
+        raise ValueError(f"{used} tokens do not fit a packed row of {total}")
+    tokens = torch.full((1, total), pad_id, dtype=torch.long)
+    mask = torch.zeros((1, total), dtype=torch.bool)
+    offset = 0
+    for i, n in zip(rows, lengths, strict=True):
+        tokens[0, offset : offset + n] = torch.tensor(batch.sequences[i], dtype=torch.long)
+        p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
+        mask[0, offset + p : offset + p + r] = True
+        offset += n
+    return tokens, mask, torch.tensor(list(rows), dtype=torch.long), lengths

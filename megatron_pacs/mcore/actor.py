@@ -6,7 +6,8 @@ with the vocab-parallel log-probs of the last stage's logits. The model is built
 so the gradient is ``sum over the global mini-batch / global count`` (docs/algorithm.md §4), independent of
 micro-batching, DP size and pipeline schedule.
 
-Legend: b rows per micro-batch, L padded length, Vp vocabulary shard, S responses of the step.
+Legend: b rows per micro-batch, L padded length, Vp vocabulary shard, S responses of the step, R_i response i's
+length.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_pacs.algo.objectives import Logprobs, MicroBatchLoss
+from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import ModelConfig, OptimConfig
-from megatron_pacs.mcore.forward import MicroBatch, model_token_logprobs, run_schedule
+from megatron_pacs.mcore.forward import MicroBatch, model_token_logprobs, run_schedule, token_alignment
 from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, train_step
 from megatron_pacs.mcore.parallel import ParallelGroups
@@ -52,6 +54,7 @@ class Actor:
             dtype=dtype,
             recompute=model.recompute_activations,
             spec=model.transformer_impl,
+            fusions=model.fusions,
             calculate_per_token_loss=True,
             **(model.fp8 or {}),
         )
@@ -64,6 +67,11 @@ class Actor:
                 p.requires_grad_(False)
 
     @property
+    def token_alignment(self) -> int:
+        """The multiple every micro-batch's token dimension must be (see ``forward.token_alignment``)."""
+        return token_alignment(self.models[0].config)
+
+    @property
     def chunks(self) -> Sequence[MegatronModule]:
         return list(self.trainable.models) if self.trainable is not None else self.models
 
@@ -71,39 +79,45 @@ class Actor:
 
     @torch.no_grad()
     def logprobs(
-        self, micro_batches: list[MicroBatch], num_responses: int, *, temperature: float = 1.0, tokens: bool = False
+        self,
+        micro_batches: list[MicroBatch],
+        response_lens: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        tokens: bool = False,
     ) -> Logprobs:
         """Sequence (and optionally token) log-probs of the micro-batches' responses, on every rank.
 
+        Args:
+            micro_batches: This rank's micro-batches (padded or packed).
+            response_lens: ``[S]`` response lengths of the step (the token store's layout).
+            temperature: The sampling temperature the log-probs refer to.
+            tokens: Also keep every response token's log-prob (last pipeline stage).
+
         Returns:
-            ``Logprobs(seq [S], tokens)``: ``seq[i]`` is the masked sum for response i (0 for responses not in the
-            micro-batches); ``tokens`` maps i to its ``[L_i - 1]`` token log-probs when asked for (last stage).
+            ``Logprobs(seq [S] float64, tokens)``: ``seq[i]`` is response i's log-likelihood (0 for responses not
+            in the micro-batches), identical on every rank of the model-parallel group; ``tokens`` holds response
+            i's ``[R_i]`` token log-probs on the last stage when asked for.
         """
         for m in self.chunks:
             m.eval()
         tp_group = self.groups.tp_group
+        device = next(self.models[0].parameters()).device
+        seq_logp = torch.zeros(response_lens.numel(), dtype=torch.float64, device=device)
+        store = TokenStore.zeros(response_lens, device) if tokens else None
 
         def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-            logp = model_token_logprobs(logits, mb, tp_group, temperature).float()
-            seq = torch.where(mb.score_mask[:, 1:].to(logp.device), logp, 0.0).sum(-1)
-            report = {"seq": seq, "index": mb.index.to(logp.device)}
-            if tokens:
-                report["tok"] = logp
-            return seq.sum(), torch.tensor(1, dtype=torch.int), report
+            scored = mb.scored(model_token_logprobs(logits, mb, tp_group, temperature).float())
+            sums = scored.sequence_sums()
+            seq_logp[scored.index] = sums
+            if store is not None:
+                store.put(scored, scored.logp)
+            return sums.sum().float(), torch.tensor(1, dtype=torch.int), {}
 
-        reports = run_schedule(self.chunks, micro_batches, loss_fn, forward_only=True)
-        device = next(self.models[0].parameters()).device
-        seq_logp = torch.zeros(num_responses, dtype=torch.float32, device=device)
-        token_logp: dict[int, torch.Tensor] = {}
-        for r in reports:
-            keep = r["index"] >= 0
-            seq_logp[r["index"][keep]] = r["seq"][keep]
-            if tokens:
-                for j in keep.nonzero().flatten().tolist():
-                    token_logp[int(r["index"][j])] = r["tok"][j]
+        run_schedule(self.chunks, micro_batches, loss_fn, forward_only=True)
         if self.groups.pp_size > 1:
             dist.broadcast(seq_logp, src=self.groups.last_stage_global_rank, group=self.groups.pp_group)
-        return Logprobs(seq_logp, token_logp if tokens else None)
+        return Logprobs(seq_logp, store)
 
     # -- training ----------------------------------------------------------------------------------------------
 
@@ -111,7 +125,7 @@ class Actor:
         """One optimizer step over this rank's micro-batches of a mini-batch (collective over all ranks).
 
         Args:
-            micro_batches: This rank's share of the mini-batch.
+            micro_batches: This rank's share of the mini-batch (padded or packed).
             loss: An objective's micro-batch loss (:class:`megatron_pacs.algo.objectives.Prepared`).
             temperature: The sampling temperature the log-probs refer to.
         """
@@ -120,8 +134,8 @@ class Actor:
         tp_group = self.groups.tp_group
 
         def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-            logp = model_token_logprobs(logits, mb, tp_group, temperature)
-            return loss(logp, mb.score_mask[:, 1:].to(logp.device), mb.index)
+            scored: TokenLogprobs = mb.scored(model_token_logprobs(logits, mb, tp_group, temperature))
+            return loss(scored)
 
         return train_step(self.trainable, micro_batches, loss_fn)
 

@@ -1,14 +1,19 @@
 """Megatron-Core ``GPTModel`` from a Hugging Face config: Qwen2/Qwen2.5, Qwen3 and Llama-3 families.
 
 Layer specs: Transformer Engine on GPU when it imports; on GPU without TE, the local spec with core attention
-through ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN backends); the local spec on CPU.
+through ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN backends); the local spec on CPU. Core
+attentions of the sdpa and local specs (padded and packed rows) live in :mod:`megatron_pacs.mcore.attention`.
 Norms are an RMSNorm with Hugging Face's numerics (normalise in fp32, cast back, then scale), tagged for sequence
 parallelism, so the local spec matches HF and works with ``sequence_parallel=True``.
+
+Fusions (GPU only; the CPU arithmetic stays unfused and exact): TE's own on the TE spec, plus Megatron's fused RoPE
+there; Megatron's SwiGLU fusion (``torch.compile``-fused, saves only its input) on every GPU spec; the masked
+softmax fusion where Apex's kernels import; the RMSNorm through ``F.rms_norm`` (one fused kernel) on CUDA.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -16,7 +21,6 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -24,14 +28,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from megatron_pacs.config import ParallelConfig
+from megatron_pacs.mcore.attention import LocalAttention, SDPAttention
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.parallel import ParallelGroups
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "Fusions",
     "MegatronModule",
+    "apex_softmax_available",
     "build_gpt_model",
     "hf_to_transformer_config",
+    "resolve_fusions",
     "rope_settings",
     "te_available",
 ]
@@ -62,60 +70,58 @@ class HFRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if x.is_cuda:  # one fused kernel, the same formula (the CPU path below stays bit-exact to HF)
+            return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
-class SDPAttention(MegatronModule):
-    """Megatron core attention through ``F.scaled_dot_product_attention`` (flash / cuDNN / efficient kernels).
+def apex_softmax_available() -> bool:
+    """True when Apex's fused masked-softmax CUDA kernels import (Megatron's ``masked_softmax_fusion``)."""
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401  # pyright: ignore[reportMissingImports]
+        import scaled_upper_triang_masked_softmax_cuda  # noqa: F401  # pyright: ignore[reportMissingImports]
+    except ImportError:
+        return False
+    return True
 
-    Same interface as Megatron's ``DotProductAttention``: query ``[sq, b, heads, d]``, key/value
-    ``[sk, b, groups, d]`` (GQA), returns ``[sq, b, heads * d]``. The mask follows Megatron (True = masked).
+
+@dataclass(frozen=True)
+class Fusions:
+    """``TransformerConfig`` fusion switches, resolved for a spec and a machine (see :func:`resolve_fusions`)."""
+
+    bias_activation_fusion: bool = False
+    apply_rope_fusion: bool = False
+    masked_softmax_fusion: bool = False
+
+
+def resolve_fusions(
+    spec: str, *, bias_swiglu: bool | None = None, rope: bool | None = None, masked_softmax: bool | None = None
+) -> Fusions:
+    """Fusion switches for a resolved spec (``te`` / ``sdpa`` / ``local``) on this machine.
+
+    None means automatic: SwiGLU fused on GPU; RoPE fused with Transformer Engine (its kernel); masked softmax fused
+    on the local spec when Apex's kernels import. On CPU everything stays unfused (exact against HF). An explicit
+    True that cannot work here raises ``ValueError`` naming the flag.
     """
+    gpu = torch.cuda.is_available()
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection: Any = None,
-        **_: Any,
-    ) -> None:
-        super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("the SDPA attention spec does not support context parallelism; use the TE spec")
-        self.attn_mask_type = attn_mask_type
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        if softmax_scale is None:
-            assert config.kv_channels is not None  # TransformerConfig.__post_init__ fills it in
-            softmax_scale = 1.0 / math.sqrt(config.kv_channels)
-        self.scale = softmax_scale
+    def pick(name: str, asked: bool | None, possible: bool, why: str) -> bool:
+        if asked and not possible:
+            raise ValueError(f"--{name}: {why}; drop the flag (or use --no-{name})")
+        return possible if asked is None else asked
 
-    def forward(
-        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
-    ):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("the SDPA attention spec supports neither packed sequences nor attention bias")
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        mask_type = attn_mask_type or self.attn_mask_type
-        causal = mask_type == AttnMaskType.causal and (attention_mask is None or q.shape[2] == k.shape[2])
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=None if causal or attention_mask is None else ~attention_mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=causal,
-            scale=self.scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
-        b, h, s, d = out.shape
-        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+    return Fusions(
+        bias_activation_fusion=pick("bias-swiglu-fusion", bias_swiglu, gpu, "needs CUDA"),
+        apply_rope_fusion=pick("rope-fusion", rope, gpu and spec == "te", "needs CUDA and the TE spec"),
+        masked_softmax_fusion=pick(
+            "masked-softmax-fusion",
+            masked_softmax,
+            gpu and spec == "local" and apex_softmax_available(),
+            "needs CUDA, the local spec and Apex's fused softmax kernels",
+        ),
+    )
 
 
 def _get(hf_config: Any, name: str, default: Any = None) -> Any:
@@ -159,6 +165,7 @@ def hf_to_transformer_config(
     *,
     dtype: torch.dtype = torch.float32,
     recompute: bool = False,
+    fusions: Fusions | None = None,
     **overrides: Any,
 ) -> TransformerConfig:
     """Translate a Hugging Face causal-LM config into Megatron's ``TransformerConfig``.
@@ -168,8 +175,10 @@ def hf_to_transformer_config(
         parallel: The TP / PP / VPP / SP layout.
         dtype: ``torch.float32`` or ``torch.bfloat16`` parameters and compute.
         recompute: Full activation recompute of every layer.
+        fusions: Fusion switches (default: all off, the exact unfused path).
         **overrides: Extra ``TransformerConfig`` fields (e.g. ``calculate_per_token_loss=True``).
     """
+    fusions = fusions or Fusions()
     model_type = _get(hf_config, "model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}")
@@ -220,9 +229,9 @@ def hf_to_transformer_config(
         overlap_p2p_comm=parallel.overlap_p2p_comm,
         batch_p2p_comm=parallel.batch_p2p_comm,
         use_cpu_initialization=on_cpu,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        bias_activation_fusion=fusions.bias_activation_fusion,
+        masked_softmax_fusion=fusions.masked_softmax_fusion,
+        apply_rope_fusion=fusions.apply_rope_fusion,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         # megatron-core 0.16.1 defaults to the deprecated "full" scope (and warns); [] means the same.
@@ -246,8 +255,7 @@ def _local_spec(config: TransformerConfig, core_attention: type | None, vp_stage
     if config.qk_layernorm:
         attn.q_layernorm = HFRMSNorm
         attn.k_layernorm = HFRMSNorm
-    if core_attention is not None:
-        attn.core_attention = core_attention
+    attn.core_attention = core_attention or LocalAttention
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     # layer_norm is typed ModuleSpec | Module, but Megatron's build_module takes a class too (its own specs pass one).
     return TransformerBlockSubmodules(
@@ -282,6 +290,7 @@ def build_gpt_model(
     dtype: torch.dtype = torch.float32,
     recompute: bool = False,
     spec: str = "auto",
+    fusions: dict[str, bool | None] | None = None,
     **config_overrides: Any,
 ) -> list[GPTModel]:
     """Build this rank's model chunks (one, or one per virtual stage), with random weights.
@@ -294,13 +303,22 @@ def build_gpt_model(
         dtype: Parameter dtype.
         recompute: Full activation recompute.
         spec: ``auto`` | ``te`` | ``sdpa`` | ``local``.
+        fusions: ``bias_swiglu`` / ``rope`` / ``masked_softmax`` requests for :func:`resolve_fusions` (None or a
+            missing key: automatic).
         **config_overrides: Passed to :func:`hf_to_transformer_config`.
 
     Returns:
         Model chunks in virtual-stage order, on the current device.
     """
-    config = hf_to_transformer_config(hf_config, groups.config, dtype=dtype, recompute=recompute, **config_overrides)
     kind = resolve_spec(spec)
+    config = hf_to_transformer_config(
+        hf_config,
+        groups.config,
+        dtype=dtype,
+        recompute=recompute,
+        fusions=resolve_fusions(kind, **(fusions or {})),
+        **config_overrides,
+    )
     rope = rope_settings(hf_config)
     vpp = groups.config.virtual_pipeline_model_parallel_size
     chunks = []

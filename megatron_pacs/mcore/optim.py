@@ -20,25 +20,29 @@ batch is split into micro-batches and ranks. A ``loss_fn`` wanting another norma
 that unit as ``count``.
 
 Optimizer: Megatron's ``get_megatron_optimizer`` with ``optimizer="adam"`` and ``decoupled_weight_decay=True``
-(``torch.optim.AdamW`` without TE/Apex, the fused AdamW-mode Adam with them). Biases and 1-D parameters (norms) get
-no weight decay (Megatron's standard ``wd_mult=0`` groups; applied here because no Megatron scheduler runs).
-Learning rate: a linear warm-up over ``lr_warmup_steps`` optimizer steps (skipped steps do not count), then
-constant (or a linear decay over ``lr_decay_steps``), set on the parameter groups before each step.
+(TE's or Apex's FusedAdam in AdamW mode when installed; otherwise megatron-core falls back to ``torch.optim.AdamW``
+in foreach mode, which :func:`build_trainable` switches to torch's fused CUDA kernel on GPU). Biases and 1-D
+parameters (norms) get no weight decay (Megatron's standard ``wd_mult=0`` groups; applied here because no Megatron
+scheduler runs). Learning rate: a linear warm-up over ``lr_warmup_steps`` optimizer steps (skipped steps do not
+count), then constant (or a linear decay over ``lr_decay_steps``), set on the parameter groups before each step.
 
-CPU (gloo) specifics: Megatron's gradient clipping asserts CUDA tensors, so with ``clip_grad > 0`` the step is
-done as Megatron's ``ChainedOptimizer.step`` does it (``prepare_grads``, ``get_grad_norm``, clip,
-``step_with_ready_grads``) with the clipping in plain torch. The distributed optimizer and the bf16
-mixed-precision wrapper are GPU only and refused on CPU.
+The step is Megatron's ``ChainedOptimizer.step`` spelled out (``prepare_grads``, ``get_grad_norm``, clip,
+``step_with_ready_grads``) with one change: a non-finite global norm skips the update. The norm Megatron computes is
+already global (the gradients are DP-reduced, the norm all-reduced over the model-parallel group, or over DP too
+with the distributed optimizer), so every rank sees the same value and agrees to skip without another collective,
+and reading it is the step's only host sync. The clip is one multi-tensor multiply (Megatron's clip asserts CUDA
+tensors, so CPU runs would need another path otherwise). The distributed optimizer and the bf16 mixed-precision
+wrapper are GPU only and refused on CPU.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
@@ -159,7 +163,7 @@ def build_trainable(models: Sequence[MegatronModule], groups: ParallelGroups, cf
         adam_beta2=cfg.adam_beta2,
         adam_eps=cfg.adam_eps,
         decoupled_weight_decay=True,
-        clip_grad=0.0 if _on_cpu() else cfg.clip_grad,  # CPU: clipped in train_step (Megatron's asserts CUDA)
+        clip_grad=cfg.clip_grad,  # applied in _optimizer_step (Megatron's own clip asserts CUDA tensors)
         bf16=bf16,
         fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -189,6 +193,7 @@ def build_trainable(models: Sequence[MegatronModule], groups: ParallelGroups, cf
         # Typed as one callable; Megatron's interleaved schedule takes a list of them, one per chunk.
         chunk_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync  # pyright: ignore[reportAttributeAccessIssue]
         chunk_config.grad_scale_func = optimizer.scale_loss
+    _use_fused_torch_adamw(optimizer)
     schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.lr_warmup_steps, decay_steps=cfg.lr_decay_steps)
     return Trainable(models=ddp_models, optimizer=optimizer, config=cfg, schedule=schedule)
 
@@ -203,18 +208,6 @@ def _zero_grads(ddp_models: list[DDP], optimizer: MegatronOptimizer) -> None:
     optimizer.zero_grad()
 
 
-def _any_nonfinite(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """``[]`` float: 1.0 if some local ``main_grad`` holds NaN or inf, else 0.0 (one host sync, by the caller)."""
-    # main_grad: the fp32 gradient buffer Megatron's DDP attaches to each Parameter (undeclared on torch's type).
-    device = params[0].main_grad.device if params else torch.device("cpu")  # pyright: ignore[reportAttributeAccessIssue]
-    bad = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        g = getattr(p, "main_grad", None)
-        if g is not None:
-            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
-    return bad
-
-
 def _set_lr(optimizer: MegatronOptimizer, lr: float, peak_lr: float, weight_decay: float) -> None:
     for group in optimizer.param_groups:
         # Groups with their own peak (Megatron's decoupled_lr) follow the same schedule shape.
@@ -222,40 +215,74 @@ def _set_lr(optimizer: MegatronOptimizer, lr: float, peak_lr: float, weight_deca
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
-def _step_with_torch_clip(optimizer: MegatronOptimizer, clip_grad: float) -> tuple[bool, float]:
-    """Megatron's ``ChainedOptimizer.step`` with the clipping done in plain torch (works on CPU tensors)."""
-    if optimizer.prepare_grads():
-        return False, float("nan")
-    grad_norm = float(optimizer.get_grad_norm())
+def _inner_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _use_fused_torch_adamw(optimizer: MegatronOptimizer) -> int:
+    """On CUDA, switch megatron-core's ``torch.optim.AdamW`` fallback (foreach mode) to torch's fused kernel.
+
+    Megatron builds the torch optimizer without a way to ask for ``fused=True``; before the first step no state
+    exists, so the flag can still be set on its parameter groups (the state is then created in the fused layout).
+
+    Returns:
+        The number of optimizers switched (0 with TE/Apex, whose FusedAdam is already fused, or on CPU).
+    """
+    if not torch.cuda.is_available():
+        return 0
+    switched = 0
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if type(inner) is torch.optim.AdamW and not inner.state:
+            inner.defaults.update(fused=True, foreach=False)
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)
+            switched += 1
+    return switched
+
+
+def _clip(optimizer: MegatronOptimizer, clip_grad: float, grad_norm: float) -> None:
+    """Scale every main gradient by ``clip_grad / (norm + 1e-6)`` when below 1 (Megatron's rule), in one
+    multi-tensor op."""
     coeff = clip_grad / (grad_norm + 1.0e-6)
-    if coeff < 1.0:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(coeff)
+    if coeff >= 1.0:
+        return
+    grads = [p.grad for opt in _inner_optimizers(optimizer) for p in opt.get_parameters() if p.grad is not None]
+    if grads:
+        # torch.optim's own multi-tensor kernel; the public clip_grads_with_norm_ would compute the coefficient in
+        # float32 rather than Megatron's (and the former CPU path's) Python-double rule, changing the last bit.
+        torch._foreach_mul_(grads, coeff)  # pyright: ignore[reportPrivateImportUsage]
+
+
+def _optimizer_step(optimizer: MegatronOptimizer, clip_grad: float) -> tuple[bool, float]:
+    """Megatron's ``ChainedOptimizer.step`` with a skip on a non-finite global norm (see the module docstring).
+
+    Returns:
+        ``(stepped, grad_norm)``; not stepped when the norm is not finite or an fp16 loss scaler found inf.
+    """
+    if optimizer.prepare_grads():  # fp16 only: the loss scaler found inf (Megatron agreed on it over the world)
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm())  # the step's one host sync
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    if clip_grad > 0:
+        _clip(optimizer, clip_grad, grad_norm)
     return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
-def train_step(
-    trainable: Trainable,
-    micro_batches: list[MicroBatch],
-    loss_fn: LossFn,
-    *,
-    world_group: dist.ProcessGroup | None = None,
-) -> StepResult:
+def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_fn: LossFn) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's share of the global batch). Collective.
 
     Zeroes the gradient buffers, runs Megatron's forward-backward schedule (``loss_fn`` in the 3-tuple
-    convention; normalisation in the module docstring), then checks every rank's ``main_grad`` for NaN/inf and
-    all-reduces the verdict over ``world_group``: if any rank is bad, no rank steps (gradients are zeroed, the
-    warm-up counter does not advance) and ``skipped=True``.
+    convention; normalisation in the module docstring), then steps unless the global gradient norm is NaN/inf,
+    which every rank sees alike: then no rank steps (gradients are zeroed, the warm-up counter does not advance)
+    and ``skipped=True``.
 
     Args:
         trainable: From :func:`build_trainable`.
-        micro_batches: This rank's micro-batches, each ``tokens [b, L]`` (one shape across the pipeline).
+        micro_batches: This rank's micro-batches (padded ``[b, L]`` or packed ``[1, T]``; one shape across the
+            pipeline).
         loss_fn: ``(logits_shard [b, L, Vp], micro_batch) -> (loss_sum, count, report)``.
-        world_group: Group over which all ranks agree on skipping; None means ``torch.distributed.group.WORLD``
-            (``ParallelGroups`` has no world group: every rank of the job must call this together).
 
     Returns:
         The step's :class:`StepResult`.
@@ -265,24 +292,11 @@ def train_step(
         m.train()
     _zero_grads(ddp_models, optimizer)
     reports = run_schedule(ddp_models, micro_batches, loss_fn, forward_only=False)
-    bad = _any_nonfinite(_params(ddp_models))
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=world_group)
-    if bad.item() > 0:
-        _zero_grads(ddp_models, optimizer)
-        return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)
     lr = schedule.current_lr()
     _set_lr(optimizer, lr, cfg.lr, cfg.weight_decay)
-    clip = cfg.clip_grad
     with cuda_to_cpu():
-        if clip > 0 and _on_cpu():
-            ok, grad_norm = _step_with_torch_clip(optimizer, clip)
-        else:
-            # MegatronOptimizer.step is an untyped abstract method; every implementation returns this triple.
-            ok, norm, _ = cast("tuple[bool, float | None, int | None]", optimizer.step())
-            if ok:  # Megatron returns the norm it computed; versions that skip it when not clipping: compute it
-                grad_norm = float(optimizer.get_grad_norm() if norm is None else norm)
-    if not ok:  # a loss scaler found inf (fp16 only): Megatron skipped the update on every rank
+        ok, grad_norm = _optimizer_step(optimizer, cfg.clip_grad)
+    if not ok:
         _zero_grads(ddp_models, optimizer)
         return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)
     schedule.num_steps += 1

@@ -1,8 +1,9 @@
 """megatron_pacs.algo.objectives: needs, registry, and the loss contract under any micro-batch split.
 
 The "model" here is a tensor of token log-probs ``theta [S, T]`` with grad: each objective's micro-batch losses,
-summed over a split of the mini-batch (groups split, padding rows with index -1) and divided once by the summed
-count, must give the value and gradient of the whole-batch loss computed directly with autograd.
+each given its micro-batch's scored tokens flattened (``TokenLogprobs``, as every layout produces them), summed over
+a split of the mini-batch (groups split) and divided once by the summed count, must give the value and gradient of
+the whole-batch loss computed directly with autograd.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatron_pacs.algo.objectives import (
     build_objective,
 )
 from megatron_pacs.algo.pacs import pacs_loss
+from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, LossConfig
 
 N, S, T = 4, 16, 7  # group size, responses of the step, token positions per row
@@ -39,15 +41,23 @@ def _step_tensors(seed: int = 0):
     return theta, mask, lens, rewards, old_seq, old_tokens
 
 
-def _split_losses(prepared, theta, mask, rows, cuts, pad_rows=1):
-    """Sum of the micro-batch losses over ``rows`` cut at ``cuts`` (each micro-batch gets a padding row)."""
+def _scored(theta, mask, rows) -> TokenLogprobs:
+    """The scored tokens of a micro-batch holding ``rows``: ``theta``'s masked entries, row after row."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    m = mask[idx]
+    lengths = m.sum(-1)
+    seq = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    rank = torch.cat([torch.arange(int(n)) for n in lengths])
+    return TokenLogprobs(logp=theta[idx][m], seq=seq, rank=rank, index=idx, lengths=lengths)
+
+
+def _split_losses(prepared, theta, mask, rows, cuts):
+    """Sum of the micro-batch losses over ``rows`` cut at ``cuts``."""
     total, count = 0.0, 0
     bounds = [0, *cuts, len(rows)]
     for a, b in itertools.pairwise(bounds):
-        idx = torch.tensor(rows[a:b] + [rows[0]] * pad_rows)
-        index = torch.tensor(rows[a:b] + [-1] * pad_rows)
-        loss_sum, cnt, _ = prepared.loss(theta[idx], mask[idx], index)
-        total = total + loss_sum
+        loss_sum, cnt, _ = prepared.loss(_scored(theta, mask, rows[a:b]))
+        total = total + loss_sum.double()
         count += int(cnt)
     return total, count
 
@@ -99,7 +109,7 @@ def test_two_phase_and_direct_equal_the_whole_batch_gradient_under_any_split(adv
         total, count = _split_losses(direct, theta, mask, rows, cuts)
         assert (total / count).item() == pytest.approx((ref.loss_sum / ref.count).item(), rel=1e-6)
         (g,) = torch.autograd.grad(total / count, theta)
-        # float32 sums in direct mode (as in training); the grpo estimator divides by the group std
+        # the loss is returned in float32 (Megatron's accumulation); the grpo estimator divides by the group std
         torch.testing.assert_close(g, ref_grad, rtol=1e-4, atol=1e-6)
 
 
@@ -130,7 +140,9 @@ def test_grpo_objective_is_split_invariant_and_uses_the_old_token_logprobs():
     adv = grpo_advantages(rewards.float(), group_size=N)
     ref = grpo_loss(theta, old_tokens, mask, adv, max_response_len=T, clip_ratio=0.2)
     (ref_grad,) = torch.autograd.grad(ref.loss_sum / ref.count, theta)
-    old = Logprobs(torch.zeros(S), tokens={i: old_tokens[i] for i in rows})
+    offsets = torch.zeros(S + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lens, 0)
+    old = Logprobs(torch.zeros(S), tokens=TokenStore(old_tokens[mask], offsets))
     prepared = obj.prepare(
         MiniBatch(
             rows=torch.tensor(rows), rewards=rewards.float(), response_lens=lens, group_size=N, fresh=False, old=old

@@ -97,6 +97,79 @@ def check_vocab_logprobs(groups, results):
     results["vocab_logprobs/grad"] = (shard.grad - ref_grad).abs().max().item()
 
 
+PACKED_LENS = [(9, 3), (17, 5), (6, 2), (23, 4), (12, 3)]  # (sequence length, prompt length)
+PACKED_SPLIT = [[0, 1, 2], [3, 4]]  # two micro-batches of whole sequences
+PACKED_ROW = 64  # one packed row length for every micro-batch (pipeline messages need one shape)
+
+
+def _packing_batches(vocab: int, seed: int = 3):
+    """The same five sequences as padded micro-batches (3 rows x longest) and as packed rows of 64 tokens."""
+    from megatron_pacs.data.batching import RolloutBatch, pack_rows, pad_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = RolloutBatch(
+        sequences=[torch.randint(3, vocab, (n,), generator=gen).tolist() for n, _ in PACKED_LENS],
+        prompt_lens=torch.tensor([p for _, p in PACKED_LENS]),
+        response_lens=torch.tensor([n - p for n, p in PACKED_LENS]),
+        rewards=torch.zeros(len(PACKED_LENS)),
+        group_size=1,
+    )
+    longest = max(n for n, _ in PACKED_LENS)
+    padded = [MicroBatch(*pad_rows(batch, rows, num_rows=3, length=longest)) for rows in PACKED_SPLIT]
+    packed = []
+    for rows in PACKED_SPLIT:
+        tokens, mask, index, seqlens = pack_rows(batch, rows, length=PACKED_ROW)
+        packed.append(MicroBatch(tokens, mask, index, seqlens=seqlens))
+    return padded, packed
+
+
+def _packing_pass(models, groups, micro_batches, coeffs):
+    """Per-sequence log-likelihoods (float64, on every rank) and the gradient of ``sum_i coeffs_i * l_i``."""
+    from megatron_pacs.mcore.forward import model_token_logprobs
+
+    seq = torch.zeros(len(PACKED_LENS), dtype=torch.float64)
+
+    def loss_fn(logits, mb: MicroBatch):
+        scored = mb.scored(model_token_logprobs(logits, mb, groups.tp_group))
+        sums = scored.sequence_sums()
+        seq[scored.index] = sums.detach()
+        return (sums * coeffs[scored.index]).sum().float(), torch.tensor(1, dtype=torch.int), {}
+
+    for m in models:
+        m.zero_grad(set_to_none=True)
+        m.train()
+    run_schedule(models, micro_batches, loss_fn, forward_only=False)
+    if groups.pp_size > 1:
+        dist.broadcast(seq, src=groups.last_stage_global_rank, group=groups.pp_group)
+    grads = {n: p.grad.detach().clone() for m in models for n, p in m.named_parameters() if p.grad is not None}
+    return seq, grads
+
+
+def check_packing(model_dir, groups, results, spec):
+    """Packed vs padded: the same per-sequence log-probs and gradients; a packed neighbour changes nothing else."""
+    cfg = AutoConfig.from_pretrained(model_dir)
+    models = build_gpt_model(cfg, groups, spec=spec)
+    load_hf_weights(models, str(model_dir), groups, cfg)
+    padded, packed = _packing_batches(cfg.vocab_size)
+    coeffs = torch.linspace(-1.0, 1.5, len(PACKED_LENS), dtype=torch.float64)
+    seq_pad, grad_pad = _packing_pass(models, groups, padded, coeffs)
+    seq_pack, grad_pack = _packing_pass(models, groups, packed, coeffs)
+    results[f"packing_{spec}/seq_logp"] = (seq_pack - seq_pad).abs().max().item()
+    assert set(grad_pad) == set(grad_pack)
+    grad_diff = max((grad_pack[n] - grad_pad[n]).abs().max().item() for n in grad_pad)
+    grad_scale = max(g.abs().max().item() for g in grad_pad.values())
+    worst = torch.tensor([grad_diff, grad_scale])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # each pipeline stage holds its own layers' gradients
+    results[f"packing_{spec}/grad"], results[f"packing_{spec}/grad_scale"] = worst.tolist()
+    # Change sequence 0's tokens (the first neighbour of its packed row): sequences 1 and 2 must not move at all.
+    changed = packed[0].tokens.clone()
+    changed[0, 1 : PACKED_LENS[0][0]] = (changed[0, 1 : PACKED_LENS[0][0]] + 7) % cfg.vocab_size
+    first = MicroBatch(changed, packed[0].score_mask, packed[0].index, seqlens=packed[0].seqlens)
+    seq_changed, _ = _packing_pass(models, groups, [first, packed[1]], coeffs)
+    results[f"packing_{spec}/neighbour_moved_self"] = (seq_changed[0] - seq_pack[0]).abs().item()
+    results[f"packing_{spec}/neighbour_moved_others"] = (seq_changed[1:] - seq_pack[1:]).abs().max().item()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, required=True)
@@ -121,6 +194,8 @@ def main():
             save_model_checkpoint(models, args.workdir / "ckpt_tp2", {"hf_config": cfg.to_dict()})
     check_model("qwen2_untied", args.workdir / "models" / "qwen2_untied", groups, tokens, results, spec="sdpa")
     check_vocab_logprobs(groups, results)
+    for spec in ("local", "sdpa"):
+        check_packing(args.workdir / "models" / "qwen2_untied", groups, results, spec)
     ckpt = args.workdir / "ckpt_tp2"
     if args.tp == 1 and args.pp == 1 and ckpt.is_dir():
         cfg = AutoConfig.from_pretrained(args.workdir / "models" / "qwen2_tied")

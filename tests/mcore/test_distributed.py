@@ -2,7 +2,8 @@
 
 HF vs Megatron logits and sequence log-probs at TP=1, TP=2, PP=2, TP=2 x PP=2 and interleaved PP=2 x VPP=2, for
 Qwen2 (tied and untied), Llama-3 (rope scaling) and Qwen3 (qk-norm); the SDPA attention spec; bitwise weight
-export; vocab-parallel log-probs and their gradient; a TP=2 checkpoint loaded at TP=1.
+export; vocab-parallel log-probs and their gradient; packed vs padded micro-batches (log-probs, gradients,
+independence of packed neighbours) on the local and SDPA specs; a TP=2 checkpoint loaded at TP=1.
 
 Each layout is one torchrun launch running every check (start-up dominates); see dist_checks.py.
 """
@@ -81,6 +82,19 @@ def test_vocab_parallel_logprobs_and_gradients(results, layout):
     assert r["vocab_logprobs/value"] < 1e-12
     assert r["vocab_logprobs/entropy"] < 1e-12
     assert r["vocab_logprobs/grad"] < 1e-12
+
+
+@pytest.mark.parametrize("spec", ["local", "sdpa"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_packed_and_padded_micro_batches_agree(results, layout, spec):
+    """The same per-sequence log-probs (fp32 CPU <= 1e-5) and gradients whether sequences are padded rows or one
+    packed row (thd: RoPE restarts, attention confined), at every layout; and changing one packed neighbour's
+    tokens leaves the other sequences' log-probs exactly unchanged."""
+    r = {k.split("/", 1)[1]: v for k, v in results[layout].items() if k.startswith(f"packing_{spec}/")}
+    assert r["seq_logp"] <= 1e-5
+    assert r["grad"] <= 1e-5 * max(1.0, r["grad_scale"])
+    assert r["neighbour_moved_self"] > 1e-3  # the change is real
+    assert r["neighbour_moved_others"] == 0.0
 
 
 def test_checkpoint_saved_at_tp2_loads_at_tp1(results):

@@ -95,7 +95,8 @@ def _export(env, models):
     from megatron_pacs.mcore.weights import export_hf_weights
 
     with torch.no_grad():  # the export's collectives must not enter the parameters' autograd history
-        return {k: v.clone() for k, v in export_hf_weights(models, env["groups"], env["cfg"])}
+        # On the host: the references (HF, torch AdamW) run on the CPU whatever device the model is on.
+        return {k: v.detach().cpu().clone() for k, v in export_hf_weights(models, env["groups"], env["cfg"])}
 
 
 def _reference(env, steps, lrs, clip):
@@ -172,6 +173,31 @@ def test_non_finite_gradient_skips_the_step_everywhere(env):
     fresh = _step(env, fresh_trainable, micro_batch_size=3)
     assert not again.skipped and again.lr == pytest.approx(LR / 3)
     assert again.grad_norm == pytest.approx(fresh.grad_norm, rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's fused AdamW kernel)")
+def test_gpu_torch_adamw_fallback_runs_fused_and_matches_the_foreach_update(env):
+    """On CUDA without TE/Apex, megatron-core's torch AdamW runs with ``fused=True``; two steps equal the foreach
+    optimizer's to fp32 rounding."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    from megatron_pacs.mcore.optim import _inner_optimizers
+
+    models, trainable = _trainable(env)
+    inner = [getattr(o, "optimizer", None) for o in _inner_optimizers(trainable.optimizer)]
+    if megatron_optimizer.USING_PYTORCH_OPTIMIZER:
+        assert all(g["fused"] for o in inner if o is not None for g in o.param_groups)
+    for _ in range(2):
+        _step(env, trainable, micro_batch_size=2)
+    ref_models, ref_trainable = _trainable(env)
+    for o in _inner_optimizers(ref_trainable.optimizer):
+        for g in o.optimizer.param_groups:
+            g.update(fused=False, foreach=True)
+    for _ in range(2):
+        _step(env, ref_trainable, micro_batch_size=2)
+    ours, ref = _export(env, models), _export(env, ref_models)
+    assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < 1e-6
 
 
 def test_refusals_and_config_validation(env):
