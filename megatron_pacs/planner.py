@@ -172,6 +172,7 @@ class RunPlan:
     micro_batches_per_minibatch: int
     """Per DP rank; with a token budget the worst case (every sequence at full length)."""
     token_budget: bool
+    sequence_packing: bool
     max_sequence_length: int
     tokens_per_micro_batch: int
     max_tokens_per_step: int
@@ -190,6 +191,7 @@ class RunPlan:
         s, m = self.shape, self.memory
         vpp = self.vpp if self.vpp is not None else "-"
         mb_note = " (worst case: every sequence at full length)" if self.token_budget else ""
+        layout = "packed rows" if self.sequence_packing else "padded rows"
         lines = [
             f"model: {s.model_type or '?'} {s.num_params() / 1e9:.2f}B params, {s.num_hidden_layers} layers, "
             f"hidden {s.hidden_size}, heads {s.num_attention_heads}/{s.num_key_value_heads} kv, vocab {s.vocab_size}",
@@ -211,7 +213,7 @@ class RunPlan:
             f"({self.responses_per_dp_rank_per_minibatch} responses)",
             f"  micro-batches per mini-batch    {self.micro_batches_per_minibatch}{mb_note}",
             f"  tokens per micro-batch          {self.tokens_per_micro_batch} "
-            f"(max sequence {self.max_sequence_length})",
+            f"(max sequence {self.max_sequence_length}; {layout})",
             f"  tokens per step (max)           {self.max_tokens_per_step}",
             "",
             f"== memory per GPU, GiB (most loaded stage: {m.stage}; {m.params_per_gpu / 1e9:.2f}B params) ==",
@@ -335,13 +337,16 @@ def plan_run(shape: ModelShape, cfg: TrainConfig, *, world_size: int, gpu_memory
         "use a divisor",
     )
 
-    budget, seq_len = b.max_tokens_per_microbatch, b.max_prompt_length + b.max_response_length
+    seq_len = b.max_prompt_length + b.max_response_length
+    budget = b.packing_budget if b.sequence_packing else b.max_tokens_per_microbatch
     prompts_per_rank = b.ppo_mini_batch_size // dp
     responses_per_rank = prompts_per_rank * b.group_size
     if budget is None:
         num_mb, tokens_mb = math.ceil(responses_per_rank / b.micro_batch_size), b.micro_batch_size * seq_len
     else:  # any greedy packer fits >= floor(budget / seq_len) sequences in every micro-batch but the last
         num_mb, tokens_mb = math.ceil(responses_per_rank / (budget // seq_len)), budget
+    if vpp is not None and b.sequence_packing:  # packing rounds the count up to a multiple of PP when interleaved
+        num_mb = math.ceil(num_mb / pp) * pp
     _require(
         vpp is None or budget is not None or num_mb >= pp,
         "--micro-batch-size",
@@ -369,6 +374,7 @@ def plan_run(shape: ModelShape, cfg: TrainConfig, *, world_size: int, gpu_memory
         responses_per_dp_rank_per_minibatch=responses_per_rank,
         micro_batches_per_minibatch=num_mb,
         token_budget=budget is not None,
+        sequence_packing=b.sequence_packing,
         max_sequence_length=seq_len,
         tokens_per_micro_batch=tokens_mb,
         max_tokens_per_step=b.global_batch_size * b.group_size * seq_len,

@@ -128,6 +128,8 @@ class StepLayout:
     ) -> None:
         self.batch, self.cfg, self.whole_groups, self.align = batch, cfg, whole_groups, align
         self.dp_rank, self.dp_size, self.pipeline = groups.dp_rank, groups.dp_size, groups.pp_size > 1
+        # Megatron's interleaved schedule runs micro-batches in groups of PP: their number must be a multiple.
+        self.multiple = groups.pp_size if groups.config.virtual_pipeline_model_parallel_size else 1
         self.lengths = [len(s) for s in batch.sequences]
         n, per_mini, dp = batch.group_size, cfg.ppo_mini_batch_size, groups.dp_size
         if cfg.sequence_packing:
@@ -180,7 +182,7 @@ class StepLayout:
             rows = self.rows(minis, r)
             rank_units.append([rows[k : k + unit] for k in range(0, len(rows), unit)])
         budget = _round_up(self.cfg.packing_budget, self.align)
-        bins = pack_micro_batches(rank_units, self.lengths, budget)[self.dp_rank]
+        bins = pack_micro_batches(rank_units, self.lengths, budget, multiple=self.multiple)[self.dp_rank]
         out = []
         for b in bins:
             used = sum(self.lengths[i] for i in b)

@@ -211,7 +211,10 @@ def test_memory_over_budget_warns_instead_of_raising(qwen7b):
         (dict(tp=2, pp=2, vpp=4), "--virtual-pipeline-model-parallel-size"),  # 28 % 8
         (dict(ppo_mini_batch_size=16, global_batch_size=1024), "--ppo-mini-batch-size"),  # DP 32 (TrainConfig.validate)
         (dict(rollout_tp=3), "--rollout-tensor-parallel-size"),
-        (dict(tp=2, pp=4, vpp=7, max_tokens_per_microbatch=None, micro_batch_size=256), "--micro-batch-size"),
+        (
+            dict(tp=2, pp=4, vpp=7, max_tokens_per_microbatch=None, micro_batch_size=256, sequence_packing=False),
+            "--micro-batch-size",
+        ),
     ],
 )
 def test_invalid_configurations_name_their_flag(qwen7b, overrides, option):

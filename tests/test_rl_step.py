@@ -25,9 +25,10 @@ def _batch(num_prompts: int, group_size: int, seed: int = 0) -> RolloutBatch:
     return RolloutBatch(seqs, torch.tensor(plens), torch.tensor(rlens), torch.zeros(len(seqs)), group_size)
 
 
-def _groups(dp_rank: int = 0, dp_size: int = 1, pp_size: int = 1) -> SimpleNamespace:
-    """The three facts StepLayout reads from ParallelGroups (no process group is needed to plan a layout)."""
-    return SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size, pp_size=pp_size)
+def _groups(dp_rank: int = 0, dp_size: int = 1, pp_size: int = 1, vpp: int | None = None) -> SimpleNamespace:
+    """The facts StepLayout reads from ParallelGroups (no process group is needed to plan a layout)."""
+    config = SimpleNamespace(virtual_pipeline_model_parallel_size=vpp)
+    return SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size, pp_size=pp_size, config=config)
 
 
 def test_padded_layout_is_todays_contiguous_cut():
@@ -73,6 +74,14 @@ def test_packed_layout_covers_each_response_once_with_equal_micro_batch_counts(p
         totals = [sum(len(batch.sequences[i]) for i in layouts[r].rows([m])) for r in range(4)]
         group_tokens = [sum(len(batch.sequences[i]) for i in range(g * 4, g * 4 + 4)) for g in range(16)]
         assert max(totals) - min(totals) <= max(group_tokens)
+
+
+def test_interleaved_pipelining_gets_a_multiple_of_pp_micro_batches():
+    batch = _batch(4, 2)
+    cfg = BatchConfig(global_batch_size=4, group_size=2, ppo_mini_batch_size=4, max_tokens_per_microbatch=100_000)
+    plain = StepLayout(batch, cfg, _groups(pp_size=4), whole_groups=False).micro_batches([0])  # type: ignore[arg-type]
+    interleaved = StepLayout(batch, cfg, _groups(pp_size=4, vpp=2), whole_groups=False)  # type: ignore[arg-type]
+    assert len(plain) == 1 and len(interleaved.micro_batches([0])) == 4
 
 
 def test_alignment_rounds_every_micro_batch_up():

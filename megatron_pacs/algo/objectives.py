@@ -131,6 +131,23 @@ def _count(tokens: TokenLogprobs) -> torch.Tensor:
     return torch.tensor(tokens.num_sequences, dtype=torch.int)
 
 
+class _StepTensors:
+    """A step's ``[S]`` tensors, copied to the device of the micro-batch losses once.
+
+    Micro-batch losses index them with the micro-batch's device-side response indices; copying per micro-batch (or
+    bringing the indices to the host) would be a host sync per micro-batch.
+    """
+
+    def __init__(self, **tensors: torch.Tensor | None) -> None:
+        self._host = {k: v for k, v in tensors.items() if v is not None}
+        self._device: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+    def on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if device not in self._device:
+            self._device[device] = {k: v.to(device) for k, v in self._host.items()}
+        return self._device[device]
+
+
 class _Pacs(Objective):
     """PACS (docs/algorithm.md §2): s = beta * (l - l_old) or beta * l / L, group logits, weighted BCE on R."""
 
@@ -140,6 +157,13 @@ class _Pacs(Objective):
         self.beta, self.score = cfg.pacs_beta, cfg.pacs_score
         self.advantage, self.weights = cfg.pacs_advantage, cfg.pacs_weights
         self.old_logprobs = "sequence" if cfg.pacs_score == "log_ratio" else None
+
+    def _scores(self, seq: torch.Tensor, t: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+        """``compute_scores`` on a micro-batch, without its input checks (done on the step's tensors in ``prepare``,
+        where they cost no device sync)."""
+        if self.score == "log_ratio":
+            return self.beta * (seq - t["anchor"][idx])
+        return self.beta * seq / t["lens"][idx].to(seq.dtype)
 
 
 class PacsTwoPhase(_Pacs):
@@ -181,12 +205,13 @@ class PacsTwoPhase(_Pacs):
         return Prepared(self._loss(anchor, coeffs, mb.response_lens), self._phase1_metrics(scores, mb, idx))
 
     def _loss(self, anchor: torch.Tensor | None, coeffs: torch.Tensor, lens: torch.Tensor) -> MicroBatchLoss:
+        step = _StepTensors(anchor=anchor, coeffs=coeffs, lens=lens)
+
         def loss(tokens: TokenLogprobs):
             seq = tokens.sequence_sums()
-            idx = tokens.index.cpu()
-            old = None if anchor is None else anchor[idx].to(seq.device)
-            s = compute_scores(seq, old, beta=self.beta, score=self.score, response_lens=lens[idx])
-            return pacs_surrogate(s, coeffs[idx].to(s.device)).float(), _count(tokens), {}
+            t = step.on(seq.device)
+            surrogate = pacs_surrogate(self._scores(seq, t, tokens.index), t["coeffs"][tokens.index])
+            return surrogate.float(), _count(tokens), {}
 
         return loss
 
@@ -208,23 +233,23 @@ class PacsDirect(_Pacs):
 
     def prepare(self, mb: MiniBatch) -> Prepared:
         anchor = None if mb.old is None else mb.old.seq
-        rewards, lens, n = mb.rewards, mb.response_lens, mb.group_size
+        step = _StepTensors(anchor=anchor, rewards=mb.rewards, lens=mb.response_lens)
 
         def loss(tokens: TokenLogprobs):
             seq = tokens.sequence_sums()
-            idx = tokens.index.cpu()
+            t, idx = step.on(seq.device), tokens.index
             # No old log-probs means the parameters have not moved since the rollout: l_old = l, exactly.
-            old = seq.detach() if anchor is None else anchor[idx].to(seq.device)
+            old = seq.detach() if anchor is None else t["anchor"][idx]
             out = pacs_loss(
                 seq,
                 old,
-                rewards[idx].to(seq.device),
-                group_size=n,
+                t["rewards"][idx],
+                group_size=mb.group_size,
                 beta=self.beta,
                 score=self.score,
                 advantage=self.advantage,
                 weights=self.weights,
-                response_lens=lens[idx],
+                response_lens=t["lens"][idx],
             )
             return out.loss_sum.float(), _count(tokens), out.metrics
 
@@ -241,24 +266,23 @@ class GrpoObjective(Objective):
         self.clip_ratio, self.max_response_length = cfg.clip_ratio, max_response_length
 
     def prepare(self, mb: MiniBatch) -> Prepared:
-        advantages = grpo_advantages(mb.rewards, group_size=mb.group_size)
         old_tokens = None if mb.old is None else mb.old.tokens
-        rewards = mb.rewards
+        step = _StepTensors(advantages=grpo_advantages(mb.rewards, group_size=mb.group_size), rewards=mb.rewards)
 
         def loss(tokens: TokenLogprobs):
-            idx = tokens.index.cpu()
+            t, idx = step.on(tokens.logp.device), tokens.index
             # No old log-probs means the parameters have not moved since the rollout: the ratio is 1, exactly.
             old = tokens.logp.detach() if old_tokens is None else old_tokens.gather(tokens)
             out = grpo_token_loss(
                 tokens.logp,
                 old,
-                tokens.per_token(advantages),
+                t["advantages"][idx][tokens.seq],
                 num_responses=tokens.num_sequences,
                 max_response_len=self.max_response_length,
                 clip_ratio=self.clip_ratio,
-                rewards=rewards[idx],
+                rewards=t["rewards"][idx],
             )
-            out.metrics.update(stat_entries("grpo/advantage", advantages[idx].to(tokens.logp.device)))
+            out.metrics.update(stat_entries("grpo/advantage", t["advantages"][idx]))
             return out.loss_sum, _count(tokens), out.metrics
 
         return Prepared(loss)

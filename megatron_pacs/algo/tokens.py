@@ -46,10 +46,6 @@ class TokenLogprobs:
         v = self.logp if values is None else values
         return torch.segment_reduce(v.double(), "sum", lengths=self.lengths, unsafe=True)
 
-    def per_token(self, per_response: torch.Tensor) -> torch.Tensor:
-        """``[N]``: a step-level ``[S]`` value broadcast to each scored token of its response."""
-        return per_response.to(self.logp.device)[self.index.to(self.logp.device)][self.seq]
-
 
 @dataclass
 class TokenStore:

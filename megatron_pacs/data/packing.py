@@ -70,7 +70,7 @@ def lpt_bins(sizes: Sequence[int], capacity: int, num_bins: int) -> list[list[in
 
 
 def pack_micro_batches(
-    rank_units: Sequence[Sequence[Sequence[int]]], lengths: Sequence[int], capacity: int
+    rank_units: Sequence[Sequence[Sequence[int]]], lengths: Sequence[int], capacity: int, *, multiple: int = 1
 ) -> list[list[list[int]]]:
     """Pack every rank's units into the same number of micro-batches of at most ``capacity`` tokens.
 
@@ -79,6 +79,8 @@ def pack_micro_batches(
             whole group).
         lengths: Sequence length (prompt + response) of every response index.
         capacity: Token budget of a micro-batch.
+        multiple: The number of micro-batches is a multiple of this (PP under interleaved pipelining, whose
+            schedule runs micro-batches in groups of PP).
 
     Returns:
         For each rank, K micro-batches, each a list of response indices in increasing order (possibly empty).
@@ -95,13 +97,14 @@ def pack_micro_batches(
         )
     most_units = max((len(rank) for rank in sizes), default=0)
     num_bins = max(1, max((math.ceil(sum(rank) / capacity) for rank in sizes), default=1))
+    num_bins = math.ceil(num_bins / multiple) * multiple
     while True:
         # LPT fills K bins whenever each unit fits alone, so this ends by K = most_units at the latest.
         packed = [lpt_bins(rank, capacity, num_bins) for rank in sizes]
         if all(p is not None for p in packed):
             break
-        num_bins += 1
-        assert num_bins <= max(most_units, 1), "one unit per bin always fits"
+        num_bins += multiple
+        assert num_bins <= max(most_units, 1) + multiple, "one unit per bin always fits"
     out = []
     for units, bins in zip(rank_units, packed, strict=True):
         assert bins is not None

@@ -121,7 +121,10 @@ class MicroBatch:
             seq_of_row = torch.cumsum(real.long(), 0) - 1
             seq = seq_of_row[rows]
             seq_index = index[real]
-            seq_tokens = torch.full((len(seq_index),), length + 1, dtype=torch.long)
+            # a padded row's sequence ends with its response: its length is the last scored position + 1
+            cols_all = torch.arange(length)[None].expand_as(mask)
+            last = torch.where(mask, cols_all, -1).amax(1) + 2
+            seq_tokens = torch.where(last > 1, last, length + 1)[real]
         else:
             bounds = torch.tensor([0, *torch.tensor(self.seqlens).cumsum(0).tolist()], dtype=torch.long)
             # token at position c + 1 belongs to the sequence whose [start, end) holds it

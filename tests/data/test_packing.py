@@ -113,3 +113,8 @@ def test_pack_rows_lays_sequences_end_to_end_with_response_masks_and_a_padded_ta
     assert tokens.shape == (1, 1) and not mask.any() and index.numel() == 0 and seqlens == ()
     with pytest.raises(ValueError, match="do not fit a packed row of 4"):
         pack_rows(batch, [0, 1], length=4)
+
+
+def test_the_micro_batch_count_can_be_forced_to_a_multiple():
+    packed = pack_micro_batches([[[0], [1], [2]]], [10, 10, 10], capacity=100, multiple=4)
+    assert len(packed[0]) == 4 and sorted(i for b in packed[0] for i in b) == [0, 1, 2]

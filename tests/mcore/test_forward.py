@@ -24,7 +24,7 @@ def test_padded_rows_flatten_sequence_after_sequence_and_skip_padding_rows():
     assert scored.index.tolist() == [7, 4] and scored.lengths.tolist() == [2, 4]
     assert scored.sequence_sums().tolist() == [3.0, 806.0]
     assert mb.sequence_index.tolist() == [7, 4] and not mb.packed
-    assert mb.num_padding == 18 - 2 * 6  # the padding row and nothing else (rows count as whole sequences)
+    assert mb.num_padding == 18 - 4 - 5  # the padding row and the two rows' tails (sequences of 4 and 5 tokens)
 
 
 def test_packed_rows_flatten_by_sequence_boundaries_and_restart_positions():
