@@ -8,6 +8,8 @@ tail clipped at 8,192 (the length mix of long-CoT RLVR). Variants, each in a fre
   padded only: its SDPA path cannot confine attention to the sequences of a packed row).
 - ``fwd_bwd``: our Megatron model, forward + backward through Megatron's schedule (no optimizer).
 - ``train``: our full step, ``train_on_batch`` with the PACS objective (forward, backward, optimizer step).
+- ``host`` (GPU): the host's share of one forward-only pass: time to enqueue it (Python: Megatron's layers, our
+  attention and log-prob code) against the device time (CUDA events), per layer. Host-bound when enqueue >= device.
 
 each ``padded`` (``--no-sequence-packing``: ``--micro-batch-size`` rows cut in order, padded to their longest row)
 or ``packed`` (the default: one row per micro-batch, bin-packed into ``--micro-batch-size`` x ``--seq-length``
@@ -164,6 +166,11 @@ def worker(args: argparse.Namespace) -> dict:
     processed = sum(mb.tokens.numel() for mb in mbs)
     if args.variant == "hf":
         step = _hf_step(model_dir, mbs, gpu)
+    elif args.variant == "host":
+        from megatron_pacs.mcore.actor import Actor
+
+        actor = Actor(ModelConfig(hf_model=str(model_dir), bf16=gpu, transformer_impl=args.impl), groups, None)
+        return {"variant": "host", "layout": args.layout, **_host_overhead(actor, mbs, shape, args)}
     else:
         from megatron_pacs.mcore.actor import Actor
 
@@ -219,6 +226,38 @@ def _fwd_bwd_step(actor, mbs):
     return step
 
 
+def _host_overhead(actor, mbs, shape: dict, args: argparse.Namespace) -> dict:
+    """Median host enqueue time and device time of a forward-only pass over the first micro-batch (ms)."""
+    import torch
+
+    from megatron_pacs.mcore.forward import run_schedule
+
+    def loss_fn(logits, mb):
+        return logits.sum() * 0, torch.tensor(1, dtype=torch.int), {}
+
+    host, device = [], []
+    for i in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_event.record()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            run_schedule(actor.chunks, mbs[:1], loss_fn, forward_only=True)
+        enqueue = time.perf_counter() - t0
+        end_event.record()
+        end_event.synchronize()
+        if i >= args.warmup:
+            host.append(enqueue * 1e3)
+            device.append(start_event.elapsed_time(end_event))
+    layers = shape["num_hidden_layers"]
+    return {
+        "host_ms": statistics.median(host),
+        "device_ms": statistics.median(device),
+        "host_ms_per_layer": statistics.median(host) / layers,
+        "tokens": int(mbs[0].tokens.numel()),
+    }
+
+
 def _hf_step(model_dir: Path, mbs, gpu: bool):
     """HF transformers forward + backward over the same micro-batches, with its own causal-LM loss."""
     import torch
@@ -260,6 +299,8 @@ def run_variant(args: argparse.Namespace, variant: str, layout: str) -> dict:
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    host = [r for r in rows if r["variant"] == "host" and "error" not in r]
+    rows = [r for r in rows if r["variant"] != "host" or "error" in r]
     base = {(r["variant"]): r for r in rows if r.get("layout") == "padded" and "error" not in r}
     hf = next((r for r in rows if r["variant"] == "hf" and "error" not in r), None)
     print(f"train step, {args.shape} shape, {args.prompts} prompts x {args.group_size} responses, length mix / "
@@ -283,6 +324,14 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         )
     dev = next((r.get("device") for r in rows if r.get("device")), "CPU")
     print(f"device: {dev}; baselines: 'vs padded' = the same variant padded, 'MFU vs hf' = HF fwd+bwd (first row)")
+    if host:
+        print("\nhost overhead of one forward-only micro-batch (enqueue vs device time)")
+        print("| layout | tokens | host ms | device ms | host ms / layer | host-bound |")
+        print("|---|---|---|---|---|---|")
+        for r in host:
+            bound = "yes" if r["host_ms"] >= r["device_ms"] else "no"
+            print(f"| {r['layout']} | {r['tokens']} | {r['host_ms']:.1f} | {r['device_ms']:.1f} | "
+                  f"{r['host_ms_per_layer']:.2f} | {bound} |")  # fmt: skip
 
 
 def main() -> None:
@@ -299,7 +348,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None, help="packed budget (default: rows x max sequence)")
     ap.add_argument("--impl", default="auto", help="layer spec: auto, te, sdpa or local")
     ap.add_argument("--fp8", default=None, help="FP8 recipe for our variants (delayed, tensorwise, blockwise)")
-    ap.add_argument("--variants", nargs="+", default=["hf", "fwd_bwd", "train"] if gpu else ["fwd_bwd", "train"])
+    ap.add_argument(
+        "--variants", nargs="+", default=["hf", "fwd_bwd", "train", "host"] if gpu else ["fwd_bwd", "train"]
+    )
     ap.add_argument("--layouts", nargs="+", default=["padded", "packed"])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)

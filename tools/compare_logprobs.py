@@ -87,9 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = AutoConfig.from_pretrained(args.hf_dir)
     models = build_gpt_model(cfg, groups, dtype=DTYPES[args.dtype])
     load_hf_weights(models, args.hf_dir, groups, cfg)
-    ours = token_logprobs(models, groups, tokens, micro_batch_size=args.micro_batch_size)
+    ours = token_logprobs(models, groups, tokens, micro_batch_size=args.micro_batch_size).cpu()
+    del models  # the HF reference goes where the Megatron model was (this rank's GPU on a GPU machine)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=DTYPES[args.dtype]).eval()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=DTYPES[args.dtype]).to(device).eval()
         with torch.no_grad():
             logits = hf(input_ids=tokens.to(hf.device)).logits.float()
         ref = torch.log_softmax(logits, -1)[:, :-1].gather(-1, tokens[:, 1:, None].to(logits.device)).squeeze(-1)

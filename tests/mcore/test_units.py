@@ -73,3 +73,31 @@ def test_vocab_logprobs_single_rank_matches_log_softmax_and_never_upcasts_whole_
     assert logits.grad.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="must match the leading dims"):
         vocab_parallel_logprobs(logits, labels[:, :3])
+
+
+def test_fusions_stay_off_on_cpu_and_explicit_requests_are_refused():
+    from megatron_pacs.mcore.model import Fusions, resolve_fusions
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    assert resolve_fusions("local") == Fusions()  # the exact, unfused arithmetic
+    with pytest.raises(ValueError, match="--bias-swiglu-fusion: needs CUDA"):
+        resolve_fusions("local", bias_swiglu=True)
+    with pytest.raises(ValueError, match="--rope-fusion: needs CUDA and the TE spec"):
+        resolve_fusions("sdpa", rope=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fused rms_norm path)")
+def test_gpu_rms_norm_fused_path_has_hf_numerics():
+    from types import SimpleNamespace
+
+    from megatron_pacs.mcore.model import HFRMSNorm
+
+    norm = HFRMSNorm(SimpleNamespace(params_dtype=torch.bfloat16, sequence_parallel=False), 512).cuda()  # type: ignore[arg-type]
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16) * 3
+    ref = x.float()
+    ref = norm.weight * (ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + norm.eps)).to(torch.bfloat16)
+    torch.testing.assert_close(norm(x), ref, atol=1e-2, rtol=1e-2)
