@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_pacs.algo.metrics import reduce_metrics
-from megatron_pacs.algo.objectives import MiniBatch, Objective
+from megatron_pacs.algo.objectives import MicroBatchLoss, MiniBatch, Objective
+from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, TrainConfig
 from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_rows, pack_rows, pad_rows
 from megatron_pacs.data.packing import balanced_group_shares, pack_micro_batches
@@ -26,6 +27,7 @@ from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.forward import MicroBatch
 from megatron_pacs.mcore.optim import StepResult
 from megatron_pacs.mcore.parallel import ParallelGroups
+from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.utils.metrics import PhaseTimer
 
 __all__ = ["StepLayout", "StepRollouts", "collect_rollouts", "train_on_batch"]
@@ -57,7 +59,7 @@ def collect_rollouts(
         max_tokens=b.max_response_length,
         seed=cfg.run.seed * 1_000_003 + step * 7919,
         stop_token_ids=eos,
-        logprobs=False,
+        logprobs=True,  # the sampled tokens' log-probs at temperature 1: the train/rollout consistency check
     )
     with timer.phase("generate"):
         groups = fleet.generate(prompts, sampling)
@@ -66,9 +68,11 @@ def collect_rollouts(
         truths = [row.ground_truth for row in rows for _ in range(b.group_size)]
         scored = scorer.score(texts, truths)
     sequences, prompt_lens, response_lens, records, clipped = [], [], [], [], 0
+    engine_logprobs: list[float] = []
     for row, prompt, g in zip(rows, prompts, groups, strict=True):
         for resp in g.responses:
             ids = list(resp.token_ids) or eos[:1] or [0]  # an empty response still needs one scored token
+            engine_logprobs += resp.logprobs if len(resp.logprobs) == len(ids) else [float("nan")] * len(ids)
             sequences.append(prompt + ids)
             prompt_lens.append(len(prompt))
             response_lens.append(len(ids))
@@ -87,7 +91,14 @@ def collect_rollouts(
         rec["score"] = score
     rewards = torch.tensor(scored.scores, dtype=torch.float32)
     lens = torch.tensor(response_lens, dtype=torch.float32)
-    batch = RolloutBatch(sequences, torch.tensor(prompt_lens), torch.tensor(response_lens), rewards, b.group_size)
+    batch = RolloutBatch(
+        sequences,
+        torch.tensor(prompt_lens),
+        torch.tensor(response_lens),
+        rewards,
+        b.group_size,
+        engine_logprobs=torch.tensor(engine_logprobs, dtype=torch.float32),
+    )
     metrics = {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/response_len_mean": float(lens.mean()),
@@ -201,20 +212,35 @@ def train_on_batch(
     timer: PhaseTimer,
     *,
     temperature: float,
+    reference: ReferencePolicy | None = None,
 ) -> dict[str, float]:
     """All optimizer steps of one training step on this rank's share of ``batch`` (collective).
 
-    Old log-probs are computed only where the parameters may have moved since the rollout (docs/algorithm.md §5);
-    then per mini-batch: the phase-1 forward if the objective asks for it, ``prepare``, one optimizer step.
+    The reference's log-probs (when the objective needs them) come once, over every response, in the same
+    micro-batches. Old log-probs are computed only where the parameters may have moved since the rollout
+    (docs/algorithm.md §5); then per mini-batch: the phase-1 forward if the objective asks for it, ``prepare``,
+    one optimizer step. The first mini-batch's training forward runs at the rollout weights exactly, so it also
+    measures train/rollout consistency against the engines' log-probs (§7.1).
 
     Returns:
         Metrics reduced over every rank (identical on all ranks): loss and objective metrics, grad norm, skips,
-        padding fraction and training throughput.
+        padding fraction, training throughput, consistency.
     """
     started = time.perf_counter()
     layout = StepLayout(batch, cfg, groups, whole_groups=objective.whole_groups, align=actor.token_alignment)
     logprobs = partial(actor.logprobs, response_lens=batch.response_lens, temperature=temperature)
     minis = list(range(layout.num_mini_batches))
+    ref = None
+    if objective.ref_logprobs:
+        if reference is None:
+            raise ValueError("this objective needs the reference policy's log-probs; pass the ReferencePolicy")
+        with timer.phase("ref_logprobs"):
+            ref = reference.logprobs(
+                layout.micro_batches(minis),
+                batch.response_lens,
+                temperature=temperature,
+                tokens=objective.ref_logprobs == "token",
+            )
     old = None
     if objective.old_logprobs and (len(minis) > 1 or cfg.ppo_epochs > 1):
         with timer.phase("old_logprobs"):
@@ -240,22 +266,64 @@ def train_on_batch(
                     fresh=fresh,
                     old=None if fresh else old,
                     current=current,
+                    ref=ref,
                 )
             )
+            check = fresh and batch.engine_logprobs is not None
+            loss = _with_consistency(prepared.loss, batch) if check else prepared.loss
             with timer.phase("train"):
-                result = actor.train(mbs, prepared.loss, temperature=temperature)
+                result = actor.train(mbs, loss, temperature=temperature, raw_logprobs=check)
             parts.extend(r for r in (prepared.metrics, *result.reports) if r)
             results.append(result)
             padding += sum(mb.num_padding for mb in mbs)
             processed += sum(mb.tokens.numel() for mb in mbs)
     parts.append({"train/padding_fraction": torch.tensor([float(padding), float(processed)])})
-    metrics = _step_metrics(parts, results, objective.loss_key)
+    metrics = _step_metrics(parts, results, objective.loss_keys)
     real_tokens = sum(layout.lengths) * cfg.ppo_epochs
     metrics["train/tokens_per_second"] = real_tokens / (time.perf_counter() - started)
     return metrics
 
 
-def _step_metrics(parts: list[dict[str, torch.Tensor]], results: list[StepResult], loss_key: str) -> dict[str, float]:
+def _with_consistency(loss: MicroBatchLoss, batch: RolloutBatch) -> MicroBatchLoss:
+    """``loss`` that also reports the engines' vs the trainer's log-probs of the same tokens under the same weights
+    (docs/algorithm.md §7.1): per-token |difference| mean and max, the response sums' largest |difference| (what a
+    PACS score sees), and the k3 estimate of KL(engine || trainer)."""
+    assert batch.engine_logprobs is not None
+    offsets = torch.zeros(batch.num_responses + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(batch.response_lens.long(), 0)
+    stores: dict[torch.device, TokenStore] = {}
+
+    def wrapped(tokens: TokenLogprobs):
+        loss_sum, count, report = loss(tokens)
+        device = tokens.logp.device
+        if device not in stores:
+            assert batch.engine_logprobs is not None
+            stores[device] = TokenStore(batch.engine_logprobs.to(device), offsets.to(device))
+        engine = stores[device].gather(tokens)
+        trainer = tokens.raw if tokens.raw is not None else tokens.logp.detach()
+        seen = torch.isfinite(engine)
+        delta = torch.where(seen, trainer.float() - engine, 0.0)
+        n = seen.sum().float()
+        seq_delta = tokens.sequence_sums(delta).abs()
+        zero = delta.new_zeros(())
+        report = {
+            **report,
+            "consistency/logprob_abs_diff_mean": torch.stack([delta.abs().sum(), n]),
+            "consistency/logprob_abs_diff_max": torch.stack([delta.abs().max() if delta.numel() else zero, n]),
+            "consistency/seq_logprob_abs_diff_max": torch.stack(
+                [seq_delta.max().float() if seq_delta.numel() else zero, n]
+            ),
+            # samples come from the engine: k3 of KL(engine || trainer), r = log p_trainer - log p_engine
+            "consistency/k3": torch.stack([torch.where(seen, torch.expm1(delta) - delta, 0.0).sum(), n]),
+        }
+        return loss_sum, count, report
+
+    return wrapped
+
+
+def _step_metrics(
+    parts: list[dict[str, torch.Tensor]], results: list[StepResult], loss_keys: tuple[str, ...]
+) -> dict[str, float]:
     metrics = _reduce_over_ranks(parts)
     skipped = sum(r.skipped for r in results)
     grad_norms = [r.grad_norm for r in results if not r.skipped]
@@ -263,8 +331,8 @@ def _step_metrics(parts: list[dict[str, torch.Tensor]], results: list[StepResult
     metrics["train/skipped_steps"] = float(skipped)
     if grad_norms:
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    if loss_key in metrics:
-        metrics["train/loss"] = metrics[loss_key]
+    if loss_keys[0] in metrics:
+        metrics["train/loss"] = sum(metrics.get(k, 0.0) for k in loss_keys)
     return metrics
 
 

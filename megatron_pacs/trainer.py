@@ -24,8 +24,9 @@ from megatron_pacs.config import TrainConfig
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
 from megatron_pacs.mcore.actor import Actor
-from megatron_pacs.mcore.optim import Trainable
+from megatron_pacs.mcore.optim import Trainable, reset_optimizer_state
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
+from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.rl_step import StepRollouts, collect_rollouts, train_on_batch
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer
@@ -47,6 +48,10 @@ class Trainer:
         self.driver = self.rank == 0
         torch.manual_seed(cfg.run.seed)
         self.actor = Actor(cfg.model, self.groups, cfg.optim)
+        self.reference: ReferencePolicy | None = None
+        if cfg.loss.needs_reference:
+            ref = cfg.reference
+            self.reference = ReferencePolicy(cfg.model, self.groups, load=ref.ref_load, offload=ref.ref_offload)
         self.objective = build_objective(cfg.loss, cfg.batch)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
         self.log_dir = Path(cfg.run.log_dir)
@@ -123,7 +128,7 @@ class Trainer:
         return history
 
     def step(self, rows: list[PromptRow], step: int) -> dict[str, float]:
-        """One training step: rollouts, update, weight sync. Collective."""
+        """One training step: rollouts, update, weight sync (and a reference reset when due). Collective."""
         started = time.perf_counter()
         rollouts = self._rollouts(rows, step)
         metrics = train_on_batch(
@@ -134,7 +139,11 @@ class Trainer:
             self.groups,
             self.timer,
             temperature=self.cfg.rollout.temperature,
+            reference=self.reference,
         )
+        self._check_consistency(metrics, step)
+        if self.reference is not None:
+            metrics.update(self._maybe_reset_reference(step))
         with self.timer.phase("sync"):
             sync = self.sync_weights()
         if step == 1 or (self.cfg.eval.eval_interval and step % self.cfg.eval.eval_interval == 0):
@@ -148,6 +157,32 @@ class Trainer:
         if self.driver:
             self._dump(rollouts, step)
         return metrics
+
+    def _check_consistency(self, metrics: dict[str, float], step: int) -> None:
+        """``--max-logprob-diff``: stop (on every rank alike: the metrics are global) when the engines' and the
+        trainer's log-probs of the same tokens disagree by more than the bound."""
+        bound = self.cfg.rollout.max_logprob_diff
+        worst = metrics.get("consistency/logprob_abs_diff_max")
+        if bound is not None and worst is not None and worst > bound:
+            raise RuntimeError(
+                f"step {step}: the engines' and the trainer's token log-probs differ by up to {worst:.3g} > "
+                f"--max-logprob-diff {bound:g}: weights not synced, a different tokenizer or dtype "
+                "(docs/algorithm.md §7.1 lists the expected values)"
+            )
+
+    def _maybe_reset_reference(self, step: int) -> dict[str, float]:
+        """At the end of every ``--ref-reset-interval``-th step: reference <- current policy (and Adam reset)."""
+        assert self.reference is not None
+        every = self.cfg.reference.ref_reset_interval
+        if every and step % every == 0:
+            self.reference.reset_from(self.actor)
+            if self.cfg.reference.ref_reset_optimizer:
+                reset_optimizer_state(self._trainable())
+            log.info("step %d: reference reset to the current policy (reset #%d)", step, self.reference.resets)
+        out = {"ref/resets": float(self.reference.resets)}
+        if self.reference.offload:
+            out["perf/time/ref_onload"], self.reference.seconds_onload = self.reference.seconds_onload, 0.0
+        return out
 
     def _rollouts(self, rows: list[PromptRow], step: int) -> StepRollouts:
         payload: list[Any] = [None]
@@ -233,9 +268,14 @@ class Trainer:
                 "lr_schedule": trainable.schedule.state_dict(),
                 "config": self.cfg.to_dict(),
             }
+            extra = {}
+            if self.reference is not None:
+                meta["reference"] = {"resets": self.reference.resets}
+                if self.reference.resets:  # the weights differ from --ref-load only after a reset
+                    extra["reference"] = self.reference.models
             assert ck.save is not None
             path = save_training_checkpoint(
-                ck.save, step, trainable.models, trainable.optimizer, meta, keep_last=ck.keep_last
+                ck.save, step, trainable.models, trainable.optimizer, meta, keep_last=ck.keep_last, extra_models=extra
             )
             if ck.save_hf:
                 save_hf_checkpoint(
@@ -247,6 +287,7 @@ class Trainer:
         """Load the newest complete checkpoint under ``--load`` (resharded to this layout) and push its weights
         into the fleet; returns its step (0 when there is none yet: a fresh start from ``--hf-model``)."""
         from megatron_pacs.mcore.checkpoint import META_FILE
+        from megatron_pacs.mcore.checkpoint import read_checkpoint_metadata as meta_of
         from megatron_pacs.mcore.train_checkpoint import find_latest_checkpoint, load_training_checkpoint
 
         assert self.cfg.checkpoint.load is not None
@@ -256,9 +297,13 @@ class Trainer:
             log.info("--load %s holds no complete checkpoint yet: starting from --hf-model", root)
             return 0
         trainable = self._trainable()
-        meta = load_training_checkpoint(ckpt, trainable.models, trainable.optimizer)
+        resets = int(meta_of(ckpt).get("reference", {}).get("resets", 0))
+        extra = {"reference": self.reference.models} if self.reference is not None and resets else {}
+        meta = load_training_checkpoint(ckpt, trainable.models, trainable.optimizer, extra_models=extra)
         loader.load_state_dict(meta["loader"])
         trainable.schedule.load_state_dict(meta["lr_schedule"])
+        if self.reference is not None:
+            self.reference.resets = resets
         self.sync_weights()
         return int(meta["step"])
 

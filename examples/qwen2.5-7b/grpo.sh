@@ -19,7 +19,8 @@ MODEL_ARGS=(
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel
     # Loss: GRPO, group-normalised outcome advantage, PPO clipped surrogate (0.2), no KL.
     --loss grpo --clip-ratio 0.2 --kl-coef 0.0
-    # Unlike the PACS path, stock verl GRPO applies its grad_clip 1.0.
-    --clip-grad 1.0
+    # Stock verl GRPO clips at 1.0 a loss 8x ours (verl's per-GPU micro-batch of 8 responses is not divided out;
+    # docs/algorithm.md §6): 1.0 / 8 here is the reference's effective clip.
+    --clip-grad 0.125
 )
 launch "${RECIPE_ARGS[@]}" "${MODEL_ARGS[@]}"

@@ -2,8 +2,8 @@
 
 Convention: every metric is a float tensor ``[value, weight]``. Means reduce as ``sum(value) / sum(weight)``
 over micro-batches and ranks, so they are exact global means whatever the split; keys ending in ``/max`` or
-``/min`` reduce by max or min of ``value``. A distributed caller all-reduces the stacked tensors with SUM, MAX
-and MIN by the same rule (see :func:`reduction_of`).
+``/min`` (or ``_max`` / ``_min``) reduce by max or min of ``value``. A distributed caller all-reduces the stacked
+tensors with SUM, MAX and MIN by the same rule (see :func:`reduction_of`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ __all__ = ["pacs_metrics", "reduce_metrics", "reduction_of"]
 
 def reduction_of(key: str) -> str:
     """``"max"``, ``"min"`` or ``"mean"``: how metric ``key`` reduces across micro-batches and ranks."""
-    if key.endswith("/max"):
+    if key.endswith(("/max", "_max")):
         return "max"
-    if key.endswith("/min"):
+    if key.endswith(("/min", "_min")):
         return "min"
     return "mean"
 

@@ -10,8 +10,9 @@ the micro-batch, so the trainer divides once by the global response count (docs/
 scores are float64 (docs/algorithm.md §2.1).
 
 Registered names (``--loss``): ``pacs`` (two-phase by default, direct with ``--keep-groups-in-microbatch``) and
-``grpo``. A new objective (a KL term against a reference, a REAL- or NFT-style sequence loss) is one new class
-here: declare its needs, write ``prepare``, register a builder.
+``grpo``. Whenever a reference policy exists (``--kl-coef > 0`` or ``--pacs-score-reference ref``),
+:class:`KLRegularized` wraps the objective: it adds the KL term (if any) and reports ``ref/kl``. A new objective (a
+REAL- or NFT-style sequence loss) is one new class here: declare its needs, write ``prepare``, register a builder.
 
 Legend: S responses of the step, M responses of the mini-batch on this rank, m responses and N scored tokens of a
 micro-batch.
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from megatron_pacs.algo.common import stat_entries
 from megatron_pacs.algo.grpo import grpo_advantages, grpo_token_loss
+from megatron_pacs.algo.kl import kl_estimate
 from megatron_pacs.algo.metrics import pacs_metrics
 from megatron_pacs.algo.pacs import (
     compute_scores,
@@ -45,6 +47,7 @@ from megatron_pacs.config import BatchConfig, LossConfig
 __all__ = [
     "OBJECTIVES",
     "GrpoObjective",
+    "KLRegularized",
     "Logprobs",
     "MicroBatchLoss",
     "MiniBatch",
@@ -87,6 +90,7 @@ class MiniBatch:
             current policy is the rollout policy exactly.
         old: The rollout policy's log-probs (None when ``fresh`` or when the objective needs none).
         current: ``[S]`` float64 phase-1 sequence log-probs under the current parameters, when requested.
+        ref: The reference policy's log-probs, when the objective needs them.
     """
 
     rows: torch.Tensor
@@ -96,6 +100,7 @@ class MiniBatch:
     fresh: bool
     old: Logprobs | None = None
     current: torch.Tensor | None = None
+    ref: Logprobs | None = None
 
 
 @dataclass
@@ -113,8 +118,15 @@ class Objective(ABC):
     loss_key: str = "train/loss"
     #: The rollout policy's log-probs the loss compares against, recomputed when the parameters may have moved.
     old_logprobs: Level | None = None
+    #: The reference policy's log-probs the loss needs (computed once per step over every response).
+    ref_logprobs: Level | None = None
     #: Micro-batches must hold whole groups.
     whole_groups: bool = False
+
+    @property
+    def loss_keys(self) -> tuple[str, ...]:
+        """The metrics whose sum is ``train/loss`` (the objective's own loss plus any added term)."""
+        return (self.loss_key,)
 
     def needs_current(self, fresh: bool) -> bool:
         """Whether ``prepare`` needs the current policy's sequence log-probs (a forward pass before the backward)."""
@@ -149,14 +161,28 @@ class _StepTensors:
 
 
 class _Pacs(Objective):
-    """PACS (docs/algorithm.md §2): s = beta * (l - l_old) or beta * l / L, group logits, weighted BCE on R."""
+    """PACS (docs/algorithm.md §2): s = beta * (l - l_anchor) or beta * l / L, group logits, weighted BCE on R.
+
+    The anchor is the rollout policy (``--pacs-score-reference old``, the released code) or the frozen reference
+    (``ref``, PACS v2, §2.2), whose log-probs come once per step for every response.
+    """
 
     loss_key = "pacs/loss"
 
     def __init__(self, cfg: LossConfig) -> None:
         self.beta, self.score = cfg.pacs_beta, cfg.pacs_score
         self.advantage, self.weights = cfg.pacs_advantage, cfg.pacs_weights
-        self.old_logprobs = "sequence" if cfg.pacs_score == "log_ratio" else None
+        log_ratio = cfg.pacs_score == "log_ratio"
+        self.ref_anchor = log_ratio and cfg.pacs_score_reference == "ref"
+        self.old_logprobs = "sequence" if log_ratio and not self.ref_anchor else None
+        self.ref_logprobs = "sequence" if self.ref_anchor else None
+
+    def _anchor(self, mb: MiniBatch) -> torch.Tensor | None:
+        """``[S]`` l_anchor: the reference's, or the rollout policy's (None when ``fresh``: l_old = l exactly)."""
+        if self.ref_anchor:
+            assert mb.ref is not None, "the step computes the reference's log-probs for a ref-anchored objective"
+            return mb.ref.seq
+        return None if mb.old is None else mb.old.seq
 
     def _scores(self, seq: torch.Tensor, t: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
         """``compute_scores`` on a micro-batch, without its input checks (done on the step's tensors in ``prepare``,
@@ -176,12 +202,13 @@ class PacsTwoPhase(_Pacs):
     """
 
     def needs_current(self, fresh: bool) -> bool:
-        return not (fresh and self.score == "log_ratio")
+        # Free only when anchored at pi_old with no update yet (s = 0 exactly); a reference anchor always moves.
+        return not (fresh and self.score == "log_ratio" and not self.ref_anchor)
 
     def prepare(self, mb: MiniBatch) -> Prepared:
         idx, num = mb.rows, mb.rewards.shape[0]
         log_ratio = self.score == "log_ratio"
-        anchor = None if mb.old is None else mb.old.seq
+        anchor = self._anchor(mb)
         if mb.current is None:
             scores = torch.zeros(len(idx), dtype=torch.float64)
         else:
@@ -232,7 +259,7 @@ class PacsDirect(_Pacs):
     whole_groups = True
 
     def prepare(self, mb: MiniBatch) -> Prepared:
-        anchor = None if mb.old is None else mb.old.seq
+        anchor = self._anchor(mb)
         step = _StepTensors(anchor=anchor, rewards=mb.rewards, lens=mb.response_lens)
 
         def loss(tokens: TokenLogprobs):
@@ -288,6 +315,45 @@ class GrpoObjective(Objective):
         return Prepared(loss)
 
 
+class KLRegularized(Objective):
+    """An objective plus ``kl_coef`` x the per-token KL to the reference policy (docs/algorithm.md §2.7).
+
+    The term is ``kl_coef * sum_t k_t / T_max`` per response with the inner objective's count (responses), so it
+    obeys the same global normalisation. ``ref/kl`` (the per-token estimate's mean) is reported even at
+    ``kl_coef = 0``; ``ref/kl_loss`` is the term's value, part of ``train/loss``.
+    """
+
+    ref_logprobs = "token"
+
+    def __init__(self, inner: Objective, coef: float, estimator: str, max_response_length: int) -> None:
+        self.inner, self.coef, self.estimator, self.max_response_length = inner, coef, estimator, max_response_length
+        self.loss_key, self.old_logprobs, self.whole_groups = inner.loss_key, inner.old_logprobs, inner.whole_groups
+
+    @property
+    def loss_keys(self) -> tuple[str, ...]:
+        return (*self.inner.loss_keys, "ref/kl_loss") if self.coef > 0 else self.inner.loss_keys
+
+    def needs_current(self, fresh: bool) -> bool:
+        return self.inner.needs_current(fresh)
+
+    def prepare(self, mb: MiniBatch) -> Prepared:
+        prepared = self.inner.prepare(mb)
+        assert mb.ref is not None and mb.ref.tokens is not None, "the step computes the reference's token log-probs"
+        ref_tokens = mb.ref.tokens
+
+        def loss(tokens: TokenLogprobs):
+            loss_sum, count, report = prepared.loss(tokens)
+            value, surrogate = kl_estimate(tokens.logp, ref_tokens.gather(tokens), self.estimator)
+            report = {**report, "ref/kl": torch.stack([value.sum(), value.new_tensor(float(value.numel()))])}
+            if self.coef > 0:
+                term = self.coef * surrogate.sum() / self.max_response_length
+                report["ref/kl_loss"] = torch.stack([term.detach(), term.new_tensor(float(tokens.num_sequences))])
+                loss_sum = loss_sum + term
+            return loss_sum, count, report
+
+        return Prepared(loss, prepared.metrics)
+
+
 OBJECTIVES: Registry[Callable[[LossConfig, BatchConfig], Objective]] = Registry("loss")
 
 
@@ -302,5 +368,8 @@ def _build_grpo(loss: LossConfig, batch: BatchConfig) -> Objective:
 
 
 def build_objective(loss: LossConfig, batch: BatchConfig) -> Objective:
-    """The objective named by ``--loss``, configured."""
-    return OBJECTIVES.get(loss.loss)(loss, batch)
+    """The objective named by ``--loss``, configured; wrapped in :class:`KLRegularized` when a reference exists."""
+    objective = OBJECTIVES.get(loss.loss)(loss, batch)
+    if loss.needs_reference:
+        objective = KLRegularized(objective, loss.kl_coef, loss.kl_estimator, batch.max_response_length)
+    return objective

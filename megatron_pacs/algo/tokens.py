@@ -29,6 +29,8 @@ class TokenLogprobs:
         rank: ``[N]`` the token's position within its response (0..R_i-1).
         index: ``[m]`` the response index (in the step) of each sequence.
         lengths: ``[m]`` scored tokens per sequence (``R_i``), on ``logp``'s device.
+        raw: ``[N]`` the same tokens' log-probs at temperature 1 (detached), when asked for: what the rollout
+            engines report, for the train/rollout consistency check.
     """
 
     logp: torch.Tensor
@@ -36,6 +38,7 @@ class TokenLogprobs:
     rank: torch.Tensor
     index: torch.Tensor
     lengths: torch.Tensor
+    raw: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:

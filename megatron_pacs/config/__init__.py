@@ -22,6 +22,7 @@ from megatron_pacs.config.loss import LossConfig
 from megatron_pacs.config.model import ModelConfig
 from megatron_pacs.config.optim import OptimConfig
 from megatron_pacs.config.parallel import ParallelConfig
+from megatron_pacs.config.reference import ReferenceConfig
 from megatron_pacs.config.rollout import RolloutConfig
 from megatron_pacs.config.run import CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig
 from megatron_pacs.config.train import TrainConfig
@@ -35,6 +36,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "ReferenceConfig",
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",

@@ -11,6 +11,8 @@ __all__ = ["LossConfig"]
 CHOICES = {
     "loss": ("pacs", "grpo"),
     "pacs_score": ("log_ratio", "mean_logp"),
+    "pacs_score_reference": ("old", "ref"),
+    "kl_estimator": ("k1", "k2", "k3"),
     "pacs_advantage": ("rloo", "grpo", "grpo_no_std", "naive"),
     "pacs_weights": ("balanced", "none", "only_positive", "only_negative"),
 }
@@ -25,7 +27,10 @@ class LossConfig:
     pacs_beta: float = 1.0
     """PACS critic temperature beta."""
     pacs_score: str = "log_ratio"
-    """log_ratio (beta * (l - l_old)) or mean_logp (beta * l / L)."""
+    """log_ratio (beta * (l - l_anchor)) or mean_logp (beta * l / L)."""
+    pacs_score_reference: str = "old"
+    """The log_ratio anchor: old (the rollout policy, as the released code) or ref (the frozen reference policy,
+    PACS v2)."""
     pacs_advantage: str = "rloo"
     """Group logit: rloo, grpo, grpo_no_std or naive."""
     pacs_weights: str = "balanced"
@@ -33,7 +38,16 @@ class LossConfig:
     clip_ratio: float = 0.2
     """GRPO's PPO clip epsilon."""
     kl_coef: float = 0.0
-    """KL penalty to a frozen reference model; reserved: only 0 is accepted until the reference model lands."""
+    """KL penalty to the frozen reference policy: kl-coef x mean over responses of (sum of per-token estimates) /
+    --max-response-length, added to the loss (0: none; a reference is then built only for the ref anchor)."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimator with r = log pi_ref - log pi: k1 (-r, score-function gradient), k2 (r^2 / 2) or k3
+    (exp(r) - r - 1, low variance)."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term or the reference anchor needs the reference policy's log-probs."""
+        return self.kl_coef > 0 or (self.loss == "pacs" and self.pacs_score_reference == "ref")
 
     def __post_init__(self) -> None:
         for name, valid in CHOICES.items():
@@ -45,9 +59,7 @@ class LossConfig:
             raise bad("clip_ratio", f"{self.clip_ratio} must lie in (0, 1); PPO's usual value is 0.2")
         if self.kl_coef < 0:
             raise bad("kl_coef", "must be >= 0")
-        if self.kl_coef > 0:
-            raise bad(
-                "kl_coef",
-                "the reference-model KL term is not implemented yet; use 0 (the PACS and GRPO recipes of the "
-                "paper use no KL)",
-            )
+        if self.pacs_score_reference == "ref" and self.loss != "pacs":
+            raise bad("pacs_score_reference", "anchors the PACS score; it has no meaning for --loss grpo")
+        if self.pacs_score_reference == "ref" and self.pacs_score != "log_ratio":
+            raise bad("pacs_score_reference", "needs --pacs-score log_ratio (mean_logp has no anchor)")

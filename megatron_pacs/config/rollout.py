@@ -51,6 +51,9 @@ class RolloutConfig:
     RPC."""
     max_engine_restarts: int = 3
     """Engine restarts allowed within one generate call before the step fails."""
+    max_logprob_diff: float | None = None
+    """Stop the run when a step's largest |engine - trainer| token log-prob exceeds this (weights not synced, a
+    wrong tokenizer or dtype); None: report only (docs/algorithm.md §7.1 gives the expected values)."""
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "rollout_tensor_parallel_size", "weight_sync_bucket_mb", "chunks_per_engine"):
@@ -66,5 +69,7 @@ class RolloutConfig:
             raise bad("gpu_memory_utilization", "must lie in (0, 1]")
         if self.weight_sync not in WEIGHT_SYNC:
             raise bad("weight_sync", f"{self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
+        if self.max_logprob_diff is not None and not self.max_logprob_diff > 0:
+            raise bad("max_logprob_diff", f"{self.max_logprob_diff} must be > 0")
         if self.ray_object_store_gb <= 0 or self.kv_cache_gb <= 0:
             raise bad("ray_object_store_gb" if self.ray_object_store_gb <= 0 else "kv_cache_gb", "must be > 0")

@@ -15,6 +15,7 @@ from megatron_pacs.config.loss import LossConfig
 from megatron_pacs.config.model import ModelConfig
 from megatron_pacs.config.optim import OptimConfig
 from megatron_pacs.config.parallel import ParallelConfig
+from megatron_pacs.config.reference import ReferenceConfig
 from megatron_pacs.config.rollout import RolloutConfig
 from megatron_pacs.config.run import CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig
 
@@ -35,6 +36,8 @@ class TrainConfig:
     """Optimizer."""
     loss: LossConfig = field(default_factory=LossConfig)
     """Objective."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """Reference policy."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Fleet and sampling."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -66,6 +69,15 @@ class TrainConfig:
                 f"{b.ppo_mini_batch_size} prompts must split into whole groups over {dp} data-parallel ranks; use "
                 f"a multiple of {dp}",
             )
+        ref = self.reference
+        if not self.loss.needs_reference:
+            for name in ("ref_load", "ref_offload", "ref_reset_interval"):
+                if getattr(ref, name):
+                    raise bad(
+                        name,
+                        "no reference policy is built without --kl-coef > 0 or --pacs-score-reference ref; drop it "
+                        "or ask for one of those",
+                    )
         if self.model.fp8_format and not _importable("transformer_engine"):
             raise bad("fp8_format", "needs Transformer Engine (pip install .[gpu] on a CUDA machine)")
         if not need_files:
@@ -83,6 +95,12 @@ class TrainConfig:
             raise bad("rope_fusion", "the fused RoPE kernel is Transformer Engine's (CUDA); drop the flag")
         if m.masked_softmax_fusion and not (_importable("scaled_masked_softmax_cuda") and _cuda_available()):
             raise bad("masked_softmax_fusion", "needs Apex's fused softmax kernels (CUDA); drop the flag")
+        if ref.ref_offload and not _cuda_available():
+            raise bad(
+                "ref_offload", "keeps the reference in pinned host memory between GPU uses; this machine has no CUDA"
+            )
+        if ref.ref_load is not None and not os.path.isfile(os.path.join(ref.ref_load, "config.json")):
+            raise bad("ref_load", f"{ref.ref_load!r} has no config.json; pass a Hugging Face model directory")
         if not self.model.hf_model or not os.path.isfile(os.path.join(self.model.hf_model, "config.json")):
             raise bad("hf_model", f"{self.model.hf_model!r} has no config.json; pass a Hugging Face model directory")
         if not self.data.train_data:

@@ -28,6 +28,8 @@ class RolloutBatch:
         response_lens: ``[S]`` response lengths (>= 1).
         rewards: ``[S]`` float rewards in [0, 1].
         group_size: n.
+        engine_logprobs: ``[sum R_i]`` float32, the engines' log-probs of the sampled response tokens (temperature
+            1, response after response; NaN where the engine gave none), or None.
     """
 
     sequences: list[list[int]]
@@ -35,6 +37,7 @@ class RolloutBatch:
     response_lens: torch.Tensor
     rewards: torch.Tensor
     group_size: int
+    engine_logprobs: torch.Tensor | None = None
 
     @property
     def num_responses(self) -> int:

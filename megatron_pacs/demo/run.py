@@ -8,9 +8,10 @@
 4. Print the reward curve, write ``reward_curve.png`` and ``summary.json`` (``first5_reward_mean``,
    ``last5_reward_mean``, ``wall_s``).
 
-``--compare`` (``make demo-compare``) trains PACS and GRPO from the same warm-up and seeds and plots both.
+``--compare`` (``make demo-compare``) trains PACS and GRPO from the same warm-up and seeds and plots both. Trainer
+flags after ``--`` go to every run (e.g. PACS v2: ``-- --pacs-score-reference ref --ref-reset-interval 10``).
 
-    python -m megatron_pacs.demo [--out runs/demo] [--steps 30] [--compare]
+    python -m megatron_pacs.demo [--out runs/demo] [--steps 30] [--compare] [-- TRAINER FLAGS]
 """
 
 from __future__ import annotations
@@ -101,8 +102,11 @@ def warm_up(out: Path, seed: int) -> Path:
     return warm
 
 
-def run_rl(model: Path, data: tuple[Path, Path], run_dir: Path, loss: str, steps: int, seed: int) -> list[float]:
-    """Train ``model`` with ``loss`` for ``steps`` steps; returns the per-step mean rollout reward."""
+def run_rl(
+    model: Path, data: tuple[Path, Path], run_dir: Path, loss: str, steps: int, seed: int, extra: list[str]
+) -> list[float]:
+    """Train ``model`` with ``loss`` (and trainer flags ``extra``) for ``steps`` steps; returns the per-step mean
+    rollout reward."""
     from transformers import AutoTokenizer
 
     from megatron_pacs.config import parse_config
@@ -126,6 +130,7 @@ def run_rl(model: Path, data: tuple[Path, Path], run_dir: Path, loss: str, steps
         loss,
         "--log-dir",
         str(run_dir),
+        *extra,
     ]
     cfg = parse_config(flags)
     cfg.validate(1)
@@ -150,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="RL steps")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--compare", action="store_true", help="train PACS and GRPO from the same warm-up and plot both")
+    p.add_argument(
+        "train_flags",
+        nargs=argparse.REMAINDER,
+        help="after --: more trainer flags, e.g. -- --pacs-score-reference ref --ref-reset-interval 10",
+    )
     args = p.parse_args(argv)
+    extra = [f for f in args.train_flags if f != "--"]
     if args.steps < 10:
         p.error("--steps must be >= 10 (the summary compares the first and last 5 steps)")
     started = time.perf_counter()
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {}
     for loss in ("pacs", "grpo") if args.compare else ("pacs",):
         run_dir = out / loss
-        rewards = run_rl(model, data, run_dir, loss, args.steps, args.seed)
+        rewards = run_rl(model, data, run_dir, loss, args.steps, args.seed, extra)
         first5, last5 = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
         summary[loss] = {"first5_reward_mean": first5, "last5_reward_mean": last5, "rewards": rewards}
         print(f"\n{loss.upper()} reward per step (mean over the step's rollouts):\n{_ascii_curve(rewards)}")
@@ -187,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "last5_reward_mean": main_run["last5_reward_mean"],
         "wall_s": time.perf_counter() - started,
         "steps": args.steps,
+        "train_flags": extra,
         "runs": summary,
     }
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -121,20 +121,33 @@ class Actor:
 
     # -- training ----------------------------------------------------------------------------------------------
 
-    def train(self, micro_batches: list[MicroBatch], loss: MicroBatchLoss, *, temperature: float = 1.0) -> StepResult:
+    def train(
+        self,
+        micro_batches: list[MicroBatch],
+        loss: MicroBatchLoss,
+        *,
+        temperature: float = 1.0,
+        raw_logprobs: bool = False,
+    ) -> StepResult:
         """One optimizer step over this rank's micro-batches of a mini-batch (collective over all ranks).
 
         Args:
             micro_batches: This rank's share of the mini-batch (padded or packed).
             loss: An objective's micro-batch loss (:class:`megatron_pacs.algo.objectives.Prepared`).
             temperature: The sampling temperature the log-probs refer to.
+            raw_logprobs: Also hand the loss the tokens' log-probs at temperature 1 (``TokenLogprobs.raw``, what
+                the engines report; one more vocabulary pass when the temperature is not 1).
         """
         if self.trainable is None:
             raise ValueError("this Actor is frozen (built without an OptimConfig) and cannot train")
         tp_group = self.groups.tp_group
 
         def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-            scored: TokenLogprobs = mb.scored(model_token_logprobs(logits, mb, tp_group, temperature))
+            logp = model_token_logprobs(logits, mb, tp_group, temperature)
+            scored: TokenLogprobs = mb.scored(logp)
+            if raw_logprobs:
+                raw = logp if temperature == 1.0 else model_token_logprobs(logits.detach(), mb, tp_group, 1.0)
+                scored.raw = mb.scored(raw.detach()).logp
             return loss(scored)
 
         return train_step(self.trainable, micro_batches, loss_fn)

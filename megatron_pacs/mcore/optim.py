@@ -55,7 +55,15 @@ from megatron_pacs.mcore.parallel import ParallelGroups
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["LRSchedule", "StepResult", "Trainable", "build_trainable", "masked_sum_and_count", "train_step"]
+__all__ = [
+    "LRSchedule",
+    "StepResult",
+    "Trainable",
+    "build_trainable",
+    "masked_sum_and_count",
+    "reset_optimizer_state",
+    "train_step",
+]
 
 
 @dataclass
@@ -301,6 +309,18 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_fn: L
         return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)
     schedule.num_steps += 1
     return StepResult(skipped=False, grad_norm=grad_norm, reports=reports, lr=lr)
+
+
+def reset_optimizer_state(trainable: Trainable) -> None:
+    """Forget Adam's moments and step counters (PACS v2's reset with the reference, following ProRL); the next step
+    is a first Adam step again. The learning-rate schedule continues."""
+    for opt in _inner_optimizers(trainable.optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        inner.state.clear()  # torch's (and TE's) Adam re-create the state lazily on the next step
+        for group in inner.param_groups:
+            group.pop("step", None)  # Apex/TE FusedAdam keep the step count per group
 
 
 def masked_sum_and_count(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,6 +83,7 @@ def save_training_checkpoint(
     metadata: dict[str, Any],
     *,
     keep_last: int = 2,
+    extra_models: dict[str, Sequence[MegatronModule]] | None = None,
 ) -> Path:
     """Write ``save/iter_<step>`` atomically (collective: every rank calls it).
 
@@ -93,6 +94,8 @@ def save_training_checkpoint(
         optimizer: The Megatron optimizer (its state is sharded like the model).
         metadata: JSON-able run state (step, data position, LR schedule, config); written last by rank 0.
         keep_last: Complete checkpoints to keep (older ones are deleted after this one is in place).
+        extra_models: Other models to keep with it (name -> chunks, e.g. the reference policy), each a sharded
+            checkpoint in a subfolder of that name.
     """
     final = checkpoint_dir(save, step)
     tmp = None
@@ -108,6 +111,12 @@ def save_training_checkpoint(
     assert tmp is not None, "rank 0 makes the folder and broadcasts its path"
     with cuda_to_cpu():
         dist_checkpointing.save(_sharded(models, optimizer, is_loading=False), tmp)
+        for name, chunks in (extra_models or {}).items():
+            sub = os.path.join(tmp, name)
+            if _rank() == 0:
+                os.makedirs(sub, exist_ok=True)
+            _barrier()
+            dist_checkpointing.save(_sharded(chunks, None, is_loading=False), sub)
     rng = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
@@ -137,8 +146,39 @@ def save_training_checkpoint(
     return final
 
 
-def load_training_checkpoint(ckpt: str | os.PathLike, models: Sequence[MegatronModule], optimizer: Any) -> dict:
+def _load_models(ckpt: Path, models: Sequence[MegatronModule], optimizer: Any = None) -> dict[str, Any]:
+    """Load the chunks' state (and return the loaded state dict, the optimizer's still to apply)."""
+    sharded = _sharded(models, optimizer, is_loading=True)
+    try:
+        with cuda_to_cpu():
+            # A dict: load returns a tuple only for the strict="return_*" modes.
+            state = cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt)))
+    except Exception as exc:  # noqa: BLE001 - Megatron raises several types here
+        raise ValueError(f"--load: {ckpt} does not fit this model: {type(exc).__name__}: {exc}") from None
+    for i, m in enumerate(models):
+        inner = getattr(m, "module", m)
+        key = "model" if len(models) == 1 else f"model{i}"
+        missing, unexpected = inner.load_state_dict(state[key], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"--load: {ckpt}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return state
+
+
+def load_training_checkpoint(
+    ckpt: str | os.PathLike,
+    models: Sequence[MegatronModule],
+    optimizer: Any,
+    *,
+    extra_models: dict[str, Sequence[MegatronModule]] | None = None,
+) -> dict:
     """Load model and optimizer state (resharded to this run's layout) and this rank's RNG state.
+
+    Args:
+        ckpt: A complete checkpoint folder.
+        models: This rank's (DDP-wrapped) chunks.
+        optimizer: The Megatron optimizer.
+        extra_models: Models saved beside them (name -> chunks), loaded from their subfolders.
 
     Returns:
         The checkpoint's metadata.
@@ -154,23 +194,12 @@ def load_training_checkpoint(ckpt: str | os.PathLike, models: Sequence[MegatronM
             "write: point --load at the checkpoint root to take the newest complete one"
         )
     metadata = json.loads(meta_path.read_text())
-    sharded = _sharded(models, optimizer, is_loading=True)
-    try:
-        with cuda_to_cpu():
-            # A dict: load returns a tuple only for the strict="return_*" modes.
-            state = cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt)))
-    except Exception as exc:  # noqa: BLE001 - Megatron raises several types here
-        raise ValueError(f"--load: {ckpt} does not fit this model: {type(exc).__name__}: {exc}") from None
-    for i, m in enumerate(models):
-        inner = getattr(m, "module", m)
-        key = "model" if len(models) == 1 else f"model{i}"
-        missing, unexpected = inner.load_state_dict(state[key], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(f"--load: {ckpt}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    state = _load_models(ckpt, models, optimizer)
     if optimizer is not None:
         with cuda_to_cpu():
             optimizer.load_state_dict(state["optimizer"])
+    for name, chunks in (extra_models or {}).items():
+        _load_models(ckpt / name, chunks)
     rng_file = ckpt / f"rng_rank{_rank():05d}.pt"
     if rng_file.is_file() and metadata.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
         rng = torch.load(rng_file, weights_only=False)

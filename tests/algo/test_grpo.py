@@ -94,3 +94,52 @@ def test_errors():
             torch.tensor([0.0, float("nan")]),
             max_response_len=3,
         )
+
+
+def test_our_clip_of_one_eighth_is_verls_clip_of_one_at_micro_batch_eight():
+    """verl's seq-mean-token-sum-norm sums each micro-batch's responses and averages micro-batches (gradient
+    accumulation): its GRPO gradient is ours times the per-GPU micro-batch size B. With B = 8 (the reference
+    recipe), our --clip-grad 0.125 clips exactly where verl's grad_clip 1.0 does, to the same direction and to the
+    same Adam update; the examples' GRPO recipes use it."""
+    import re
+    from pathlib import Path
+
+    micro, num, t_max = 8, 32, 6
+    gen = torch.Generator().manual_seed(0)
+    theta = (-torch.rand(num, t_max, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    old = theta.detach() + 0.05 * torch.randn(num, t_max, generator=gen, dtype=torch.float64)
+    mask = torch.arange(t_max)[None] < torch.randint(1, t_max + 1, (num, 1), generator=gen)
+    adv = grpo_advantages((torch.rand(num, generator=gen) > 0.5).float(), group_size=8).double()
+    ours = grpo_loss(theta, old, mask, adv, max_response_len=t_max)
+    (g_ours,) = torch.autograd.grad(ours.loss_sum / ours.count, theta)
+    verl = 0.0  # per micro-batch: sum over its responses of token-sum / T_max, divided by the accumulation steps
+    for s in range(0, num, micro):
+        part = grpo_loss(theta[s : s + micro], old[s : s + micro], mask[s : s + micro], adv[s : s + micro],
+                         max_response_len=t_max)  # fmt: skip
+        verl = verl + part.loss_sum / (num // micro)
+    (g_verl,) = torch.autograd.grad(verl, theta)
+    torch.testing.assert_close(g_verl, micro * g_ours)
+
+    def clipped(g, max_norm):
+        return g * min(1.0, max_norm / (g.norm().item() + 1e-6))
+
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "qwen2.5-7b" / "grpo.sh"
+    match = re.search(r"--clip-grad ([0-9.]+)", recipe.read_text())
+    assert match is not None and float(match.group(1)) == 1.0 / micro  # verl's 1.0, in our scale
+    verl_clip = 0.1  # below this toy gradient's norm, so the clip is active (as verl's 1.0 is on a real model)
+    assert g_verl.norm().item() > verl_clip
+    # The clip coefficient c / (norm + 1e-6) is not scale-invariant in its epsilon: ours is c / (norm_verl + B*1e-6),
+    # a relative difference of at most (B - 1) * 1e-6 / norm.
+    rel = 2 * (micro - 1) * 1e-6 / g_verl.norm().item()
+    for c in (verl_clip, 10.0):  # active and inactive: ours at c / B clips exactly when and as verl's does
+        torch.testing.assert_close(clipped(g_verl, c), micro * clipped(g_ours, c / micro), rtol=rel, atol=1e-12)
+    clip = verl_clip / micro
+    verl_clip_value = verl_clip
+    updates = []
+    for g in (clipped(g_verl, verl_clip_value), clipped(g_ours, clip)):
+        p = torch.zeros_like(theta, requires_grad=True)
+        opt = torch.optim.AdamW([p], lr=1e-3, eps=1e-12, weight_decay=0.0)
+        p.grad = g.clone()
+        opt.step()
+        updates.append(p.detach())
+    torch.testing.assert_close(updates[0], updates[1], rtol=rel, atol=1e-12)

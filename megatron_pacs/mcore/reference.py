@@ -1,0 +1,99 @@
+"""The frozen reference policy pi_ref: the KL term's and PACS v2's anchor (docs/algorithm.md §2.2, §2.7).
+
+A Megatron model with the actor's TP/PP layout and dtype, loaded from ``--ref-load`` (default: the actor's initial
+``--hf-model``), never trained: no DDP wrapper, no optimizer, no gradients. Its log-probs run through the same
+forward-only schedule over the same micro-batches as the actor's (``Actor.logprobs``). A reset
+(``--ref-reset-interval``) copies the actor's current weights into it in memory, each rank its own shards (the
+layouts are the same, so shard i of the actor is shard i of the reference). With ``--ref-offload`` the weights
+stay in pinned host memory between uses and are copied to the GPU around each forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+
+from megatron_pacs.algo.objectives import Logprobs
+from megatron_pacs.config import ModelConfig
+from megatron_pacs.mcore.actor import Actor
+from megatron_pacs.mcore.forward import MicroBatch
+from megatron_pacs.mcore.parallel import ParallelGroups
+
+__all__ = ["ReferencePolicy"]
+
+
+class ReferencePolicy:
+    """The frozen reference policy (see the module docstring).
+
+    Args:
+        model: The actor's model settings (dtype, FP8, layer implementation); the weights come from ``load``.
+        groups: The actor's parallel groups.
+        load: HF directory of the reference weights (None: ``model.hf_model``).
+        offload: Keep the weights in pinned host memory between uses (CUDA only).
+    """
+
+    def __init__(self, model: ModelConfig, groups: ParallelGroups, *, load: str | None, offload: bool) -> None:
+        if offload and not torch.cuda.is_available():
+            raise ValueError("--ref-offload: needs CUDA (the reference then waits in pinned host memory)")
+        self.policy = Actor(replace(model, hf_model=load or model.hf_model), groups, None)
+        self.offload = offload
+        self.resets = 0
+        self.seconds_onload = 0.0
+        self._host: list[torch.Tensor] = []
+        if offload:
+            self._host = [t.detach().cpu().pin_memory() for t in self._tensors()]
+            self._to_host()
+
+    @property
+    def models(self):
+        """The reference's model chunks (for checkpoints)."""
+        return self.policy.models
+
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        for m in self.policy.models:
+            yield from m.parameters()
+            yield from (b for b in m.buffers() if b is not None)
+
+    def _to_host(self) -> None:
+        for t, host in zip(self._tensors(), self._host, strict=True):
+            t.data = host
+
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        if not self.offload:
+            yield
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        device = torch.device("cuda", torch.cuda.current_device())
+        for t, host in zip(self._tensors(), self._host, strict=True):
+            t.data = host.to(device, non_blocking=True)
+        end.record()
+        try:
+            yield
+        finally:
+            end.synchronize()
+            self.seconds_onload += start.elapsed_time(end) / 1e3
+            self._to_host()
+
+    def logprobs(
+        self, micro_batches: list[MicroBatch], response_lens: torch.Tensor, *, temperature: float, tokens: bool
+    ) -> Logprobs:
+        """The reference's log-probs of the micro-batches' responses (as :meth:`Actor.logprobs`)."""
+        with self._on_device():
+            return self.policy.logprobs(micro_batches, response_lens, temperature=temperature, tokens=tokens)
+
+    @torch.no_grad()
+    def reset_from(self, actor: Actor) -> None:
+        """Make the reference an exact copy of ``actor``'s current weights (collective-free: shard to shard)."""
+        ours = [t for m in self.policy.models for t in m.parameters()]
+        theirs = [t for m in actor.models for t in m.parameters()]
+        if len(ours) != len(theirs) or any(a.shape != b.shape for a, b in zip(ours, theirs, strict=True)):
+            raise ValueError("the reference and the actor must have the same architecture and parallel layout")
+        for dst, src in zip(ours, theirs, strict=True):
+            dst.data.copy_(src.data)  # pinned host copies when offloaded (dst.data is the host tensor then)
+        self.resets += 1

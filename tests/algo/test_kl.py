@@ -1,0 +1,116 @@
+"""KL to the reference policy: the estimators, their gradients (exactly zero at theta = theta_ref), and the
+KLRegularized objective's normalisation (invariant to any micro-batch split, like every loss here)."""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_pacs.algo.kl import kl_estimate
+from megatron_pacs.algo.objectives import KLRegularized, Logprobs, MiniBatch, PacsTwoPhase, build_objective
+from megatron_pacs.algo.pacs import pacs_score_grads
+from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
+from megatron_pacs.config import BatchConfig, LossConfig
+
+N, S, T = 4, 16, 7
+
+
+def _tokens(theta, mask, rows):
+    idx = torch.tensor(rows)
+    m = mask[idx]
+    lengths = m.sum(-1)
+    seq = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    rank = torch.cat([torch.arange(int(n)) for n in lengths])
+    return TokenLogprobs(logp=theta[idx][m], seq=seq, rank=rank, index=idx, lengths=lengths)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_estimator_values_and_gradients(estimator):
+    gen = torch.Generator().manual_seed(0)
+    ref = -torch.rand(50, generator=gen) * 3
+    logp = (ref + 0.3 * torch.randn(50, generator=gen)).requires_grad_()
+    value, surrogate = kl_estimate(logp, ref, estimator)
+    r = ref - logp.detach()
+    expected = {"k1": -r, "k2": 0.5 * r**2, "k3": torch.exp(r) - r - 1}[estimator]
+    torch.testing.assert_close(value, expected)
+    torch.testing.assert_close(surrogate.detach(), expected)
+    (grad,) = torch.autograd.grad(surrogate.sum(), logp)
+    # k1: score-function form, k1 * d log pi; k2: -r * d(-log pi)... = k1 * d log pi too; k3: (1 - exp(r))
+    want = {"k1": -r, "k2": -r, "k3": 1 - torch.exp(r)}[estimator]
+    torch.testing.assert_close(grad, want)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_value_and_gradient_are_exactly_zero_at_the_reference(estimator):
+    logp = (-torch.rand(40) * 5).requires_grad_()
+    value, surrogate = kl_estimate(logp, logp.detach().clone(), estimator)
+    (grad,) = torch.autograd.grad(surrogate.sum(), logp)
+    assert value.abs().max().item() == 0.0 and grad.abs().max().item() == 0.0
+
+
+def test_k3_is_non_negative_and_refuses_unknown_estimators():
+    value, _ = kl_estimate(torch.randn(100), torch.randn(100) * 3, "k3")
+    assert value.min().item() >= 0.0
+    with pytest.raises(ValueError, match="kl_estimator='k4' is not a valid option"):
+        kl_estimate(torch.zeros(2), torch.zeros(2), "k4")
+
+
+def test_kl_regularised_objective_is_split_invariant_and_adds_coef_times_kl_over_t_max():
+    gen = torch.Generator().manual_seed(3)
+    theta = (-torch.rand(S, T, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    lens = torch.randint(1, T + 1, (S,), generator=gen)
+    mask = torch.arange(T)[None] < lens[:, None]
+    rewards = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.float32)
+    ref_tokens = theta.detach() + 0.2 * torch.randn(S, T, generator=gen, dtype=torch.float64)
+    offsets = torch.zeros(S + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lens, 0)
+    ref = Logprobs(torch.where(mask, ref_tokens, 0.0).sum(-1), TokenStore(ref_tokens[mask].float(), offsets))
+    loss_cfg = LossConfig(pacs_score_reference="ref", kl_coef=0.3, kl_estimator="k3")
+    batch_cfg = BatchConfig(global_batch_size=4, group_size=N, ppo_mini_batch_size=4, max_response_length=T)
+    obj = build_objective(loss_cfg, batch_cfg)
+    assert isinstance(obj, KLRegularized) and obj.ref_logprobs == "token" and obj.old_logprobs is None
+    assert obj.needs_current(fresh=True)  # a reference anchor is not 0 at the first mini-batch
+    assert obj.loss_keys == ("pacs/loss", "ref/kl_loss")
+    current = torch.where(mask, theta.detach(), 0.0).sum(-1)
+    mb = MiniBatch(torch.arange(S), rewards, lens, N, fresh=True, ref=ref, current=current)
+    prepared = obj.prepare(mb)
+    totals = []
+    for cuts in ([], [3], [5, 6, 11]):
+        total, count, kl_value, kl_tokens = 0.0, 0, 0.0, 0
+        for a, b in itertools.pairwise([0, *cuts, S]):
+            loss_sum, cnt, report = prepared.loss(_tokens(theta, mask, list(range(a, b))))
+            total = total + loss_sum.double()
+            count += int(cnt)
+            kl_value += float(report["ref/kl"][0])
+            kl_tokens += int(report["ref/kl"][1])
+        (g,) = torch.autograd.grad(total / count, theta)
+        totals.append((g, kl_value / kl_tokens))
+    for g, kl in totals[1:]:
+        torch.testing.assert_close(g, totals[0][0], rtol=1e-5, atol=1e-7)
+        assert kl == pytest.approx(totals[0][1], rel=1e-6)
+    # the KL part of the gradient alone: coef * d(sum of k3 over all tokens) / T_max / S
+    inner = PacsTwoPhase(loss_cfg).prepare(mb)
+    inner_total = sum(inner.loss(_tokens(theta, mask, list(range(a, b))))[0].double() for a, b in [(0, S)])
+    (g_inner,) = torch.autograd.grad(inner_total / S, theta)
+    logp = theta[mask]
+    _, surrogate = kl_estimate(logp, ref_tokens[mask], "k3")
+    (g_kl,) = torch.autograd.grad(0.3 * surrogate.sum() / T / S, theta)
+    torch.testing.assert_close(totals[0][0], g_inner + g_kl, rtol=1e-5, atol=1e-7)
+
+
+def test_at_the_reference_the_v2_loss_equals_the_old_anchored_one_and_uniform_groups_get_no_gradient():
+    """theta = theta_ref (step 1, or right after a reset): s = 0 exactly, as with the pi_old anchor at the first
+    mini-batch, so the two PACS variants prepare the same coefficients; all-equal-reward groups get c = 0."""
+    gen = torch.Generator().manual_seed(5)
+    seq = -torch.rand(S, generator=gen, dtype=torch.float64) * 20
+    rewards = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 1, 1], dtype=torch.float32)
+    lens = torch.full((S,), 5)
+    v2 = PacsTwoPhase(LossConfig(pacs_score_reference="ref"))
+    v1 = PacsTwoPhase(LossConfig())
+    a = v2.prepare(MiniBatch(torch.arange(S), rewards, lens, N, fresh=True, ref=Logprobs(seq), current=seq.clone()))
+    b = v1.prepare(MiniBatch(torch.arange(S), rewards, lens, N, fresh=True))
+    assert a.metrics["pacs/loss"].tolist() == b.metrics["pacs/loss"].tolist()
+    assert a.metrics["pacs/score/max"][0].item() == 0.0 and a.metrics["pacs/score/min"][0].item() == 0.0
+    c = pacs_score_grads(torch.zeros(S, dtype=torch.float64), rewards, group_size=N, normalizer=1.0)
+    assert c[:8].abs().max().item() == 0.0  # groups 0 (all correct) and 1 (all wrong)
+    assert c[8:].abs().min().item() > 0.0
