@@ -266,6 +266,7 @@ class Trainer:
             meta = {
                 "loader": loader.state_dict(),
                 "lr_schedule": trainable.schedule.state_dict(),
+                "optimizer_reset_pending": trainable.reset_pending,
                 "config": self.cfg.to_dict(),
             }
             extra = {}
@@ -302,6 +303,7 @@ class Trainer:
         meta = load_training_checkpoint(ckpt, trainable.models, trainable.optimizer, extra_models=extra)
         loader.load_state_dict(meta["loader"])
         trainable.schedule.load_state_dict(meta["lr_schedule"])
+        trainable.reset_pending = bool(meta.get("optimizer_reset_pending", False))
         if self.reference is not None:
             self.reference.resets = resets
         self.sync_weights()

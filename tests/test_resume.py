@@ -1,6 +1,7 @@
 """Checkpoints through the real trainer (fleet, scorer, Megatron; fp32 on CPU).
 
-4 steps straight == 2 steps + resume + 2 steps, bitwise; an interrupted checkpoint is ignored on resume; a run
+4 steps straight == 2 steps + resume + 2 steps, bitwise; the same with PACS v2's reference resets (one right
+before the checkpoint, one after the resume) and a KL term; an interrupted checkpoint is ignored on resume; a run
 saved at TP=2 resumes at TP=1; the ``--save-hf`` directory loads in transformers and holds exactly the
 checkpoint's weights (checked against tools/convert_checkpoint.py mcore-to-hf).
 """
@@ -62,6 +63,26 @@ def test_resume_equals_continuous_and_ignores_interrupted_writes(setup):
     assert max((a[k] - initial[k]).abs().max().item() for k in a) > 1e-4  # training moved the weights
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
     assert not (root / "ckpt_b" / ".iter_0000003.tmp-crash").exists()  # cleaned by the next save
+
+
+def test_resume_with_reference_resets_equals_continuous(setup):
+    """Resets at steps 2 and 4 (reference <- policy, Adam moments zeroed); the checkpoint at step 2 is written right
+    after the first, so it holds the reset reference and the reset optimizer; resuming continues bit for bit."""
+    root = setup
+    v2 = ["--pacs-score-reference", "ref", "--ref-reset-interval", "2", "--kl-coef", "0.05"]
+    straight = _train(root, "v2_straight", "--train-iters", "4", "--save", str(root / "ckpt_v2a"), "--save-hf", *v2)
+    _train(root, "v2_split", "--train-iters", "2", "--save", str(root / "ckpt_v2b"), *v2)
+    meta = json.loads((root / "ckpt_v2b" / "iter_0000002" / "megatron_pacs.json").read_text())
+    assert meta["reference"] == {"resets": 1} and (root / "ckpt_v2b" / "iter_0000002" / "reference").is_dir()
+    split = _train(
+        root, "v2_split", "--train-iters", "4", "--save", str(root / "ckpt_v2b"), "--load", str(root / "ckpt_v2b"),
+        "--save-hf", *v2,
+    )  # fmt: skip
+    assert [m["ref/resets"] for m in split if "ref/resets" in m][-2:] == [1.0, 2.0]
+    assert [m["ref/kl"] for m in straight[-2:]] == [m["ref/kl"] for m in split[-2:]]
+    a = _weights(root / "ckpt_v2a" / "iter_0000004" / "hf")
+    b = _weights(root / "ckpt_v2b" / "iter_0000004" / "hf")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
 
 
 def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup):

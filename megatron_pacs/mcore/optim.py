@@ -116,12 +116,15 @@ class Trainable:
         optimizer: Megatron's optimizer over them.
         config: The optimizer settings.
         schedule: The learning-rate schedule; checkpoint its ``state_dict``.
+        reset_pending: The next optimizer step starts from a fresh Adam state (:func:`reset_optimizer_state`);
+            checkpoint it.
     """
 
     models: list[DDP]
     optimizer: MegatronOptimizer
     config: OptimConfig
     schedule: LRSchedule
+    reset_pending: bool = False
 
 
 def _on_cpu() -> bool:
@@ -302,6 +305,8 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_fn: L
     reports = run_schedule(ddp_models, micro_batches, loss_fn, forward_only=False)
     lr = schedule.current_lr()
     _set_lr(optimizer, lr, cfg.lr, cfg.weight_decay)
+    if trainable.reset_pending:
+        _apply_pending_reset(trainable)
     with cuda_to_cpu():
         ok, grad_norm = _optimizer_step(optimizer, cfg.clip_grad)
     if not ok:
@@ -312,15 +317,27 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_fn: L
 
 
 def reset_optimizer_state(trainable: Trainable) -> None:
-    """Forget Adam's moments and step counters (PACS v2's reset with the reference, following ProRL); the next step
-    is a first Adam step again. The learning-rate schedule continues."""
+    """Forget Adam's moments and step counters at the next optimizer step (PACS v2's reset with the reference,
+    following ProRL): that step is a first Adam step again. The learning-rate schedule continues.
+
+    The reset is applied just before the next update rather than now: until then the state stays valid, so a
+    checkpoint written in between (say at the reset step) saves it normally together with
+    ``Trainable.reset_pending`` (megatron-core 0.16.1 drops a zero step count when saving, so an optimizer holding
+    freshly zeroed counters would not reload).
+    """
+    trainable.reset_pending = True
+
+
+def _apply_pending_reset(trainable: Trainable) -> None:
+    """Drop the optimizer state; torch's (and TE's) Adam re-create it at this step, as on the first one."""
     for opt in _inner_optimizers(trainable.optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
-        inner.state.clear()  # torch's (and TE's) Adam re-create the state lazily on the next step
+        inner.state.clear()
         for group in inner.param_groups:
             group.pop("step", None)  # Apex/TE FusedAdam keep the step count per group
+    trainable.reset_pending = False
 
 
 def masked_sum_and_count(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,8 @@ TRAINER_FLAGS = set(
     --clip-grad --loss --pacs-beta --pacs-score --pacs-advantage --pacs-weights --clip-ratio --kl-coef --num-engines
     --rollout-tensor-parallel-size --temperature --top-p --top-k --ray-address --train-data --val-data --train-iters
     --seed --save --load --save-interval --keep-last --save-hf --eval-interval --log-dir --wandb-project
-    --wandb-exp-name --dry-run --world-size""".split()
+    --wandb-exp-name --dry-run --world-size --pacs-score-reference --ref-reset-interval --ref-reset-optimizer
+    --ref-load""".split()
 )
 
 
@@ -99,3 +100,34 @@ def test_dry_run(script, tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     assert "64" in text and "memory" in text.lower(), text[-4000:]
+
+
+@pytest.mark.parametrize(("script", "steps"), [("qwen3-4b/pacs_v2.sh", 120), ("qwen3-8b/pacs_v2.sh", 320)])
+def test_pacs_v2_recipes_follow_the_papers_appendix_c(script, steps, tmp_path):
+    """1,024 prompts x 8, mini-batch 256, responses up to 8,192 tokens, lr 1e-6, beta 1, no KL, the score anchored
+    at the reference with an optimizer-resetting reset, and the step count of the paper."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "fakepython").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (bin_dir / "fakepython").chmod(0o755)
+    env = _env(tmp_path, PYTHON=str(bin_dir / "fakepython"), DRY_RUN="1")
+    out = subprocess.run(["bash", str(EXAMPLES / script)], env=env, capture_output=True, text=True, check=True)
+    args = out.stdout.splitlines()
+
+    def last(flag: str) -> str:  # argparse keeps the last occurrence
+        return args[len(args) - 1 - args[::-1].index(flag) + 1]
+
+    expected = {
+        "--global-batch-size": "1024",
+        "--group-size": "8",
+        "--ppo-mini-batch-size": "256",
+        "--max-response-length": "8192",
+        "--lr": "1e-6",
+        "--pacs-beta": "1.0",
+        "--kl-coef": "0.0",
+        "--pacs-score-reference": "ref",
+        "--train-iters": str(steps),
+        "--ref-reset-interval": "20",
+    }
+    assert {flag: last(flag) for flag in expected} == expected
+    assert "--ref-reset-optimizer" in args

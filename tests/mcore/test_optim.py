@@ -354,3 +354,30 @@ def _dp_main(model_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     _dp_main(sys.argv[1], sys.argv[2])
+
+
+def test_optimizer_reset_makes_the_next_step_a_first_adam_step(env, tmp_path):
+    """PACS v2's reset: pending until the next update, which then starts from a fresh Adam state: equal to a
+    first step of a new optimizer from the same weights and gradient."""
+    from megatron_pacs.mcore.optim import _inner_optimizers, reset_optimizer_state
+
+    models, trainable = _trainable(env)
+    for _ in range(2):
+        _step(env, trainable, micro_batch_size=3)
+    inner = [o.optimizer for o in _inner_optimizers(trainable.optimizer)]
+    assert all(float(s["step"]) == 2.0 for o in inner for s in o.state.values())
+    reset_optimizer_state(trainable)
+    assert trainable.reset_pending and all(float(s["step"]) == 2.0 for o in inner for s in o.state.values())
+    before = _export(env, models)
+    result = _step(env, trainable, micro_batch_size=3)
+    assert not result.skipped and not trainable.reset_pending
+    assert all(float(s["step"]) == 1.0 for o in inner for s in o.state.values())
+    assert trainable.schedule.num_steps == 3  # the learning-rate schedule continues
+    # The same as a brand-new optimizer's first step from the same weights (hence the same gradient).
+    from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
+
+    save_hf_checkpoint(iter(before.items()), tmp_path / "before", side_files_from=env["dir"], progress=False)
+    fresh_models, fresh = _trainable({**env, "dir": str(tmp_path / "before")})
+    _step(env, fresh, micro_batch_size=3)
+    after, expected = _export(env, models), _export(env, fresh_models)
+    assert max((after[k] - expected[k]).abs().max().item() for k in after) < 1e-6

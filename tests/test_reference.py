@@ -1,0 +1,132 @@
+"""The reference policy through the real trainer (fleet, scorer, Megatron; fp32 on CPU), from the golden fixture's
+warmed-up model, whose rewards are mixed.
+
+- Invariants (docs/algorithm.md §2.2, §2.7): with one mini-batch per step, at step 1 and right after a reset
+  theta = theta_ref, so ``ref/kl`` is exactly 0, the scores anchored at the reference are exactly 0, and the PACS
+  loss equals the one anchored at pi_old; the KL gradient is exactly 0 there, so the first update equals the
+  v1 run's bit for bit.
+- The KL term is the same whatever the layout: padded or packed micro-batches, PP=2, DP=2 (a perturbed reference
+  makes it non-zero from the first token).
+- ``--max-logprob-diff`` stops the run, naming the step and the value.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PINNED_CPU_ENV, TINY_RUN_FLAGS, run_train
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+GOLDEN = Path(__file__).parent / "golden"
+ONE_MINI = ["--ppo-mini-batch-size", "4"]  # global batch 4: one optimizer step per training step
+V2 = ["--pacs-score-reference", "ref"]
+KL = ["--loss", "grpo", "--kl-coef", "0.1", "--kl-estimator", "k3"]
+
+
+def _perturbed_reference(root: Path) -> Path:
+    """The fixture model with every weight moved a little: a reference that differs from the start."""
+    from safetensors.torch import load_file, save_file
+
+    ref = root / "ref_model"
+    shutil.copytree(root / "model", ref)
+    gen = torch.Generator().manual_seed(0)
+    tensors = load_file(str(ref / "model.safetensors"))
+    tensors = {k: v + 0.02 * v.std() * torch.randn(v.shape, generator=gen) for k, v in tensors.items()}
+    save_file(tensors, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    return ref
+
+
+RUNS = {
+    # name: (world, flags)
+    "v2_reset": (1, [*V2, *ONE_MINI, "--kl-coef", "0.05", "--ref-reset-interval", "2", "--train-iters", "3"]),
+    "v1": (1, [*ONE_MINI, "--train-iters", "2"]),
+    "kl_packed": (1, [*KL, "--ref-load", "REF", "--train-iters", "1"]),
+    "kl_padded": (1, [*KL, "--ref-load", "REF", "--no-sequence-packing", "--train-iters", "1"]),
+    "kl_pp2": (2, [*KL, "--ref-load", "REF", "--pipeline-model-parallel-size", "2", "--train-iters", "1"]),
+    "kl_dp2": (2, [*KL, "--ref-load", "REF", "--train-iters", "1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    root = tmp_path_factory.mktemp("reference")
+    shutil.copytree(GOLDEN / "model", root / "model")
+    shutil.copy(GOLDEN / "train.jsonl", root / "train.jsonl")
+    ref = _perturbed_reference(root)
+
+    def launch(name: str) -> list[dict]:
+        world, extra = RUNS[name]
+        extra = [str(ref) if a == "REF" else a for a in extra]
+        flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
+        return run_train([*flags, "--micro-batch-size", "3", *extra], log_dir=root / name, cwd=root, world=world)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # start-up dominates; two launches share the 2 cores
+        return root, dict(zip(RUNS, pool.map(launch, RUNS), strict=True))
+
+
+def _steps(history: list[dict]) -> list[dict]:
+    return [m for m in history if "train/loss" in m]
+
+
+def test_at_the_reference_kl_and_scores_are_exactly_zero_and_the_loss_is_v1s(runs):
+    _, out = runs
+    v2, v1 = _steps(out["v2_reset"]), _steps(out["v1"])
+    assert [m["ref/resets"] for m in v2] == [0.0, 1.0, 1.0]  # reset at the end of step 2
+    for m in (v2[0], v2[2]):  # step 1, and step 3 right after the reset
+        assert m["ref/kl"] == 0.0 and m["ref/kl_loss"] == 0.0
+        assert m["pacs/score/max"] == 0.0 and m["pacs/score/min"] == 0.0
+        assert m["pacs/loss"] == v1[0]["pacs/loss"]  # the s = 0 loss v1 has at its first mini-batch
+    assert v2[1]["ref/kl"] > 0.0 and v2[1]["pacs/score/max"] > 0.0  # in between, the anchor has drifted
+    # At theta = theta_ref the KL gradient is exactly zero and both anchors give s = 0: the same first update.
+    assert v2[0]["train/grad_norm"] == v1[0]["train/grad_norm"]
+    assert v2[1]["rollout/reward_mean"] == v1[1]["rollout/reward_mean"]
+
+
+@pytest.mark.parametrize("other", ["kl_padded", "kl_pp2", "kl_dp2"])
+def test_the_kl_term_does_not_depend_on_packing_pipeline_or_data_parallelism(runs, other):
+    _, out = runs
+    base, m = _steps(out["kl_packed"])[0], _steps(out[other])[0]
+    assert base["ref/kl"] > 1e-4  # a real KL from the first token (perturbed reference)
+    for key in ("ref/kl", "ref/kl_loss", "train/loss", "train/grad_norm"):
+        assert m[key] == pytest.approx(base[key], rel=1e-5), key
+
+
+def test_consistency_is_reported_and_max_logprob_diff_stops_the_run(runs):
+    root, out = runs
+    m = _steps(out["kl_packed"])[0]
+    assert 0.0 <= m["consistency/logprob_abs_diff_max"] < 1e-4  # fp32 on CPU: rounding only
+    assert m["consistency/logprob_abs_diff_mean"] <= m["consistency/logprob_abs_diff_max"]
+    assert 0.0 <= m["consistency/k3"] < 1e-8
+    flags = [
+        "--hf-model",
+        str(root / "model"),
+        "--train-data",
+        str(root / "train.jsonl"),
+        *TINY_RUN_FLAGS,
+        "--train-iters",
+        "1",
+        "--max-logprob-diff",
+        "1e-12",
+        "--log-dir",
+        str(root / "bound"),
+    ]
+    env = dict(os.environ, **PINNED_CPU_ENV)
+    # Sampling at T = 0.7 also runs the trainer's extra T = 1 pass the comparison with the engines' raw log-probs uses.
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_pacs.train", *flags, "--temperature", "0.7"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+        env=env,
+    )
+    assert proc.returncode != 0
+    assert "step 1:" in proc.stderr and "--max-logprob-diff 1e-12" in proc.stderr, proc.stderr[-3000:]
