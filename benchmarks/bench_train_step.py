@@ -104,7 +104,7 @@ def _batch(mix: list[tuple[int, int]], vocab: int, group: int):
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, vocab, (p + r,), generator=g).tolist() for p, r in mix]
     rewards = (torch.rand(len(mix), generator=g) > 0.5).float()
-    return RolloutBatch(
+    return RolloutBatch.from_sequences(
         seqs, torch.tensor([p for p, _ in mix]), torch.tensor([r for _, r in mix]), rewards, group_size=group
     )
 
@@ -162,7 +162,7 @@ def worker(args: argparse.Namespace) -> dict:
     model_dir = make_model_dir(args.shape, Path(args.workdir))
     layout = StepLayout(batch, bcfg, groups, whole_groups=False, align=16 if args.fp8 else 1)
     mbs = layout.micro_batches([0])
-    lengths = [len(s) for s in batch.sequences]
+    lengths = batch.lengths.tolist()
     processed = sum(mb.tokens.numel() for mb in mbs)
     if args.variant == "hf":
         step = _hf_step(model_dir, mbs, gpu)

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_pacs.algo.metrics import reduce_metrics
-from megatron_pacs.algo.objectives import MicroBatchLoss, MiniBatch, Objective
+from megatron_pacs.algo.objectives import Logprobs, MicroBatchLoss, MiniBatch, Objective
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, TrainConfig
-from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_rows, pack_rows, pad_rows
-from megatron_pacs.data.packing import balanced_group_shares, pack_micro_batches
+from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_shares, pack_rows, pad_rows
+from megatron_pacs.data.packing import pack_micro_batches
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.forward import MicroBatch
@@ -91,7 +91,7 @@ def collect_rollouts(
         rec["score"] = score
     rewards = torch.tensor(scored.scores, dtype=torch.float32)
     lens = torch.tensor(response_lens, dtype=torch.float32)
-    batch = RolloutBatch(
+    batch = RolloutBatch.from_sequences(
         sequences,
         torch.tensor(prompt_lens),
         torch.tensor(response_lens),
@@ -141,18 +141,10 @@ class StepLayout:
         self.dp_rank, self.dp_size, self.pipeline = groups.dp_rank, groups.dp_size, groups.pp_size > 1
         # Megatron's interleaved schedule runs micro-batches in groups of PP: their number must be a multiple.
         self.multiple = groups.pp_size if groups.config.virtual_pipeline_model_parallel_size else 1
-        self.lengths = [len(s) for s in batch.sequences]
-        n, per_mini, dp = batch.group_size, cfg.ppo_mini_batch_size, groups.dp_size
-        if cfg.sequence_packing:
-            self.shares = []
-            for start in range(0, batch.num_prompts, per_mini):
-                first = [(start + g) * n for g in range(per_mini)]
-                tokens = [sum(self.lengths[f : f + n]) for f in first]
-                dealt = balanced_group_shares(tokens, dp)
-                self.shares.append([[first[g] + j for g in share for j in range(n)] for share in dealt])
-        else:
-            per_rank = [mini_batch_rows(batch.num_prompts, n, per_mini, r, dp) for r in range(dp)]
-            self.shares = [[per_rank[r][m] for r in range(dp)] for m in range(len(per_rank[0]))]
+        self.lengths = batch.lengths.tolist()
+        self.shares = mini_batch_shares(
+            self.lengths, batch.group_size, cfg.ppo_mini_batch_size, groups.dp_size, balanced=cfg.sequence_packing
+        )
 
     @property
     def num_mini_batches(self) -> int:
@@ -213,6 +205,7 @@ def train_on_batch(
     *,
     temperature: float,
     reference: ReferencePolicy | None = None,
+    tis_cap: float = 2.0,
 ) -> dict[str, float]:
     """All optimizer steps of one training step on this rank's share of ``batch`` (collective).
 
@@ -241,12 +234,19 @@ def train_on_batch(
                 temperature=temperature,
                 tokens=objective.ref_logprobs == "token",
             )
-    old = None
-    if objective.old_logprobs and (len(minis) > 1 or cfg.ppo_epochs > 1):
+    old, importance = None, None
+    correct = objective.correction is not None and batch.engine_logprobs is not None
+    if correct or (objective.old_logprobs and (len(minis) > 1 or cfg.ppo_epochs > 1)):
         with timer.phase("old_logprobs"):
-            which = minis if cfg.ppo_epochs > 1 else minis[1:]
-            old = logprobs(layout.micro_batches(which), tokens=objective.old_logprobs == "token")
+            # the off-policy correction needs the start-of-step policy on every response, the first mini-batch's too
+            which = minis if cfg.ppo_epochs > 1 or correct else minis[1:]
+            level = {objective.old_logprobs, objective.correction}
+            old = logprobs(layout.micro_batches(which), tokens="token" in level)
     parts: list[dict[str, torch.Tensor]] = []
+    if correct:
+        assert old is not None and objective.correction is not None
+        importance, report = truncated_importance(old, batch, objective.correction, cap=tis_cap)
+        parts.append(report)
     results: list[StepResult] = []
     padding = processed = 0
     for epoch in range(cfg.ppo_epochs):
@@ -267,6 +267,7 @@ def train_on_batch(
                     old=None if fresh else old,
                     current=current,
                     ref=ref,
+                    importance=importance,
                 )
             )
             check = fresh and batch.engine_logprobs is not None
@@ -284,13 +285,58 @@ def train_on_batch(
     return metrics
 
 
+def truncated_importance(
+    anchor: Logprobs, batch: RolloutBatch, level: str, *, cap: float
+) -> tuple[Logprobs, dict[str, torch.Tensor]]:
+    """``min(pi_anchor / pi_behaviour, cap)`` for this rank's responses (docs/algorithm.md §5.1).
+
+    The behaviour policy is the engines' (their log-probs of the sampled tokens); the anchor is the policy at the
+    start of the step. Sequence level (a PACS score and loss are per response): the ratio of the responses'
+    likelihoods; token level (GRPO): per token. Tokens the engines gave no log-prob for count as on-policy.
+
+    Returns:
+        ``Logprobs`` holding the ratios (``seq`` ``[S]`` or ``tokens``; 1 where this rank holds no response), and
+        the metrics ``offpolicy/is_ratio_mean`` (before truncation) and ``offpolicy/is_truncated``.
+    """
+    assert batch.engine_logprobs is not None
+    held = batch.held.nonzero().flatten().tolist()
+    engine = batch.engine_logprobs.double()
+    if level == "sequence":
+        device = anchor.seq.device
+        per_response = batch.engine_offsets[1:] - batch.engine_offsets[:-1]
+        behaviour = torch.segment_reduce(
+            torch.nan_to_num(engine, nan=0.0).to(device), "sum", lengths=per_response.to(device), unsafe=True
+        )
+        raw = torch.exp(anchor.seq.double() - behaviour)[held]
+        ratios = torch.ones(batch.num_responses, dtype=torch.float64, device=device)
+        ratios[held] = raw.clamp(max=cap)
+        out = Logprobs(ratios)
+    else:
+        assert anchor.tokens is not None, "token-level ratios need the anchor's token log-probs"
+        store = anchor.tokens
+        device = store.values.device
+        # the held responses' token positions in the anchor's store, in the engines' (held-only) order
+        spans = [torch.arange(int(store.offsets[i]), int(store.offsets[i + 1])) for i in held]
+        pos = torch.cat(spans).to(device) if spans else torch.zeros(0, dtype=torch.long, device=device)
+        engine = engine.to(device)
+        raw = torch.where(torch.isfinite(engine), torch.exp(store.values[pos].double() - engine), 1.0)
+        values = torch.ones_like(store.values)
+        values[pos] = raw.clamp(max=cap).to(values.dtype)
+        out = Logprobs(torch.ones(batch.num_responses, dtype=torch.float64), TokenStore(values, store.offsets))
+    n = torch.tensor(float(raw.numel()))
+    report = {
+        "offpolicy/is_ratio_mean": torch.stack([raw.sum().float().cpu(), n]),
+        "offpolicy/is_truncated": torch.stack([(raw > cap).sum().float().cpu(), n]),
+    }
+    return out, report
+
+
 def _with_consistency(loss: MicroBatchLoss, batch: RolloutBatch) -> MicroBatchLoss:
     """``loss`` that also reports the engines' vs the trainer's log-probs of the same tokens under the same weights
     (docs/algorithm.md §7.1): per-token |difference| mean and max, the response sums' largest |difference| (what a
     PACS score sees), and the k3 estimate of KL(engine || trainer)."""
     assert batch.engine_logprobs is not None
-    offsets = torch.zeros(batch.num_responses + 1, dtype=torch.long)
-    offsets[1:] = torch.cumsum(batch.response_lens.long(), 0)
+    offsets = batch.engine_offsets  # the responses this rank holds
     stores: dict[torch.device, TokenStore] = {}
 
     def wrapped(tokens: TokenLogprobs):

@@ -2,8 +2,11 @@
 
 Rank 0 is the driver: it owns the fleet, the reward pool, the metric sinks and the rollout dumps; every rank owns
 its model shard. Collectives in this file run on the default (world) group, which every rank joins in the same
-order: the rollout broadcast, the metric gather inside ``train_on_batch``, and the weight export (TP gathers and
-PP broadcasts inside the exporter).
+order: the rollout distribution (each data-parallel rank receives its share as tensors), the metric gather inside
+``train_on_batch``, and the weight export (TP gathers and PP broadcasts inside the exporter). With
+``--off-policy-steps 1`` the driver generates the next step's rollouts in a background thread during the update
+(:mod:`megatron_pacs.overlap`); with ``--colocate`` the engines sleep around it
+(:mod:`megatron_pacs.rollout.colocate`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,13 +23,17 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from megatron_pacs.algo.objectives import build_objective
 from megatron_pacs.config import TrainConfig
+from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.optim import Trainable, reset_optimizer_state
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.reference import ReferencePolicy
+from megatron_pacs.overlap import Generated, RolloutProducer, overlap_metrics
 from megatron_pacs.rl_step import StepRollouts, collect_rollouts, train_on_batch
+from megatron_pacs.rollout.colocate import Colocation
+from megatron_pacs.transport import distribute_rollouts
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer
 
@@ -56,9 +62,18 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
         self.log_dir = Path(cfg.run.log_dir)
         self.timer = PhaseTimer(cuda_sync=torch.cuda.is_available())
+        self.gen_timer = PhaseTimer()  # the generation thread's phases (generate, reward)
         self.fleet = self.scorer = None
+        self.producer: RolloutProducer | None = None
+        self.engine_version = 0  # the training step whose weights the engines hold
+        self.pending_step: int | None = None  # a step whose rollouts are generated ahead (every rank knows)
         if self.driver:
             self._start_driver()
+        self.colocation: Colocation | None = None
+        if cfg.rollout.colocate:
+            offload = self.actor if cfg.rollout.offload_optimizer_during_rollout else None
+            self.colocation = Colocation(self.fleet, offload)
+            self.colocation.start()
         self.writer: MetricsWriter | None = None
 
     def _start_driver(self) -> None:
@@ -78,6 +93,11 @@ class Trainer:
             run_dir=str(self.log_dir),
             progress=False,
         )
+        self.producer = RolloutProducer(self._collect)
+
+    def _collect(self, rows: list[PromptRow], step: int) -> StepRollouts:
+        """Driver: generate, score and pack step ``step``'s rollouts (maybe in the producer's thread)."""
+        return collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, self.gen_timer)
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -113,7 +133,7 @@ class Trainer:
         # Log lines (one per step) go through tqdm.write, so the bar stays one line below them.
         with logging_redirect_tqdm(loggers=[logging.getLogger("megatron_pacs")]):
             for step in (s + 1 for s in bar):
-                metrics = self.step(loader.next_batch(), step)
+                metrics = self.step(loader, step)
                 if every and (step % every == 0 or step == cfg.run.train_iters):
                     metrics.update(self.validate())
                 self.writer.log(step, metrics)
@@ -127,36 +147,79 @@ class Trainer:
         bar.close()
         return history
 
-    def step(self, rows: list[PromptRow], step: int) -> dict[str, float]:
-        """One training step: rollouts, update, weight sync (and a reference reset when due). Collective."""
+    def step(self, loader: PromptLoader, step: int) -> dict[str, float]:
+        """One training step (collective): this step's rollouts (generated now, or during the previous step with
+        ``--off-policy-steps 1``), the next step's generation started in the background, the update, a reference
+        reset when due, then the weight sync once no generation is in flight."""
+        cfg = self.cfg
         started = time.perf_counter()
-        rollouts = self._rollouts(rows, step)
+        rows = None if self.pending_step == step else loader.next_batch()
+        self.pending_step = None
+        gen, ran, waited = None, [], 0.0  # this step's rollouts; generations run during it; trainer's wait
+        if self.driver:
+            assert self.producer is not None
+            t0 = time.perf_counter()
+            if rows is None:
+                gen = self.producer.take(step)  # generated during the previous step (or restored)
+            else:
+                gen = self.producer.run(rows, step, self.engine_version)
+                ran.append(gen)
+            waited += time.perf_counter() - t0
+        if cfg.rollout.off_policy_steps and step < cfg.run.train_iters:
+            next_rows, self.pending_step = loader.next_batch(), step + 1
+            if self.driver:
+                assert self.producer is not None
+                self.producer.submit(next_rows, step + 1, self.engine_version)
+        batch = self._distribute(gen)
+        if self.colocation is not None:
+            self.colocation.before_train()
+        train_started = time.perf_counter()
         metrics = train_on_batch(
             self.actor,
-            rollouts.batch,
+            batch,
             self.objective,
-            self.cfg.batch,
+            cfg.batch,
             self.groups,
             self.timer,
-            temperature=self.cfg.rollout.temperature,
+            temperature=cfg.rollout.temperature,
             reference=self.reference,
+            tis_cap=cfg.loss.tis_cap,
         )
+        train = (train_started, time.perf_counter())
         self._check_consistency(metrics, step)
         if self.reference is not None:
             metrics.update(self._maybe_reset_reference(step))
+        if self.driver and self.producer is not None and self.producer.in_flight:
+            t0 = time.perf_counter()
+            ran.append(self.producer.wait())
+            waited += time.perf_counter() - t0
         with self.timer.phase("sync"):
-            sync = self.sync_weights()
-        if step == 1 or (self.cfg.eval.eval_interval and step % self.cfg.eval.eval_interval == 0):
-            sync["sync/max_logprob_diff"] = self.check_sync(rollouts)
-        elapsed = time.perf_counter() - started
-        metrics.update(rollouts.metrics)
+            sync = self.colocation.after_train(self.sync_weights) if self.colocation else self.sync_weights()
+        self.engine_version = step
+        if step == 1 or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0):
+            sync["sync/max_logprob_diff"] = self.check_sync(batch)
         metrics.update(sync)
         metrics.update(self.timer.collect())
-        metrics["perf/time/step"] = elapsed
-        metrics["perf/tokens_per_sec"] = rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
         if self.driver:
-            self._dump(rollouts, step)
+            assert gen is not None
+            elapsed = time.perf_counter() - started
+            metrics.update(gen.rollouts.metrics)
+            metrics.update(self.gen_timer.collect())
+            metrics.update(overlap_metrics(ran, train, (started, started + elapsed), waited))
+            metrics["rollout/policy_lag"] = float(step - 1 - gen.version)
+            metrics["perf/time/step"] = elapsed
+            metrics["perf/tokens_per_sec"] = gen.rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
+            self._dump(gen.rollouts, step)
         return metrics
+
+    def _distribute(self, gen: Generated | None) -> RolloutBatch:
+        """Every rank's data-parallel share of the driver's rollouts (collective; tensors, not pickles)."""
+        if dist.get_world_size() == 1:
+            assert gen is not None
+            return gen.rollouts.batch
+        with self.timer.phase("distribute"):
+            full = gen.rollouts.batch if gen is not None else None
+            return distribute_rollouts(full, self.cfg.batch, self.groups)
 
     def _check_consistency(self, metrics: dict[str, float], step: int) -> None:
         """``--max-logprob-diff``: stop (on every rank alike: the metrics are global) when the engines' and the
@@ -184,14 +247,6 @@ class Trainer:
             out["perf/time/ref_onload"], self.reference.seconds_onload = self.reference.seconds_onload, 0.0
         return out
 
-    def _rollouts(self, rows: list[PromptRow], step: int) -> StepRollouts:
-        payload: list[Any] = [None]
-        if self.driver:
-            payload[0] = collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, self.timer)
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(payload, src=0)
-        return payload[0]
-
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's weights into every engine (all ranks take part in the export)."""
         weights = self.actor.export_hf_weights()
@@ -202,21 +257,23 @@ class Trainer:
             pass
         return {}
 
-    def check_sync(self, rollouts: StepRollouts, num_probes: int = 2) -> float:
-        """Max |engine - trainer| token log-prob on a few of this step's sequences (after the sync). Collective;
-        every pipeline stage receives the trainer's log-probs, so the driver compares under PP too."""
+    def check_sync(self, batch: RolloutBatch, num_probes: int = 2) -> float:
+        """Max |engine - trainer| token log-prob on a few of this step's sequences (after the sync), through vLLM's
+        prompt log-probs. Only data-parallel rank 0's model-parallel group computes (its share's first sequences);
+        every pipeline stage of it receives the trainer's log-probs, so the driver compares under PP too."""
         from megatron_pacs.data.batching import pad_rows
         from megatron_pacs.mcore.forward import token_logprobs
 
-        batch = rollouts.batch
-        rows = list(range(min(num_probes, batch.num_responses)))
+        if self.groups.dp_rank != 0:
+            return 0.0
+        rows = batch.held.nonzero().flatten()[:num_probes].tolist()
         tokens, _, _ = pad_rows(batch, rows)
         logp = token_logprobs(self.actor.chunks, self.groups, tokens, micro_batch_size=len(rows))
         if not self.driver:
             return 0.0
         assert self.fleet is not None, "the driver owns the fleet"
-        probes = [batch.sequences[i] for i in rows]
-        refs = [logp[j, : len(batch.sequences[i]) - 1].tolist() for j, i in enumerate(rows)]
+        probes = [batch.sequence(i).tolist() for i in rows]
+        refs = [logp[j, : len(probes[j]) - 1].tolist() for j in range(len(rows))]
         return self.fleet.verify_sync(probes, refs)
 
     def validate(self) -> dict[str, float]:
@@ -267,8 +324,14 @@ class Trainer:
                 "loader": loader.state_dict(),
                 "lr_schedule": trainable.schedule.state_dict(),
                 "optimizer_reset_pending": trainable.reset_pending,
+                "pending_step": self.pending_step,
                 "config": self.cfg.to_dict(),
             }
+            # One step off: the next step's rollouts are done (the sync waited for them); keep them, since the
+            # weights that generated them are gone.
+            driver_objects = {}
+            if self.driver and self.producer is not None and self.producer.done is not None:
+                driver_objects["pending_rollouts"] = self.producer.done
             extra = {}
             if self.reference is not None:
                 meta["reference"] = {"resets": self.reference.resets}
@@ -276,7 +339,14 @@ class Trainer:
                     extra["reference"] = self.reference.models
             assert ck.save is not None
             path = save_training_checkpoint(
-                ck.save, step, trainable.models, trainable.optimizer, meta, keep_last=ck.keep_last, extra_models=extra
+                ck.save,
+                step,
+                trainable.models,
+                trainable.optimizer,
+                meta,
+                keep_last=ck.keep_last,
+                extra_models=extra,
+                driver_objects=driver_objects,
             )
             if ck.save_hf:
                 save_hf_checkpoint(
@@ -304,9 +374,14 @@ class Trainer:
         loader.load_state_dict(meta["loader"])
         trainable.schedule.load_state_dict(meta["lr_schedule"])
         trainable.reset_pending = bool(meta.get("optimizer_reset_pending", False))
+        self.pending_step = meta.get("pending_step")
+        if self.driver and self.pending_step is not None:
+            assert self.producer is not None
+            self.producer.done = torch.load(ckpt / "pending_rollouts.pt", weights_only=False)
         if self.reference is not None:
             self.reference.resets = resets
         self.sync_weights()
+        self.engine_version = int(meta["step"])
         return int(meta["step"])
 
     def _trainable(self) -> Trainable:
@@ -316,6 +391,8 @@ class Trainer:
     # -- teardown ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
         if self.writer is not None:
             self.writer.close()
         if self.fleet is not None:

@@ -22,7 +22,9 @@ def _batch(num_prompts: int, group_size: int, seed: int = 0) -> RolloutBatch:
             seqs.append(list(range(3, 3 + p + r)))
             plens.append(p)
             rlens.append(r)
-    return RolloutBatch(seqs, torch.tensor(plens), torch.tensor(rlens), torch.zeros(len(seqs)), group_size)
+    return RolloutBatch.from_sequences(
+        seqs, torch.tensor(plens), torch.tensor(rlens), torch.zeros(len(seqs)), group_size
+    )
 
 
 def _groups(dp_rank: int = 0, dp_size: int = 1, pp_size: int = 1, vpp: int | None = None) -> SimpleNamespace:
@@ -38,7 +40,7 @@ def test_padded_layout_is_todays_contiguous_cut():
     )
     layout = StepLayout(batch, cfg, _groups(1, 2), whole_groups=False)  # type: ignore[arg-type]
     assert [layout.rows([m]) for m in range(2)] == mini_batch_rows(8, 4, 4, 1, 2)
-    lengths = [len(s) for s in batch.sequences]
+    lengths = batch.lengths.tolist()
     parts = micro_batch_rows(layout.rows([0]), lengths, micro_batch_size=3)
     mbs = layout.micro_batches([0])
     assert [mb.sequence_index.tolist() for mb in mbs] == parts and not any(mb.packed for mb in mbs)
@@ -71,8 +73,8 @@ def test_packed_layout_covers_each_response_once_with_equal_micro_batch_counts(p
                     idx = mb.sequence_index.tolist()
                     assert len(idx) % 4 == 0 and all(idx[k] % 4 == 0 for k in range(0, len(idx), 4))
         # whole groups per rank, balanced: each rank's token total is within one group of the mean
-        totals = [sum(len(batch.sequences[i]) for i in layouts[r].rows([m])) for r in range(4)]
-        group_tokens = [sum(len(batch.sequences[i]) for i in range(g * 4, g * 4 + 4)) for g in range(16)]
+        totals = [sum(int(batch.lengths[i]) for i in layouts[r].rows([m])) for r in range(4)]
+        group_tokens = [sum(int(batch.lengths[i]) for i in range(g * 4, g * 4 + 4)) for g in range(16)]
         assert max(totals) - min(totals) <= max(group_tokens)
 
 

@@ -109,7 +109,7 @@ def main() -> int:
             # the update is non-trivial (the rollouts themselves are the fleet's).
             batch.rewards = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.float32)
             torch.save(batch, out / "batch.pt")
-            longest = max(len(s) for s in batch.sequences)
+            longest = int(batch.lengths.max())
             VARIANTS["budget_split"] = (False, 8, 3 * longest, False)  # 3 rows per micro-batch: groups of 4 split
             # 5 sequences' worth of tokens per packed micro-batch: groups of 4 split, micro-batches filled unevenly
             VARIANTS["packed_split"] = (False, 8, 5 * longest, True)

@@ -66,6 +66,7 @@ def grpo_token_loss(
     clip_ratio: float = 0.2,
     clip_ratio_c: float | None = 3.0,
     rewards: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """PPO clipped surrogate with GRPO advantages over flat response tokens, as a global sum over responses.
 
@@ -81,6 +82,8 @@ def grpo_token_loss(
         clip_ratio: PPO epsilon (verl default 0.2).
         clip_ratio_c: Dual-clip bound for negative advantages (verl default 3.0); None disables it.
         rewards: Optional ``[S]`` rewards in [0, 1], only for the reward metric.
+        token_weights: ``[N]`` multipliers of the token losses (truncated importance ratios of off-policy
+            rollouts, docs/algorithm.md §5.1), or None.
 
     Returns:
         ``LossOutput(loss_sum, count=S, metrics)``; ``loss_sum / count`` is L in the module docstring.
@@ -102,6 +105,8 @@ def grpo_token_loss(
         bound = -a * clip_ratio_c
         lower_clipped = (a < 0) & (tok_loss > bound)
         tok_loss = torch.where(a < 0, torch.minimum(tok_loss, bound), tok_loss)
+    if token_weights is not None:
+        tok_loss = tok_loss * token_weights.to(tok_loss)
     loss_sum = tok_loss.sum() / max_response_len
 
     with torch.no_grad():

@@ -91,6 +91,8 @@ class MiniBatch:
         old: The rollout policy's log-probs (None when ``fresh`` or when the objective needs none).
         current: ``[S]`` float64 phase-1 sequence log-probs under the current parameters, when requested.
         ref: The reference policy's log-probs, when the objective needs them.
+        importance: Truncated importance ratios pi_anchor / pi_behaviour of the rollouts (``seq`` ``[S]`` or
+            ``tokens``, at the objective's ``correction`` level), when ``--off-policy-correction tis``.
     """
 
     rows: torch.Tensor
@@ -101,6 +103,7 @@ class MiniBatch:
     old: Logprobs | None = None
     current: torch.Tensor | None = None
     ref: Logprobs | None = None
+    importance: Logprobs | None = None
 
 
 @dataclass
@@ -122,6 +125,8 @@ class Objective(ABC):
     ref_logprobs: Level | None = None
     #: Micro-batches must hold whole groups.
     whole_groups: bool = False
+    #: The level of the off-policy importance weights it takes (``--off-policy-correction tis``), or None.
+    correction: Level | None = None
 
     @property
     def loss_keys(self) -> tuple[str, ...]:
@@ -176,6 +181,11 @@ class _Pacs(Objective):
         self.ref_anchor = log_ratio and cfg.pacs_score_reference == "ref"
         self.old_logprobs = "sequence" if log_ratio and not self.ref_anchor else None
         self.ref_logprobs = "sequence" if self.ref_anchor else None
+        self.correction = "sequence" if cfg.off_policy_correction == "tis" else None
+
+    @staticmethod
+    def _sample_weights(mb: MiniBatch, idx: torch.Tensor) -> torch.Tensor | None:
+        return None if mb.importance is None else mb.importance.seq[idx].cpu()
 
     def _anchor(self, mb: MiniBatch) -> torch.Tensor | None:
         """``[S]`` l_anchor: the reference's, or the rollout policy's (None when ``fresh``: l_old = l exactly)."""
@@ -223,6 +233,7 @@ class PacsTwoPhase(_Pacs):
             advantage=self.advantage,
             weights=self.weights,
             normalizer=1.0,
+            sample_weights=self._sample_weights(mb, idx),
         )
         coeffs = torch.zeros(num, dtype=grads.dtype)
         coeffs[idx] = grads
@@ -247,6 +258,9 @@ class PacsTwoPhase(_Pacs):
         n, rewards = mb.group_size, mb.rewards[idx]
         adv = group_advantages(scores, group_size=n, advantage=self.advantage)
         w = group_weights(rewards, group_size=n, weights=self.weights)
+        sample_weights = self._sample_weights(mb, idx)
+        if sample_weights is not None:
+            w = w * sample_weights.to(w)
         loss_sum = F.binary_cross_entropy_with_logits(adv, rewards, weight=w, reduction="sum")
         m = pacs_metrics(scores, adv, rewards, w, group_size=n)
         m["pacs/loss"] = torch.stack([loss_sum, loss_sum.new_tensor(float(scores.numel()))])
@@ -260,7 +274,8 @@ class PacsDirect(_Pacs):
 
     def prepare(self, mb: MiniBatch) -> Prepared:
         anchor = self._anchor(mb)
-        step = _StepTensors(anchor=anchor, rewards=mb.rewards, lens=mb.response_lens)
+        importance = None if mb.importance is None else mb.importance.seq
+        step = _StepTensors(anchor=anchor, rewards=mb.rewards, lens=mb.response_lens, importance=importance)
 
         def loss(tokens: TokenLogprobs):
             seq = tokens.sequence_sums()
@@ -277,6 +292,7 @@ class PacsDirect(_Pacs):
                 advantage=self.advantage,
                 weights=self.weights,
                 response_lens=t["lens"][idx],
+                sample_weights=t["importance"][idx] if importance is not None else None,
             )
             return out.loss_sum.float(), _count(tokens), out.metrics
 
@@ -291,9 +307,11 @@ class GrpoObjective(Objective):
 
     def __init__(self, cfg: LossConfig, max_response_length: int) -> None:
         self.clip_ratio, self.max_response_length = cfg.clip_ratio, max_response_length
+        self.correction = "token" if cfg.off_policy_correction == "tis" else None
 
     def prepare(self, mb: MiniBatch) -> Prepared:
         old_tokens = None if mb.old is None else mb.old.tokens
+        ratios = None if mb.importance is None else mb.importance.tokens
         step = _StepTensors(advantages=grpo_advantages(mb.rewards, group_size=mb.group_size), rewards=mb.rewards)
 
         def loss(tokens: TokenLogprobs):
@@ -308,6 +326,7 @@ class GrpoObjective(Objective):
                 max_response_len=self.max_response_length,
                 clip_ratio=self.clip_ratio,
                 rewards=t["rewards"][idx],
+                token_weights=None if ratios is None else ratios.gather(tokens),
             )
             out.metrics.update(stat_entries("grpo/advantage", t["advantages"][idx]))
             return out.loss_sum, _count(tokens), out.metrics
@@ -328,6 +347,7 @@ class KLRegularized(Objective):
     def __init__(self, inner: Objective, coef: float, estimator: str, max_response_length: int) -> None:
         self.inner, self.coef, self.estimator, self.max_response_length = inner, coef, estimator, max_response_length
         self.loss_key, self.old_logprobs, self.whole_groups = inner.loss_key, inner.old_logprobs, inner.whole_groups
+        self.correction = inner.correction
 
     @property
     def loss_keys(self) -> tuple[str, ...]:

@@ -227,6 +227,7 @@ def pacs_loss(
     advantage: str = "rloo",
     weights: str = "balanced",
     response_lens: torch.Tensor | None = None,
+    sample_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """The PACS loss over whole groups, as a global sum and count.
 
@@ -243,6 +244,8 @@ def pacs_loss(
         advantage: ``rloo`` | ``grpo`` | ``grpo_no_std`` | ``naive``.
         weights: ``balanced`` | ``none`` | ``only_positive`` | ``only_negative``.
         response_lens: ``[S]`` token counts, needed by ``mean_logp``.
+        sample_weights: ``[S]`` multipliers of the BCE weights (truncated importance ratios of off-policy
+            rollouts, docs/algorithm.md §5.1), or None.
 
     Returns:
         ``LossOutput(loss_sum, count=S, metrics)`` with the docs/algorithm.md §7 metrics.
@@ -258,6 +261,8 @@ def pacs_loss(
     )
     adv = group_advantages(s, group_size=group_size, advantage=advantage)
     w = group_weights(rewards, group_size=group_size, weights=weights)
+    if sample_weights is not None:
+        w = w * sample_weights.to(w)
     loss_sum = F.binary_cross_entropy_with_logits(adv, rewards.to(dt), weight=w.to(dt), reduction="sum")
     metrics = pacs_metrics(s, adv, rewards, w, group_size=group_size)
     metrics["pacs/loss"] = torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(s.numel()))])
@@ -272,6 +277,7 @@ def pacs_score_grads(
     advantage: str = "rloo",
     weights: str = "balanced",
     normalizer: float,
+    sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Closed-form dL/ds of the PACS loss (docs/algorithm.md §3.2), for the two-phase group gradient.
 
@@ -287,6 +293,7 @@ def pacs_score_grads(
         weights: ``balanced`` | ``none`` | ``only_positive`` | ``only_negative``.
         normalizer: The global count the loss is divided by (responses in the optimizer step's mini-batch,
             summed over data-parallel ranks).
+        sample_weights: ``[S]`` multipliers of the BCE weights (see :func:`pacs_loss`), or None.
 
     Returns:
         ``[S]`` coefficients ``c`` (float32, or float64 for float64 scores), detached.
@@ -304,7 +311,10 @@ def pacs_score_grads(
     with torch.no_grad():
         s_GN = scores.detach().to(dt).view(-1, group_size)
         r_GN = rewards.to(dt).view(-1, group_size)
-        w_GN = group_weights(rewards, group_size=group_size, weights=weights).to(dt).view(-1, group_size)
+        w = group_weights(rewards, group_size=group_size, weights=weights).to(dt)
+        if sample_weights is not None:
+            w = w * sample_weights.to(w)
+        w_GN = w.view(-1, group_size)
         e_GN = w_GN * (torch.sigmoid(est.forward(s_GN)) - r_GN) / normalizer
         return est.vjp(s_GN, e_GN).reshape(-1)
 

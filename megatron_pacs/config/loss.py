@@ -13,6 +13,7 @@ CHOICES = {
     "pacs_score": ("log_ratio", "mean_logp"),
     "pacs_score_reference": ("old", "ref"),
     "kl_estimator": ("k1", "k2", "k3"),
+    "off_policy_correction": ("none", "tis"),
     "pacs_advantage": ("rloo", "grpo", "grpo_no_std", "naive"),
     "pacs_weights": ("balanced", "none", "only_positive", "only_negative"),
 }
@@ -44,6 +45,12 @@ class LossConfig:
     """Per-token KL estimator with r = log pi_ref - log pi: k1 (-r, score-function gradient), k2 (r^2 / 2) or k3
     (exp(r) - r - 1, low variance)."""
 
+    off_policy_correction: str = "none"
+    """none, or tis: weight each response (PACS) or token (GRPO) by min(pi_anchor / pi_behaviour, --tis-cap), the
+    behaviour being the engines' log-probs (docs/algorithm.md §5.1)."""
+    tis_cap: float = 2.0
+    """Truncation of the importance ratio with --off-policy-correction tis."""
+
     @property
     def needs_reference(self) -> bool:
         """A KL term or the reference anchor needs the reference policy's log-probs."""
@@ -59,6 +66,8 @@ class LossConfig:
             raise bad("clip_ratio", f"{self.clip_ratio} must lie in (0, 1); PPO's usual value is 0.2")
         if self.kl_coef < 0:
             raise bad("kl_coef", "must be >= 0")
+        if not self.tis_cap > 1:
+            raise bad("tis_cap", f"{self.tis_cap} must be > 1 (the ratio is truncated from above at this value)")
         if self.pacs_score_reference == "ref" and self.loss != "pacs":
             raise bad("pacs_score_reference", "anchors the PACS score; it has no meaning for --loss grpo")
         if self.pacs_score_reference == "ref" and self.pacs_score != "log_ratio":

@@ -14,7 +14,8 @@ class OptimConfig:
     """AdamW (decoupled weight decay) through Megatron's optimizer; fp32 main params and gradients."""
 
     lr: float = 1e-6
-    """Peak learning rate (reached after the warm-up, then constant; the reference uses 1e-6)."""
+    """Peak learning rate (reached after the warm-up, then constant; the reference uses 1e-6); 0 freezes the
+    policy (a measurement run: every step computes the same update, nothing moves)."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warm-up (warm-up step k uses lr * (k + 1) / lr-warmup-steps)."""
     lr_decay_steps: int = 0
@@ -34,8 +35,8 @@ class OptimConfig:
     """Shard optimizer state across data-parallel ranks (Megatron's distributed optimizer; GPU only)."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise bad("lr", f"{self.lr} must be > 0")
+        if self.lr < 0:
+            raise bad("lr", f"{self.lr} must be >= 0 (0 freezes the policy)")
         if self.weight_decay < 0:
             raise bad("weight_decay", f"{self.weight_decay} must be >= 0")
         for name in ("adam_beta1", "adam_beta2"):

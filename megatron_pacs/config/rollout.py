@@ -51,6 +51,13 @@ class RolloutConfig:
     RPC."""
     max_engine_restarts: int = 3
     """Engine restarts allowed within one generate call before the step fails."""
+    off_policy_steps: int = 0
+    """0: generate, then train, every step (synchronous). 1: the engines generate step k+1's rollouts while the
+    actor trains on step k's, so every step after the first trains on rollouts one update old (docs/algorithm.md
+    §5.1)."""
+    offload_optimizer_during_rollout: bool = False
+    """With --colocate: move the optimizer state and gradient buffers to host memory while the engines generate
+    (GPU only)."""
     max_logprob_diff: float | None = None
     """Stop the run when a step's largest |engine - trainer| token log-prob exceeds this (weights not synced, a
     wrong tokenizer or dtype); None: report only (docs/algorithm.md §7.1 gives the expected values)."""
@@ -69,6 +76,15 @@ class RolloutConfig:
             raise bad("gpu_memory_utilization", "must lie in (0, 1]")
         if self.weight_sync not in WEIGHT_SYNC:
             raise bad("weight_sync", f"{self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
+        if self.off_policy_steps not in (0, 1):
+            raise bad("off_policy_steps", f"{self.off_policy_steps}: use 0 (synchronous) or 1 (one step off)")
+        if self.colocate and self.off_policy_steps:
+            raise bad(
+                "off_policy_steps",
+                "generation cannot overlap training when the engines share the trainer's GPUs (--colocate); use 0",
+            )
+        if self.offload_optimizer_during_rollout and not self.colocate:
+            raise bad("offload_optimizer_during_rollout", "only frees memory for colocated engines; add --colocate")
         if self.max_logprob_diff is not None and not self.max_logprob_diff > 0:
             raise bad("max_logprob_diff", f"{self.max_logprob_diff} must be > 0")
         if self.ray_object_store_gb <= 0 or self.kv_cache_gb <= 0:

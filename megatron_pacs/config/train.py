@@ -78,6 +78,13 @@ class TrainConfig:
                         "no reference policy is built without --kl-coef > 0 or --pacs-score-reference ref; drop it "
                         "or ask for one of those",
                     )
+        r = self.rollout
+        if self.loss.off_policy_correction == "tis" and (r.temperature != 1.0 or r.top_p < 1.0 or r.top_k != -1):
+            raise bad(
+                "off_policy_correction",
+                "tis compares with the engines' raw log-probs, which are the behaviour policy only when sampling at "
+                "--temperature 1 with --top-p 1 and --top-k -1; drop it or sample so",
+            )
         if self.model.fp8_format and not _importable("transformer_engine"):
             raise bad("fp8_format", "needs Transformer Engine (pip install .[gpu] on a CUDA machine)")
         if not need_files:

@@ -15,37 +15,114 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RolloutBatch", "micro_batch_rows", "mini_batch_rows", "pack_rows", "pad_rows"]
+__all__ = ["RolloutBatch", "micro_batch_rows", "mini_batch_rows", "mini_batch_shares", "pack_rows", "pad_rows"]
 
 
 @dataclass
 class RolloutBatch:
-    """One step's responses in group order (identical on every rank).
+    """One step's responses in group order, as flat tensors.
+
+    The metadata (lengths, rewards) covers all S responses on every rank; the tokens may cover only some of them
+    (a data-parallel rank's share, :meth:`share`): ``offsets`` then gives the others length 0.
 
     Attributes:
-        sequences: S token lists, prompt followed by response.
+        token_ids: ``[sum L_i]`` long, the held sequences (prompt + response) one after another, in index order.
+        offsets: ``[S + 1]`` long: sequence i is ``token_ids[offsets[i]:offsets[i + 1]]`` (empty when not held).
         prompt_lens: ``[S]`` prompt lengths.
         response_lens: ``[S]`` response lengths (>= 1).
         rewards: ``[S]`` float rewards in [0, 1].
         group_size: n.
-        engine_logprobs: ``[sum R_i]`` float32, the engines' log-probs of the sampled response tokens (temperature
-            1, response after response; NaN where the engine gave none), or None.
+        engine_logprobs: ``[sum R_i]`` float32, the engines' log-probs of the held responses' sampled tokens
+            (temperature 1, response after response; NaN where the engine gave none), or None.
     """
 
-    sequences: list[list[int]]
+    token_ids: torch.Tensor
+    offsets: torch.Tensor
     prompt_lens: torch.Tensor
     response_lens: torch.Tensor
     rewards: torch.Tensor
     group_size: int
     engine_logprobs: torch.Tensor | None = None
 
+    @classmethod
+    def from_sequences(
+        cls,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: torch.Tensor,
+        response_lens: torch.Tensor,
+        rewards: torch.Tensor,
+        group_size: int,
+        engine_logprobs: torch.Tensor | None = None,
+    ) -> RolloutBatch:
+        """A batch holding every sequence, from token lists (prompt followed by response)."""
+        lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+        offsets = torch.zeros(len(sequences) + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        flat = [t for s in sequences for t in s]
+        return cls(
+            torch.tensor(flat, dtype=torch.long),
+            offsets,
+            prompt_lens,
+            response_lens,
+            rewards,
+            group_size,
+            engine_logprobs,
+        )
+
     @property
     def num_responses(self) -> int:
-        return len(self.sequences)
+        return int(self.prompt_lens.numel())
 
     @property
     def num_prompts(self) -> int:
-        return len(self.sequences) // self.group_size
+        return self.num_responses // self.group_size
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[S]`` sequence lengths (prompt + response), known on every rank."""
+        return self.prompt_lens.long() + self.response_lens.long()
+
+    @property
+    def held(self) -> torch.Tensor:
+        """``[S]`` bool: the sequences whose tokens this batch holds."""
+        return self.offsets[1:] > self.offsets[:-1]
+
+    @property
+    def engine_offsets(self) -> torch.Tensor:
+        """``[S + 1]``: response i's engine log-probs are ``engine_logprobs[engine_offsets[i]:engine_offsets[i+1]]``."""
+        out = torch.zeros(self.num_responses + 1, dtype=torch.long)
+        out[1:] = torch.cumsum(torch.where(self.held, self.response_lens.long(), 0), 0)
+        return out
+
+    def sequence(self, i: int) -> torch.Tensor:
+        """``[L_i]`` token ids of sequence i (it must be held)."""
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        if end == start:
+            raise ValueError(f"sequence {i} is not held by this batch (another data-parallel rank's share)")
+        return self.token_ids[start:end]
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        """Token lists of every sequence (empty where not held); for dumps and small tools, not the hot path."""
+        return [
+            self.token_ids[int(a) : int(b)].tolist() for a, b in zip(self.offsets[:-1], self.offsets[1:], strict=True)
+        ]
+
+    def share(self, rows: Sequence[int]) -> RolloutBatch:
+        """The same batch holding only ``rows``' tokens (and engine log-probs)."""
+        keep = sorted(set(rows))
+        tokens = [self.sequence(i) for i in keep]
+        lengths = torch.zeros(self.num_responses, dtype=torch.long)
+        lengths[keep] = self.lengths[keep]
+        offsets = torch.zeros(self.num_responses + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        engine = None
+        if self.engine_logprobs is not None:
+            eo = self.engine_offsets
+            parts = [self.engine_logprobs[int(eo[i]) : int(eo[i + 1])] for i in keep]
+            engine = torch.cat(parts) if parts else self.engine_logprobs[:0]
+        flat = torch.cat(tokens) if tokens else self.token_ids[:0]
+        return RolloutBatch(flat, offsets, self.prompt_lens, self.response_lens, self.rewards, self.group_size, engine)
 
 
 def mini_batch_rows(
@@ -70,6 +147,39 @@ def mini_batch_rows(
         first = start + dp_rank * per_rank
         rows.append(list(range(first * group_size, (first + per_rank) * group_size)))
     return rows
+
+
+def mini_batch_shares(
+    lengths: Sequence[int], group_size: int, mini_batch_prompts: int, dp_size: int, *, balanced: bool
+) -> list[list[list[int]]]:
+    """Every data-parallel rank's responses of every mini-batch (whole groups), the same on every rank.
+
+    Args:
+        lengths: ``[S]`` sequence lengths (prompt + response).
+        group_size: n.
+        mini_batch_prompts: Prompts per mini-batch.
+        dp_size: Data-parallel ranks.
+        balanced: Deal each mini-batch's groups to ranks by token count
+            (:func:`~megatron_pacs.data.packing.balanced_group_shares`, used with packing); else contiguous blocks
+            (:func:`mini_batch_rows`).
+
+    Returns:
+        ``shares[m][r]``: the response indices rank r trains in mini-batch m, in increasing order.
+    """
+    from megatron_pacs.data.packing import balanced_group_shares
+
+    num_prompts = len(lengths) // group_size
+    if not balanced:
+        per_rank = [mini_batch_rows(num_prompts, group_size, mini_batch_prompts, r, dp_size) for r in range(dp_size)]
+        return [[per_rank[r][m] for r in range(dp_size)] for m in range(len(per_rank[0]))]
+    mini_batch_rows(num_prompts, group_size, mini_batch_prompts, 0, dp_size)  # the same divisibility checks
+    shares = []
+    for start in range(0, num_prompts, mini_batch_prompts):
+        first = [(start + g) * group_size for g in range(mini_batch_prompts)]
+        tokens = [sum(lengths[f : f + group_size]) for f in first]
+        dealt = balanced_group_shares(tokens, dp_size)
+        shares.append([[first[g] + j for g in share for j in range(group_size)] for share in dealt])
+    return shares
 
 
 def micro_batch_rows(
@@ -132,14 +242,14 @@ def pad_rows(
         ``index [b]`` long (the response index, -1 for padding rows).
     """
     num_rows = num_rows or len(rows)
-    length = length or max(len(batch.sequences[i]) for i in rows)
+    length = length or max(int(batch.lengths[i]) for i in rows)
     tokens = torch.full((num_rows, length), pad_id, dtype=torch.long)
     mask = torch.zeros((num_rows, length), dtype=torch.bool)
     index = torch.full((num_rows,), -1, dtype=torch.long)
     for j in range(num_rows):
         i = rows[j] if j < len(rows) else rows[0]
-        seq = batch.sequences[i]
-        tokens[j, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        seq = batch.sequence(i)
+        tokens[j, : len(seq)] = seq
         if j < len(rows):
             p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
             mask[j, p : p + r] = True
@@ -162,7 +272,7 @@ def pack_rows(
         ``tokens [1, T]`` long, ``score_mask [1, T]`` bool (True at response tokens), ``index [m]`` long (the
         response indices), the m sequence lengths.
     """
-    lengths = tuple(len(batch.sequences[i]) for i in rows)
+    lengths = tuple(int(batch.lengths[i]) for i in rows)
     used = sum(lengths)
     total = max(length or used, 1)
     if used > total:
@@ -171,7 +281,7 @@ def pack_rows(
     mask = torch.zeros((1, total), dtype=torch.bool)
     offset = 0
     for i, n in zip(rows, lengths, strict=True):
-        tokens[0, offset : offset + n] = torch.tensor(batch.sequences[i], dtype=torch.long)
+        tokens[0, offset : offset + n] = batch.sequence(i)
         p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
         mask[0, offset + p : offset + p + r] = True
         offset += n

@@ -152,6 +152,24 @@ class Actor:
 
         return train_step(self.trainable, micro_batches, loss_fn)
 
+    # -- colocation ------------------------------------------------------------------------------------------
+
+    def offload_training_state(self) -> None:
+        """Optimizer state and gradient buffers to host memory (Megatron's RL offload; GPU only, else a no-op)."""
+        if self.trainable is None or not torch.cuda.is_available():
+            return
+        self.trainable.optimizer.offload_to_cpu()
+        for m in self.trainable.models:
+            m.offload_grad_buffers()
+
+    def onload_training_state(self) -> None:
+        """Undo :meth:`offload_training_state` before an update."""
+        if self.trainable is None or not torch.cuda.is_available():
+            return
+        for m in self.trainable.models:
+            m.restore_grad_buffers()
+        self.trainable.optimizer.restore_from_cpu()
+
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the current weights under HF names (every rank must iterate to the end)."""
         return export_hf_weights(self.models, self.groups, self.hf_config)

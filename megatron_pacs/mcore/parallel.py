@@ -37,6 +37,11 @@ class ParallelGroups:
     dp_size: int
     pg_collection: ProcessGroupCollection = field(repr=False)
     """Megatron's ``ProcessGroupCollection`` for model constructors that accept one."""
+    mp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    """The model-parallel group (TP x PP ranks holding one copy of the model)."""
+    dp_leaders: tuple[int, ...] = ()
+    """For each data-parallel rank, the global rank of its model-parallel group's first member (receives that
+    rank's rollouts and passes them on)."""
 
     @property
     def tp_size(self) -> int:
@@ -123,8 +128,22 @@ def init_parallel(
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=dp_size,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        mp_group=cast(dist.ProcessGroup, ps.get_model_parallel_group()),
     )
+    groups.dp_leaders = _dp_leaders(groups)
     return groups
+
+
+def _dp_leaders(groups: ParallelGroups) -> tuple[int, ...]:
+    """Every DP rank's model-parallel leader, gathered once (every rank knows only its own group's ranks)."""
+    assert groups.mp_group is not None
+    mine = torch.tensor([groups.dp_rank, min(dist.get_process_group_ranks(groups.mp_group))], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    leaders = {int(t[0]): int(t[1]) for t in every}
+    return tuple(leaders[r] for r in range(groups.dp_size))
 
 
 def destroy_parallel() -> None:

@@ -16,7 +16,7 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -83,7 +83,8 @@ def save_training_checkpoint(
     metadata: dict[str, Any],
     *,
     keep_last: int = 2,
-    extra_models: dict[str, Sequence[MegatronModule]] | None = None,
+    extra_models: Mapping[str, Sequence[MegatronModule]] | None = None,
+    driver_objects: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``save/iter_<step>`` atomically (collective: every rank calls it).
 
@@ -96,6 +97,7 @@ def save_training_checkpoint(
         keep_last: Complete checkpoints to keep (older ones are deleted after this one is in place).
         extra_models: Other models to keep with it (name -> chunks, e.g. the reference policy), each a sharded
             checkpoint in a subfolder of that name.
+        driver_objects: Rank 0's own state (name -> object, e.g. rollouts generated ahead), ``<name>.pt``.
     """
     final = checkpoint_dir(save, step)
     tmp = None
@@ -123,6 +125,9 @@ def save_training_checkpoint(
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
     torch.save(rng, os.path.join(tmp, f"rng_rank{_rank():05d}.pt"))
+    if _rank() == 0:
+        for name, obj in (driver_objects or {}).items():
+            torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     _barrier()
     if _rank() == 0:
         with open(os.path.join(tmp, META_FILE), "w") as f:
@@ -170,7 +175,7 @@ def load_training_checkpoint(
     models: Sequence[MegatronModule],
     optimizer: Any,
     *,
-    extra_models: dict[str, Sequence[MegatronModule]] | None = None,
+    extra_models: Mapping[str, Sequence[MegatronModule]] | None = None,
 ) -> dict:
     """Load model and optimizer state (resharded to this run's layout) and this rank's RNG state.
 

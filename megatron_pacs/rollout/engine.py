@@ -383,17 +383,17 @@ class VLLMEngine:
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
-    def sleep(self) -> None:
+    def sleep(self, level: int = 1) -> None:
         if self.on_cpu:
             if not self._warned_sleep:
                 log.info("sleep()/wake_up() are no-ops on CPU: there is no accelerator memory to release")
                 self._warned_sleep = True
             return
-        self.llm.sleep(level=1)
+        self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         if not self.on_cpu:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=tags)
 
     def shutdown(self) -> None:
         """Stop the engine core (and its processes) so nothing is left in /dev/shm or the temp folder."""

@@ -341,11 +341,11 @@ class RolloutFleet:
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
-    def sleep(self) -> None:
-        ray.get([e.call.remote("sleep") for e in self.engines])
+    def sleep(self, level: int = 1) -> None:
+        ray.get([e.call.remote("sleep", level) for e in self.engines])
 
-    def wake_up(self) -> None:
-        ray.get([e.call.remote("wake_up") for e in self.engines])
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        ray.get([e.call.remote("wake_up", tags) for e in self.engines])
 
     def shutdown(self) -> None:
         """Stop every engine, the placement groups, the side group, and a Ray this fleet started."""

@@ -122,12 +122,13 @@ class RolloutEngine(Protocol):
         """
         ...
 
-    def sleep(self) -> None:
-        """Release accelerator memory (weights and KV cache) while the trainer uses the same devices."""
+    def sleep(self, level: int = 1) -> None:
+        """Release accelerator memory while the trainer uses the same devices: level 1 keeps a host copy of the
+        weights and drops the KV cache; level 2 drops both (the next weight update refills them)."""
         ...
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep`."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo :meth:`sleep` for ``tags`` (``"weights"``, ``"kv_cache"``; None: everything)."""
         ...
 
     def shutdown(self) -> None:

@@ -13,7 +13,7 @@ def make_batch(prompt_lens, response_lens, group_size=1):
     """Response i's tokens are ``100 * (i + 1) + k`` (k the position), so every token names its row and place."""
     pairs = enumerate(zip(prompt_lens, response_lens, strict=True))
     seqs = [[100 * (i + 1) + k for k in range(p + r)] for i, (p, r) in pairs]
-    return RolloutBatch(
+    return RolloutBatch.from_sequences(
         sequences=seqs,
         prompt_lens=torch.tensor(prompt_lens),
         response_lens=torch.tensor(response_lens),

@@ -98,7 +98,7 @@ def test_a_unit_longer_than_the_budget_names_the_flag():
 
 
 def test_pack_rows_lays_sequences_end_to_end_with_response_masks_and_a_padded_tail():
-    batch = RolloutBatch(
+    batch = RolloutBatch.from_sequences(
         sequences=[[11, 12, 13], [21, 22, 23, 24], [31, 32]],
         prompt_lens=torch.tensor([1, 2, 1]),
         response_lens=torch.tensor([2, 2, 1]),

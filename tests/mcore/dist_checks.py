@@ -107,7 +107,7 @@ def _packing_batches(vocab: int, seed: int = 3):
     from megatron_pacs.data.batching import RolloutBatch, pack_rows, pad_rows
 
     gen = torch.Generator().manual_seed(seed)
-    batch = RolloutBatch(
+    batch = RolloutBatch.from_sequences(
         sequences=[torch.randint(3, vocab, (n,), generator=gen).tolist() for n, _ in PACKED_LENS],
         prompt_lens=torch.tensor([p for _, p in PACKED_LENS]),
         response_lens=torch.tensor([n - p for n, p in PACKED_LENS]),

@@ -215,7 +215,7 @@ def test_refusals_and_config_validation(env):
         with pytest.raises(ValueError, match="--bf16 needs CUDA"):
             build_trainable(bf16, env["groups"], OptimConfig(lr=1e-3))
     for bad, match in [
-        ({"lr": 0.0}, "--lr: 0.0 must be > 0"),
+        ({"lr": -1.0}, "--lr: -1.0 must be >= 0"),
         ({"lr": 1.0, "clip_grad": -1.0}, "--clip-grad: -1.0"),
         ({"lr": 1.0, "adam_beta2": 1.0}, "--adam-beta2: 1.0 must be in"),
         ({"lr": 1.0, "lr_warmup_steps": -1}, "--lr-warmup-steps: -1"),

@@ -1,0 +1,114 @@
+"""One-step-off-policy rollouts: the driver generates step k+1's rollouts while every rank trains on step k's.
+
+The driver (rank 0) runs :func:`~megatron_pacs.rl_step.collect_rollouts` (generate through the fleet, score,
+pack) in a background thread; the thread mostly waits on Ray, so the trainer's main thread keeps the GIL for
+Megatron. Weights move to the engines only after that generation has finished, so step k+1's rollouts come from
+the weights one update old (docs/algorithm.md §5.1), and an engine restarted mid-generation is re-synced to those
+same weights (the fleet replays its last update, which is still the old one).
+
+:class:`RolloutProducer` also records when generation ran, so a step can report how much of it was hidden behind
+training (``perf/time/overlap_hidden``) and how long either side waited (``perf/time/idle_trainer``,
+``perf/time/idle_engines``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from megatron_pacs.data.prompts import PromptRow
+from megatron_pacs.rl_step import StepRollouts
+
+__all__ = ["Generated", "RolloutProducer", "overlap_metrics"]
+
+
+@dataclass
+class Generated:
+    """A finished generation: the rollouts, the step they are for, the engines' weights (the number of the training
+    step that produced them; 0 = the initial ones), and when generation ran (perf_counter)."""
+
+    rollouts: StepRollouts
+    step: int
+    version: int
+    started: float = 0.0
+    finished: float = 0.0
+
+
+class RolloutProducer:
+    """Driver only: ``collect(rows, step) -> StepRollouts`` now (:meth:`run`) or in a background thread
+    (:meth:`submit`, then :meth:`take`); at most one generation in flight."""
+
+    def __init__(self, collect: Callable[[list[PromptRow], int], StepRollouts]) -> None:
+        self._collect = collect
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
+        self._future: Future[Generated] | None = None
+        self.done: Generated | None = None
+        """A finished generation not yet consumed (what a checkpoint keeps)."""
+
+    def _timed(self, rows: list[PromptRow], step: int, version: int) -> Generated:
+        started = time.perf_counter()
+        rollouts = self._collect(rows, step)
+        return Generated(rollouts, step, version, started, time.perf_counter())
+
+    def run(self, rows: list[PromptRow], step: int, version: int) -> Generated:
+        """Generate step ``step``'s rollouts from ``rows`` now, in this thread, with weights ``version``."""
+        return self._timed(rows, step, version)
+
+    def submit(self, rows: list[PromptRow], step: int, version: int) -> None:
+        """Start generating step ``step``'s rollouts in the background."""
+        if self._future is not None or self.done is not None:
+            raise RuntimeError("a generation is already in flight or not yet consumed")
+        self._future = self._pool.submit(self._timed, rows, step, version)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None
+
+    def wait(self) -> Generated:
+        """Block until the generation in flight is done; it stays available as :attr:`done` until taken."""
+        if self._future is not None:
+            self.done, self._future = self._future.result(), None
+        if self.done is None:
+            raise RuntimeError("no generation was submitted")
+        return self.done
+
+    def take(self, step: int) -> Generated | None:
+        """The finished generation for ``step`` (waiting for it if in flight), or None if there is none."""
+        if self._future is None and self.done is None:
+            return None
+        done = self.wait()
+        if done.step != step:
+            raise RuntimeError(f"the generation in flight is for step {done.step}, not {step}")
+        self.done = None
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def overlap_metrics(
+    gens: list[Generated], train: tuple[float, float], step: tuple[float, float], waited: float
+) -> dict[str, float]:
+    """Timing of one step (seconds).
+
+    Args:
+        gens: The generations that ran during this step (this step's own when generated now, and the next
+            step's when generated in the background).
+        train: ``(start, end)`` of this step's update on the driver.
+        step: ``(start, end)`` of the whole step.
+        waited: Seconds the trainer spent waiting for rollouts (generating them now, or waiting for the
+            background generation to finish before the weight sync).
+
+    Returns:
+        ``perf/time/overlap_hidden`` (generation that ran while the trainer trained), ``perf/time/idle_trainer``
+        (``waited``), ``perf/time/idle_engines`` (the step's time no generation ran).
+    """
+    hidden = sum(max(0.0, min(g.finished, train[1]) - max(g.started, train[0])) for g in gens)
+    generating = sum(max(0.0, min(g.finished, step[1]) - max(g.started, step[0])) for g in gens)
+    return {
+        "perf/time/overlap_hidden": hidden,
+        "perf/time/idle_trainer": waited,
+        "perf/time/idle_engines": max(0.0, step[1] - step[0] - generating),
+    }
