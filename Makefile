@@ -92,6 +92,7 @@ bench: install
 	$(PY) benchmarks/bench_logprobs.py
 	$(PY) benchmarks/bench_rollout.py
 	$(PY) benchmarks/bench_train_step.py
+	$(PY) benchmarks/bench_transport.py
 
 # The embedded default: tiny model + SFT warm-up + PACS through the real fleet, scorer and Megatron actor.
 demo: install

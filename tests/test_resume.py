@@ -1,7 +1,8 @@
 """Checkpoints through the real trainer (fleet, scorer, Megatron; fp32 on CPU).
 
 4 steps straight == 2 steps + resume + 2 steps, bitwise; the same with PACS v2's reference resets (one right
-before the checkpoint, one after the resume) and a KL term; an interrupted checkpoint is ignored on resume; a run
+before the checkpoint, one after the resume) and a KL term, and one step off policy (the checkpoint holds the
+next step's rollouts, whose weights are gone); an interrupted checkpoint is ignored on resume; a run
 saved at TP=2 resumes at TP=1; the ``--save-hf`` directory loads in transformers and holds exactly the
 checkpoint's weights (checked against tools/convert_checkpoint.py mcore-to-hf).
 """
@@ -82,6 +83,30 @@ def test_resume_with_reference_resets_equals_continuous(setup):
     assert [m["ref/kl"] for m in straight[-2:]] == [m["ref/kl"] for m in split[-2:]]
     a = _weights(root / "ckpt_v2a" / "iter_0000004" / "hf")
     b = _weights(root / "ckpt_v2b" / "iter_0000004" / "hf")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+def test_resume_with_a_generation_in_flight_equals_continuous(setup):
+    """--off-policy-steps 1: at the step-2 checkpoint the rollouts of step 3 (generated on step 1's weights) are done
+    and saved; a run resumed from it trains on them, then generates step 4's on step 2's weights, bit for bit."""
+    root = setup
+    off = ["--off-policy-steps", "1"]
+    straight = _train(
+        root, "off_straight", "--train-iters", "4", "--save", str(root / "ckpt_offa"), "--save-interval", "2",
+        "--keep-last", "2", "--save-hf", *off,
+    )  # fmt: skip
+    mid = root / "ckpt_offa" / "iter_0000002"
+    assert json.loads((mid / "megatron_pacs.json").read_text())["pending_step"] == 3
+    assert (mid / "pending_rollouts.pt").is_file()
+    resumed = _train(
+        root, "off_resumed", "--train-iters", "4", "--load", str(mid), "--save", str(root / "ckpt_offb"), "--save-hf",
+        *off,
+    )  # fmt: skip
+    assert [m["step"] for m in resumed] == [3, 4]
+    keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "rollout/policy_lag")
+    assert [{k: m[k] for k in keys} for m in straight[-2:]] == [{k: m[k] for k in keys} for m in resumed]
+    a = _weights(root / "ckpt_offa" / "iter_0000004" / "hf")
+    b = _weights(root / "ckpt_offb" / "iter_0000004" / "hf")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
 
 

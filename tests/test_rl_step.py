@@ -1,6 +1,7 @@
 """StepLayout: who trains which responses, padded (today's contiguous cuts, exactly) or packed (token-balanced
 groups per data-parallel rank, the same number of micro-batches everywhere, one row shape under PP)."""
 
+import math
 import random
 from types import SimpleNamespace
 
@@ -99,3 +100,33 @@ def test_alignment_rounds_every_micro_batch_up():
 def test_a_group_larger_than_the_packed_budget_is_refused_at_configuration():
     with pytest.raises(ValueError, match="--max-tokens-per-microbatch: 2000 cannot hold a whole group of 8"):
         BatchConfig(keep_groups_in_microbatch=True, max_tokens_per_microbatch=2000, micro_batch_size=8)
+
+
+def test_truncated_importance_ratios_at_sequence_and_token_level():
+    """min(pi_anchor / pi_behaviour, cap), the behaviour being the engines' log-probs; sequence level multiplies the
+    tokens' ratios (PACS), token level keeps them apart (GRPO); tokens without an engine log-prob count as 1."""
+    from megatron_pacs.algo.objectives import Logprobs
+    from megatron_pacs.algo.tokens import TokenStore
+    from megatron_pacs.data.batching import RolloutBatch
+    from megatron_pacs.rl_step import truncated_importance
+
+    seqs = [[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9]]
+    engine = torch.tensor([-1.0, -2.0, -0.5, -1.0, -3.0, float("nan"), -1.0])
+    batch = RolloutBatch.from_sequences(
+        seqs, torch.tensor([2, 2, 2]), torch.tensor([2, 1, 3]), torch.zeros(3), 1, engine_logprobs=engine
+    ).share([0, 2])  # this rank holds responses 0 and 2
+    anchor_tokens = torch.tensor([-1.5, -1.0, -0.5, -2.0, -0.3, -1.0])  # all three responses' tokens
+    offsets = torch.tensor([0, 2, 3, 6])
+    anchor = Logprobs(
+        seq=torch.tensor([-2.5, -0.5, -3.3], dtype=torch.float64), tokens=TokenStore(anchor_tokens, offsets)
+    )
+    seq, report = truncated_importance(anchor, batch, "sequence", cap=2.0)
+    # response 0: exp(-2.5 - (-3.0)) = 1.65; response 2: exp(-3.3 - (-4.0)) = 2.01 -> 2.0 (NaN counts as 0 nats)
+    assert seq.seq.tolist() == pytest.approx([math.exp(0.5), 1.0, 2.0])
+    assert report["offpolicy/is_truncated"].tolist() == [1.0, 2.0]
+    tok, _ = truncated_importance(anchor, batch, "token", cap=2.0)
+    assert tok.tokens is not None
+    # response 0's tokens vs engine [-1, -2]; response 1 is not held (1); response 2's vs engine [-1, -3, NaN]
+    expected = [math.exp(-0.5), math.exp(1.0), 1.0, math.exp(-2.0 + 1.0), math.exp(-0.3 + 3.0), 1.0]
+    expected = [min(v, 2.0) for v in expected]
+    assert tok.tokens.values.tolist() == pytest.approx(expected)

@@ -222,7 +222,7 @@ def _zero_grads(ddp_models: list[DDP], optimizer: MegatronOptimizer) -> None:
 def _set_lr(optimizer: MegatronOptimizer, lr: float, peak_lr: float, weight_decay: float) -> None:
     for group in optimizer.param_groups:
         # Groups with their own peak (Megatron's decoupled_lr) follow the same schedule shape.
-        group["lr"] = lr * group.get("max_lr", peak_lr) / peak_lr
+        group["lr"] = lr * group.get("max_lr", peak_lr) / peak_lr if peak_lr else 0.0  # --lr 0: a frozen policy
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 

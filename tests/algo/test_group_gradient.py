@@ -111,3 +111,25 @@ def test_score_grads_errors():
         pacs_score_grads(torch.zeros(5), torch.zeros(5), group_size=2, normalizer=5)
     with pytest.raises(ValueError, match="must have one shape"):
         pacs_surrogate(torch.zeros(3), torch.zeros(4))
+
+
+@pytest.mark.parametrize("advantage", ["rloo", "grpo"])
+def test_sample_weights_scale_each_response_in_both_the_loss_and_the_closed_form(advantage):
+    """Off-policy importance weights (docs/algorithm.md §5.1) multiply each response's BCE weight; the two-phase
+    coefficients with the same weights are still the exact gradient."""
+    n = 4
+    seq, old, r = batch(3, n, seed=5)
+    rho = torch.linspace(0.5, 2.0, seq.numel(), dtype=torch.float64)
+    seq.requires_grad_(True)
+    out = pacs_loss(seq, old, r, group_size=n, advantage=advantage, sample_weights=rho)
+    plain = pacs_loss(seq.detach(), old, r, group_size=n, advantage=advantage)
+    assert out.loss_sum.item() != pytest.approx(plain.loss_sum.item())
+    (g_direct,) = torch.autograd.grad(out.loss, seq)
+    with torch.no_grad():
+        s = compute_scores(seq, old)
+    c = pacs_score_grads(s, r, group_size=n, advantage=advantage, normalizer=seq.numel(), sample_weights=rho)
+    part = seq.detach().clone().requires_grad_(True)
+    pacs_surrogate(compute_scores(part, old), c).backward()
+    torch.testing.assert_close(part.grad, g_direct, rtol=1e-10, atol=1e-13)
+    ones = pacs_loss(seq.detach(), old, r, group_size=n, advantage=advantage, sample_weights=torch.ones_like(rho))
+    assert ones.loss_sum.item() == plain.loss_sum.item()

@@ -236,6 +236,53 @@ def test_killed_engine_is_restarted_resynced_and_its_prompts_rerun(fleet, models
     _check_matches(got[:2], _hf(paths["b"]))  # the restarted engine holds B, not its start-up weights A
 
 
+def test_engine_killed_during_an_overlapped_generation_reruns_on_the_weights_it_started_with(fleet, models):
+    """One step off (megatron_pacs.overlap): the next step's rollouts are generated in a background thread while
+    the trainer trains; an engine dies mid-generation. The restarted engine is re-synced to the weights the
+    generation started with (B), not to the trainer's newer ones (C, pushed only after the generation is done),
+    and every prompt comes back exactly once, identical to an undisturbed generation."""
+    import ray
+
+    from megatron_pacs.data.batching import RolloutBatch
+    from megatron_pacs.overlap import RolloutProducer
+    from megatron_pacs.rl_step import StepRollouts
+    from megatron_pacs.rollout.types import SamplingConfig
+
+    paths, tok = models
+    fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+    prompts = _prompts(tok, 24, prefix="Overlap: ")
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=48, seed=23, ignore_eos=True)
+    expected = fleet.generate(prompts, sampling)
+
+    def collect(rows, step):
+        groups = fleet.generate(prompts, sampling)
+        seqs = [g.prompt_token_ids + r.token_ids for g in groups for r in g.responses]
+        lens = torch.tensor([len(g.prompt_token_ids) for g in groups for _ in g.responses])
+        resp = torch.tensor([len(r.token_ids) for g in groups for r in g.responses])
+        batch = RolloutBatch.from_sequences(seqs, lens, resp, torch.zeros(len(seqs)), 4)
+        return StepRollouts(batch, records=[{"groups": groups}])
+
+    producer = RolloutProducer(collect)
+    restarts = fleet.num_restarts
+    try:
+        producer.submit([], step=2, version=1)
+        deadline = time.time() + 60
+        while fleet.num_in_flight == 0 and time.time() < deadline:  # the "trainer" meanwhile
+            time.sleep(0.01)
+        time.sleep(0.2)
+        ray.kill(fleet.engines[0])
+        done = producer.take(2)
+    finally:
+        producer.close()
+    assert done is not None and fleet.num_restarts == restarts + 1
+    got = done.rollouts.records[0]["groups"]
+    assert len(got) == len(prompts)
+    assert [[r.token_ids for r in g.responses] for g in got] == [[r.token_ids for r in g.responses] for g in expected]
+    _check_matches(got[:2], _hf(paths["b"]))  # generated on B throughout, the restarted engine included
+    fleet.update_weights(_state(paths["d"], drop_lm_head=False))  # the trainer's newer weights arrive only now
+    _check_matches(fleet.generate(prompts[:2], sampling), _hf(paths["d"]))
+
+
 def test_evaluate_writes_passk_and_resumes_without_generating(fleet, models, tmp_path):
     from megatron_pacs.data.prompts import PromptRow, build_messages
     from megatron_pacs.evaluation import ROLLOUT_FILE, evaluate

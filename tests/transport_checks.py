@@ -1,0 +1,87 @@
+"""Launched by tests/test_transport.py (one process per rank, see ensure_world): rank 0's rollouts reach every
+rank as its data-parallel share, exactly.
+
+Usage: python tests/transport_checks.py --out DIR --world 4 [--tp T] [--pp P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_pacs.utils.launch import ensure_world
+
+
+def synthetic_batch(num_prompts: int = 8, group_size: int = 4, seed: int = 0):
+    """A deterministic batch every rank can rebuild to check what it received."""
+    from megatron_pacs.data.batching import RolloutBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(3, 9, (num_prompts,), generator=gen).repeat_interleave(group_size)
+    response_lens = torch.randint(1, 40, (num_prompts * group_size,), generator=gen)
+    seqs = [
+        torch.randint(3, 5000, (int(p + r),), generator=gen).tolist()
+        for p, r in zip(prompt_lens, response_lens, strict=True)
+    ]
+    engine = torch.randn(int(response_lens.sum()), generator=gen)
+    rewards = (torch.rand(len(seqs), generator=gen) > 0.5).float()
+    return RolloutBatch.from_sequences(seqs, prompt_lens, response_lens, rewards, group_size, engine_logprobs=engine)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    args = ap.parse_args()
+    code = ensure_world(args.world)
+    if code is not None:
+        return code
+    import torch.distributed as dist
+
+    from megatron_pacs.config import BatchConfig, ParallelConfig
+    from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
+    from megatron_pacs.transport import distribute_rollouts, rank_rows
+
+    groups = init_parallel(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    full = synthetic_batch()
+    failures: list[str] = []
+    for packing in (False, True):
+        cfg = BatchConfig(global_batch_size=8, group_size=4, ppo_mini_batch_size=4, sequence_packing=packing)
+        share = distribute_rollouts(full if dist.get_rank() == 0 else None, cfg, groups)
+        rows = rank_rows(full.lengths.tolist(), cfg, 4, groups.dp_size)[groups.dp_rank]
+        tag = f"packing={packing} rank={dist.get_rank()}"
+        if share.held.nonzero().flatten().tolist() != rows:
+            failures.append(f"{tag}: holds {share.held.nonzero().flatten().tolist()}, expected {rows}")
+        for name in ("prompt_lens", "response_lens", "rewards"):
+            if not torch.equal(getattr(share, name), getattr(full, name)):
+                failures.append(f"{tag}: {name} differs")
+        eo, feo = share.engine_offsets, full.engine_offsets
+        for i in rows:
+            if not torch.equal(share.sequence(i).long(), full.sequence(i).long()):
+                failures.append(f"{tag}: sequence {i} differs")
+            assert share.engine_logprobs is not None and full.engine_logprobs is not None
+            mine = share.engine_logprobs[int(eo[i]) : int(eo[i + 1])]
+            theirs = full.engine_logprobs[int(feo[i]) : int(feo[i + 1])]
+            if not torch.equal(mine, theirs):
+                failures.append(f"{tag}: engine log-probs of {i} differ")
+        held_tokens = int(share.token_ids.numel())
+        if held_tokens != sum(int(full.lengths[i]) for i in rows):
+            failures.append(f"{tag}: holds {held_tokens} tokens, more than its share")
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, failures)
+    if dist.get_rank() == 0:
+        (args.out / f"transport_tp{args.tp}_pp{args.pp}.json").write_text(
+            json.dumps([f for part in gathered for f in part])
+        )
+    destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
