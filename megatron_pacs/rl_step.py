@@ -206,6 +206,8 @@ def train_on_batch(
     temperature: float,
     reference: ReferencePolicy | None = None,
     tis_cap: float = 2.0,
+    same_weights: bool = True,
+    score_fp8: bool = False,
 ) -> dict[str, float]:
     """All optimizer steps of one training step on this rank's share of ``batch`` (collective).
 
@@ -215,13 +217,19 @@ def train_on_batch(
     one optimizer step. The first mini-batch's training forward runs at the rollout weights exactly, so it also
     measures train/rollout consistency against the engines' log-probs (§7.1).
 
+    Args:
+        same_weights: The rollouts were generated with the weights the step starts from (not one step off), so
+            the consistency check compares like with like; every rank must pass the same value.
+        score_fp8: With an FP8 model, run the forward-only passes whose log-probs enter scores and ratios (old,
+            phase 1, reference) in FP8 too (``--fp8-score-precision fp8``); else they run in bf16.
+
     Returns:
         Metrics reduced over every rank (identical on all ranks): loss and objective metrics, grad norm, skips,
         padding fraction, training throughput, consistency.
     """
     started = time.perf_counter()
     layout = StepLayout(batch, cfg, groups, whole_groups=objective.whole_groups, align=actor.token_alignment)
-    logprobs = partial(actor.logprobs, response_lens=batch.response_lens, temperature=temperature)
+    logprobs = partial(actor.logprobs, response_lens=batch.response_lens, temperature=temperature, fp8=score_fp8)
     minis = list(range(layout.num_mini_batches))
     ref = None
     if objective.ref_logprobs:
@@ -233,6 +241,7 @@ def train_on_batch(
                 batch.response_lens,
                 temperature=temperature,
                 tokens=objective.ref_logprobs == "token",
+                fp8=score_fp8,
             )
     old, importance = None, None
     correct = objective.correction is not None and batch.engine_logprobs is not None
@@ -270,8 +279,14 @@ def train_on_batch(
                     importance=importance,
                 )
             )
-            check = fresh and batch.engine_logprobs is not None
-            loss = _with_consistency(prepared.loss, batch) if check else prepared.loss
+            check = fresh and same_weights and batch.engine_logprobs is not None
+            loss = prepared.loss
+            if check:
+                bf16 = None
+                if actor.fp8:  # a bf16 pass at temperature 1 separates FP8's gap from a sync error
+                    with timer.phase("consistency"):
+                        bf16 = actor.logprobs(mbs, batch.response_lens, temperature=1.0, tokens=True, fp8=False).tokens
+                loss = _with_consistency(prepared.loss, batch, bf16)
             with timer.phase("train"):
                 result = actor.train(mbs, loss, temperature=temperature, raw_logprobs=check)
             parts.extend(r for r in (prepared.metrics, *result.reports) if r)
@@ -331,10 +346,25 @@ def truncated_importance(
     return out, report
 
 
-def _with_consistency(loss: MicroBatchLoss, batch: RolloutBatch) -> MicroBatchLoss:
+def _gap(prefix: str, delta: torch.Tensor, seen: torch.Tensor, tokens: TokenLogprobs) -> dict[str, torch.Tensor]:
+    """Per-token |delta| mean and max, and the response sums' largest |delta|, over the ``seen`` tokens."""
+    delta = torch.where(seen, delta, 0.0)
+    n = seen.sum().float()
+    seq = tokens.sequence_sums(delta).abs()
+    zero = delta.new_zeros(())
+    return {
+        f"{prefix}logprob_abs_diff_mean": torch.stack([delta.abs().sum(), n]),
+        f"{prefix}logprob_abs_diff_max": torch.stack([delta.abs().max() if delta.numel() else zero, n]),
+        f"{prefix}seq_logprob_abs_diff_max": torch.stack([seq.max().float() if seq.numel() else zero, n]),
+    }
+
+
+def _with_consistency(loss: MicroBatchLoss, batch: RolloutBatch, bf16: TokenStore | None = None) -> MicroBatchLoss:
     """``loss`` that also reports the engines' vs the trainer's log-probs of the same tokens under the same weights
     (docs/algorithm.md §7.1): per-token |difference| mean and max, the response sums' largest |difference| (what a
-    PACS score sees), and the k3 estimate of KL(engine || trainer)."""
+    PACS score sees), and the k3 estimate of KL(engine || trainer). With an FP8 trainer, ``bf16`` holds a bf16
+    pass's log-probs: ``consistency/*`` then compares the engines with it (a sync error shows there) and
+    ``consistency/fp8_gap_*`` the FP8 training pass with it (the precision's own gap)."""
     assert batch.engine_logprobs is not None
     offsets = batch.engine_offsets  # the responses this rank holds
     stores: dict[torch.device, TokenStore] = {}
@@ -346,22 +376,16 @@ def _with_consistency(loss: MicroBatchLoss, batch: RolloutBatch) -> MicroBatchLo
             assert batch.engine_logprobs is not None
             stores[device] = TokenStore(batch.engine_logprobs.to(device), offsets.to(device))
         engine = stores[device].gather(tokens)
-        trainer = tokens.raw if tokens.raw is not None else tokens.logp.detach()
+        trained = (tokens.raw if tokens.raw is not None else tokens.logp.detach()).float()
+        trainer = trained if bf16 is None else bf16.gather(tokens).float()
         seen = torch.isfinite(engine)
-        delta = torch.where(seen, trainer.float() - engine, 0.0)
-        n = seen.sum().float()
-        seq_delta = tokens.sequence_sums(delta).abs()
-        zero = delta.new_zeros(())
-        report = {
-            **report,
-            "consistency/logprob_abs_diff_mean": torch.stack([delta.abs().sum(), n]),
-            "consistency/logprob_abs_diff_max": torch.stack([delta.abs().max() if delta.numel() else zero, n]),
-            "consistency/seq_logprob_abs_diff_max": torch.stack(
-                [seq_delta.max().float() if seq_delta.numel() else zero, n]
-            ),
-            # samples come from the engine: k3 of KL(engine || trainer), r = log p_trainer - log p_engine
-            "consistency/k3": torch.stack([torch.where(seen, torch.expm1(delta) - delta, 0.0).sum(), n]),
-        }
+        delta = torch.where(seen, trainer - engine, 0.0)
+        report = {**report, **_gap("consistency/", delta, seen, tokens)}
+        # samples come from the engine: k3 of KL(engine || trainer), r = log p_trainer - log p_engine
+        k3 = torch.where(seen, torch.expm1(delta) - delta, 0.0).sum()
+        report["consistency/k3"] = torch.stack([k3, seen.sum().float()])
+        if bf16 is not None:
+            report.update(_gap("consistency/fp8_gap_", trained - trainer, torch.ones_like(seen), tokens))
         return loss_sum, count, report
 
     return wrapped

@@ -130,3 +130,33 @@ def test_truncated_importance_ratios_at_sequence_and_token_level():
     expected = [math.exp(-0.5), math.exp(1.0), 1.0, math.exp(-2.0 + 1.0), math.exp(-0.3 + 3.0), 1.0]
     expected = [min(v, 2.0) for v in expected]
     assert tok.tokens.values.tolist() == pytest.approx(expected)
+
+
+def test_consistency_separates_fp8s_gap_from_a_sync_error():
+    """With an FP8 trainer the engines are compared with a bf16 pass (a sync error shows there) and the FP8
+    training pass with that bf16 pass (the precision's own gap), so a bound on the first is not tripped by FP8."""
+    from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
+    from megatron_pacs.data.batching import RolloutBatch
+    from megatron_pacs.rl_step import _with_consistency
+
+    engine = torch.tensor([-1.0, -2.0, -0.5])
+    batch = RolloutBatch.from_sequences(
+        [[1, 2, 3, 4], [1, 2, 5]], torch.tensor([2, 2]), torch.tensor([2, 1]), torch.zeros(2), 1, engine_logprobs=engine
+    )
+    bf16 = TokenStore(torch.tensor([-1.0, -2.0, -0.5]) + 1e-3, torch.tensor([0, 2, 3]))  # synced, bf16 rounding
+    fp8_logp = torch.tensor([-1.2, -2.1, -0.45])  # the FP8 training pass: a larger gap
+    tokens = TokenLogprobs(
+        logp=fp8_logp, seq=torch.tensor([0, 0, 1]), rank=torch.tensor([0, 1, 0]), index=torch.tensor([0, 1]),
+        lengths=torch.tensor([2, 1]), raw=fp8_logp,
+    )  # fmt: skip
+
+    def loss(t):
+        return t.logp.sum(), torch.tensor(2), {}
+
+    _, _, report = _with_consistency(loss, batch, bf16)(tokens)
+    assert report["consistency/logprob_abs_diff_max"][0].item() == pytest.approx(1e-3, rel=1e-3)
+    assert report["consistency/fp8_gap_logprob_abs_diff_max"][0].item() == pytest.approx(0.201, rel=1e-3)
+    assert report["consistency/fp8_gap_seq_logprob_abs_diff_max"][0].item() == pytest.approx(0.302, rel=1e-3)
+    _, _, plain = _with_consistency(loss, batch, None)(tokens)  # bf16 trainer: compared directly
+    assert plain["consistency/logprob_abs_diff_max"][0].item() == pytest.approx(0.2, rel=1e-3)
+    assert "consistency/fp8_gap_logprob_abs_diff_max" not in plain

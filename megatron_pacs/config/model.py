@@ -24,7 +24,18 @@ class ModelConfig:
     fp8_format: str | None = None
     """FP8 through Transformer Engine: e4m3 or hybrid (needs --bf16 and Transformer Engine)."""
     fp8_recipe: str = "delayed"
-    """Transformer Engine FP8 recipe: delayed, tensorwise, mxfp8 or blockwise."""
+    """Transformer Engine FP8 recipe: delayed, tensorwise, mxfp8 (Blackwell only) or blockwise."""
+    fp8_score_precision: str = "bf16"
+    """With --fp8-format: the precision of the forward-only passes whose log-probs enter PACS scores and ratios (old,
+    phase-1 current, reference): bf16 keeps FP8's per-token bias out of the scores (docs/algorithm.md §7.2), fp8
+    runs them in FP8 too; the training forward and backward run in FP8 either way."""
+    first_last_layers_bf16: bool = False
+    """With --fp8-format: keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in
+    bf16 (not with the delayed recipe)."""
+    num_layers_at_start_in_bf16: int = 1
+    """Leading layers kept in bf16 with --first-last-layers-bf16."""
+    num_layers_at_end_in_bf16: int = 1
+    """Trailing layers kept in bf16 with --first-last-layers-bf16."""
     recompute_activations: bool = False
     """Full activation recompute: keep only each layer's input, recompute the rest in the backward pass."""
     transformer_impl: str = "auto"
@@ -43,6 +54,16 @@ class ModelConfig:
             raise bad("fp8_format", "FP8 training needs --bf16 as well")
         if self.fp8_recipe not in FP8_RECIPES:
             raise bad("fp8_recipe", f"{self.fp8_recipe!r}: use one of {list(FP8_RECIPES)}")
+        if self.fp8_score_precision not in ("bf16", "fp8"):
+            raise bad("fp8_score_precision", f"{self.fp8_score_precision!r}: use bf16 or fp8")
+        if self.first_last_layers_bf16 and not self.fp8_format:
+            raise bad("first_last_layers_bf16", "only means something with --fp8-format")
+        if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
+            raise bad("first_last_layers_bf16", "Transformer Engine's delayed recipe cannot mix bf16 layers; use "
+                      "--fp8-recipe tensorwise or blockwise")  # fmt: skip
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(self, name) < 0:
+                raise bad(name, "must be >= 0")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise bad("transformer_impl", f"{self.transformer_impl!r}: use one of {list(TRANSFORMER_IMPLS)}")
 
@@ -56,6 +77,15 @@ class ModelConfig:
         }
 
     @property
-    def fp8(self) -> dict[str, str] | None:
-        """``TransformerConfig`` FP8 settings (``fp8``, ``fp8_recipe``), or None when FP8 is off."""
-        return {"fp8": self.fp8_format, "fp8_recipe": self.fp8_recipe} if self.fp8_format else None
+    def fp8(self) -> dict[str, str | bool | int] | None:
+        """``TransformerConfig`` FP8 settings, or None when FP8 is off."""
+        if not self.fp8_format:
+            return None
+        out: dict[str, str | bool | int] = {"fp8": self.fp8_format, "fp8_recipe": self.fp8_recipe}
+        if self.first_last_layers_bf16:
+            out.update(
+                first_last_layers_bf16=True,
+                num_layers_at_start_in_bf16=self.num_layers_at_start_in_bf16,
+                num_layers_at_end_in_bf16=self.num_layers_at_end_in_bf16,
+            )
+        return out

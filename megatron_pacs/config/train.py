@@ -85,6 +85,13 @@ class TrainConfig:
                 "tis compares with the engines' raw log-probs, which are the behaviour policy only when sampling at "
                 "--temperature 1 with --top-p 1 and --top-k -1; drop it or sample so",
             )
+        if self.model.fp8_format and self.model.fp8_score_precision == "bf16" and self.batch.keep_groups_in_microbatch:
+            raise bad(
+                "fp8_score_precision",
+                "bf16 scores with --keep-groups-in-microbatch would subtract a bf16 anchor from the FP8 training "
+                "pass's log-likelihoods (direct mode scores in the training pass); use --fp8-score-precision fp8, "
+                "or drop --keep-groups-in-microbatch (the two-phase gradient takes every score from bf16 passes)",
+            )
         if self.model.fp8_format and not _importable("transformer_engine"):
             raise bad("fp8_format", "needs Transformer Engine (pip install .[gpu] on a CUDA machine)")
         if not need_files:
@@ -96,6 +103,8 @@ class TrainConfig:
                 "--colocate (the engines then run beside the trainer)",
             )
         m = self.model
+        if m.fp8_format and m.fp8_recipe == "mxfp8" and _cuda_capability() < (10, 0):
+            raise bad("fp8_recipe", "mxfp8 needs a Blackwell GPU (compute capability 10); use tensorwise or blockwise")
         if m.bias_swiglu_fusion and not _cuda_available():
             raise bad("bias_swiglu_fusion", "the fused SwiGLU kernel needs CUDA; drop the flag on this machine")
         if m.rope_fusion and not (_cuda_available() and _importable("transformer_engine")):
@@ -128,6 +137,12 @@ class TrainConfig:
 @cache
 def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+def _cuda_capability() -> tuple[int, int]:
+    import torch  # deferred, as below
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
 
 def _cuda_available() -> bool:

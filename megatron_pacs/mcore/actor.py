@@ -13,6 +13,7 @@ length.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +68,28 @@ class Actor:
                 p.requires_grad_(False)
 
     @property
+    def fp8(self) -> bool:
+        """The model trains with FP8 (Transformer Engine)."""
+        return bool(self.models[0].config.fp8)
+
+    @contextmanager
+    def _fp8(self, enabled: bool) -> Iterator[None]:
+        """FP8 on (as built) or off (bf16) for the passes inside. Megatron decides per forward from
+        ``TransformerConfig.fp8``, and a pass outside FP8 leaves the delayed recipe's amax history alone."""
+        if enabled or not self.fp8:
+            yield
+            return
+        configs = list({id(m.config): m.config for m in self.models}.values())
+        saved = [c.fp8 for c in configs]
+        for c in configs:
+            c.fp8 = None
+        try:
+            yield
+        finally:
+            for c, value in zip(configs, saved, strict=True):
+                c.fp8 = value
+
+    @property
     def token_alignment(self) -> int:
         """The multiple every micro-batch's token dimension must be (see ``forward.token_alignment``)."""
         return token_alignment(self.models[0].config)
@@ -85,6 +108,7 @@ class Actor:
         *,
         temperature: float = 1.0,
         tokens: bool = False,
+        fp8: bool = True,
     ) -> Logprobs:
         """Sequence (and optionally token) log-probs of the micro-batches' responses, on every rank.
 
@@ -93,6 +117,7 @@ class Actor:
             response_lens: ``[S]`` response lengths of the step (the token store's layout).
             temperature: The sampling temperature the log-probs refer to.
             tokens: Also keep every response token's log-prob (last pipeline stage).
+            fp8: For an FP8 model: run this pass in FP8 (as built) or, with False, in bf16.
 
         Returns:
             ``Logprobs(seq [S] float64, tokens)``: ``seq[i]`` is response i's log-likelihood (0 for responses not
@@ -114,7 +139,8 @@ class Actor:
                 store.put(scored, scored.logp)
             return sums.sum().float(), torch.tensor(1, dtype=torch.int), {}
 
-        run_schedule(self.chunks, micro_batches, loss_fn, forward_only=True)
+        with self._fp8(fp8):
+            run_schedule(self.chunks, micro_batches, loss_fn, forward_only=True)
         if self.groups.pp_size > 1:
             dist.broadcast(seq_logp, src=self.groups.last_stage_global_rank, group=self.groups.pp_group)
         return Logprobs(seq_logp, store)

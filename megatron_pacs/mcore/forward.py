@@ -18,7 +18,6 @@ Vp = V / TP.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -182,9 +181,9 @@ def make_micro_batches(tokens: torch.Tensor, score_mask: torch.Tensor, micro_bat
 def token_alignment(config: TransformerConfig) -> int:
     """The multiple a micro-batch's token dimension must be: TP with sequence parallelism (the sequence is split
     over the TP ranks), 16 with FP8 (Transformer Engine's FP8 GEMMs need both dimensions divisible by 16 with every
-    recipe)."""
+    recipe), their product with both."""
     sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    return math.lcm(sp, 16 if config.fp8 else 1)
+    return sp * (16 if config.fp8 else 1)  # with both, each rank's T / TP tokens must be a multiple of 16
 
 
 def model_token_logprobs(

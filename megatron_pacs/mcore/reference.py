@@ -81,11 +81,17 @@ class ReferencePolicy:
             self._to_host()
 
     def logprobs(
-        self, micro_batches: list[MicroBatch], response_lens: torch.Tensor, *, temperature: float, tokens: bool
+        self,
+        micro_batches: list[MicroBatch],
+        response_lens: torch.Tensor,
+        *,
+        temperature: float,
+        tokens: bool,
+        fp8: bool = True,
     ) -> Logprobs:
         """The reference's log-probs of the micro-batches' responses (as :meth:`Actor.logprobs`)."""
         with self._on_device():
-            return self.policy.logprobs(micro_batches, response_lens, temperature=temperature, tokens=tokens)
+            return self.policy.logprobs(micro_batches, response_lens, temperature=temperature, tokens=tokens, fp8=fp8)
 
     @torch.no_grad()
     def reset_from(self, actor: Actor) -> None:

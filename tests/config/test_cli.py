@@ -1,5 +1,6 @@
 """Flags and configuration: every flag documented, bad flags and data refused before anything is built."""
 
+import re
 import subprocess
 import sys
 
@@ -42,6 +43,20 @@ def test_help_documents_every_flag():
         (["--keep-groups-in-microbatch", "--micro-batch-size", "6"], "--micro-batch-size"),
         (["--val-n", "4"], "--val-n"),
         (["--temperature", "0"], "--temperature"),
+        (["--kl-estimator", "k4"], "--kl-estimator"),
+        (["--loss", "grpo", "--pacs-score-reference", "ref"], "--pacs-score-reference"),
+        (["--pacs-score", "mean_logp", "--pacs-score-reference", "ref"], "--pacs-score-reference"),
+        (["--ref-reset-interval", "-1"], "--ref-reset-interval"),
+        (["--off-policy-steps", "2"], "--off-policy-steps"),
+        (["--colocate", "--off-policy-steps", "1"], "--off-policy-steps"),
+        (["--offload-optimizer-during-rollout"], "--offload-optimizer-during-rollout"),
+        (["--off-policy-correction", "is"], "--off-policy-correction"),
+        (["--tis-cap", "1"], "--tis-cap"),
+        (["--max-logprob-diff", "0"], "--max-logprob-diff"),
+        (["--lr", "-1e-6"], "--lr"),
+        (["--fp8-score-precision", "fp16"], "--fp8-score-precision"),
+        (["--first-last-layers-bf16"], "--first-last-layers-bf16"),
+        (["--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"], "--first-last-layers-bf16"),
     ],
 )
 def test_bad_flags_exit_with_the_flag_named(argv, flag, capsys):
@@ -69,6 +84,24 @@ def test_validate_checks_layout_and_files(tmp_path):
     )
     with pytest.raises(ValueError, match="--eval-interval"):
         cfg.validate(1)
+
+
+def test_cross_section_refusals_before_anything_starts():
+    """Flags that cannot work together, or have no effect, are refused naming the flag (never ignored)."""
+    cases = [
+        (["--ref-load", "/models/x"], "--ref-load: no reference policy is built"),
+        (["--ref-reset-interval", "5"], "--ref-reset-interval: no reference policy is built"),
+        (["--off-policy-correction", "tis", "--temperature", "0.7"], "--off-policy-correction: tis compares"),
+        (
+            ["--bf16", "--fp8-format", "hybrid", "--keep-groups-in-microbatch", "--micro-batch-size", "8"],
+            "--fp8-score-precision: bf16 scores with --keep-groups-in-microbatch",
+        ),
+    ]
+    for argv, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_config(argv).validate(1, need_files=False)
+    parse_config(["--pacs-score-reference", "ref", "--ref-reset-interval", "5"]).validate(1, need_files=False)
+    parse_config(["--lr", "0"]).validate(1, need_files=False)  # a frozen-policy measurement run
 
 
 def test_train_refuses_bad_data_before_building_anything(tmp_path):

@@ -79,3 +79,69 @@ def test_make_micro_batches_keeps_index_and_mask_on_the_tokens_device():
     mbs = make_micro_batches(tokens, torch.ones_like(tokens, dtype=torch.bool), 2)
     assert [mb.index.tolist() for mb in mbs] == [[0, 1], [2, -1]]
     assert not mbs[1].score_mask[1].any()
+
+
+def test_token_alignment_for_sequence_parallelism_and_fp8():
+    from types import SimpleNamespace
+
+    from megatron_pacs.mcore.forward import token_alignment
+
+    def align(tp, sp, fp8):
+        return token_alignment(SimpleNamespace(tensor_model_parallel_size=tp, sequence_parallel=sp, fp8=fp8))  # type: ignore[arg-type]
+
+    assert align(1, False, None) == 1
+    assert align(4, True, None) == 4
+    assert align(1, False, "hybrid") == 16
+    assert align(2, True, "hybrid") == 32  # each TP rank's share of the tokens must be a multiple of 16
+    assert align(2, False, "e4m3") == 16
+
+
+def test_alignment_padding_changes_no_log_prob(tmp_path):
+    """FP8 (or sequence parallelism) pads every micro-batch to a multiple of 16 tokens; the padding is never scored
+    and, packed or padded, changes no sequence's log-probs (tiny model on the local spec)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from megatron_pacs.config import BatchConfig, ParallelConfig
+    from megatron_pacs.data.batching import RolloutBatch
+    from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
+    from megatron_pacs.mcore.forward import model_token_logprobs, run_schedule
+    from megatron_pacs.mcore.model import build_gpt_model
+    from megatron_pacs.mcore.parallel import init_parallel
+    from megatron_pacs.mcore.weights import load_hf_weights
+    from megatron_pacs.rl_step import StepLayout
+
+    groups = init_parallel(ParallelConfig())
+    build_tiny_model(str(tmp_path / "m"), tiny_hf_config("qwen2", layers=2), seed=1, scale=3.0)
+    hf = AutoConfig.from_pretrained(tmp_path / "m")
+    models = build_gpt_model(hf, groups)
+    load_hf_weights(models, str(tmp_path / "m"), groups, hf)
+    gen = torch.Generator().manual_seed(0)
+    lens = [(5, 7), (3, 11), (6, 2), (4, 9)]
+    seqs = [torch.randint(3, hf.vocab_size, (p + r,), generator=gen).tolist() for p, r in lens]
+    batch = RolloutBatch.from_sequences(
+        seqs, torch.tensor([p for p, _ in lens]), torch.tensor([r for _, r in lens]), torch.zeros(4), 2
+    )
+
+    def sums(packing: bool, align: int) -> torch.Tensor:
+        cfg = BatchConfig(global_batch_size=2, group_size=2, ppo_mini_batch_size=2, micro_batch_size=2,
+                          sequence_packing=packing, max_prompt_length=8, max_response_length=12)  # fmt: skip
+        layout = StepLayout(batch, cfg, SimpleNamespace(dp_rank=0, dp_size=1, pp_size=1,  # type: ignore[arg-type]
+                            config=SimpleNamespace(virtual_pipeline_model_parallel_size=None)), whole_groups=False,
+                            align=align)  # fmt: skip
+        mbs = layout.micro_batches([0])
+        assert all(mb.tokens.shape[1] % align == 0 for mb in mbs)
+        out = torch.zeros(4, dtype=torch.float64)
+
+        def loss_fn(logits, mb):
+            scored = mb.scored(model_token_logprobs(logits, mb, groups.tp_group))
+            out[scored.index] = scored.sequence_sums()
+            return scored.logp.sum(), torch.tensor(1), {}
+
+        with torch.no_grad():
+            run_schedule(models, mbs, loss_fn, forward_only=True)
+        return out
+
+    for packing in (True, False):
+        torch.testing.assert_close(sums(packing, 16), sums(packing, 1), rtol=0, atol=1e-5)

@@ -1,0 +1,136 @@
+"""FP8 through the RL step (GPU with Transformer Engine only; skipped elsewhere with the reason).
+
+Every path that runs in bf16 must run in FP8: the old and phase-1 log-probs, the two-phase PACS surrogate, PACS
+direct, GRPO, padded and packed micro-batches (the token dimension aligned to 16), for each recipe the GPU
+supports (delayed, tensorwise, blockwise; MXFP8 is refused before Blackwell). The consistency check separates
+FP8's own gap from a sync error (docs/algorithm.md §7.1-7.2). The CPU half of this (alignment, masking, the
+separation) is in tests/mcore/test_forward.py and tests/test_rl_step.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+def _te() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - a half-installed TE raises all sorts of errors
+        return False
+    return True
+
+
+requires_te = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _te()), reason="needs CUDA and Transformer Engine (FP8 GEMMs)"
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from megatron_pacs.config import ParallelConfig
+    from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
+    from megatron_pacs.mcore.parallel import init_parallel
+
+    path = tmp_path_factory.mktemp("fp8") / "model"
+    # every GEMM dimension a multiple of 16 (FP8's requirement)
+    build_tiny_model(str(path), tiny_hf_config("qwen2", hidden=256, heads=8, kv_heads=2, layers=4, vocab_size=1024),
+                     seed=0, scale=3.0)  # fmt: skip
+    return path, init_parallel(ParallelConfig())
+
+
+def _batch(vocab: int):
+    from megatron_pacs.data.batching import RolloutBatch
+
+    gen = torch.Generator().manual_seed(0)
+    lens = [(int(p), int(r)) for p, r in zip(torch.randint(8, 40, (8,), generator=gen).repeat_interleave(4),
+                                             torch.randint(4, 90, (32,), generator=gen), strict=True)]  # fmt: skip
+    seqs = [torch.randint(3, vocab, (p + r,), generator=gen).tolist() for p, r in lens]
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0] * 8)
+    return RolloutBatch.from_sequences(
+        seqs, torch.tensor([p for p, _ in lens]), torch.tensor([r for _, r in lens]), rewards, 4
+    )
+
+
+def _supported(recipe: str) -> str | None:
+    """None if this GPU runs the recipe, else why not."""
+    major, minor = torch.cuda.get_device_capability()
+    if recipe == "mxfp8" and major < 10:
+        return "MXFP8 needs Blackwell"
+    if recipe == "blockwise" and (major, minor) < (9, 0):
+        return "blockwise scaling needs Hopper"
+    return None
+
+
+@requires_te
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize(("loss", "scores"), [("pacs", "bf16"), ("pacs", "fp8"), ("grpo", "bf16")])
+def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
+    from megatron_pacs.algo.objectives import build_objective
+    from megatron_pacs.config import BatchConfig, LossConfig, ModelConfig, OptimConfig
+    from megatron_pacs.mcore.actor import Actor
+    from megatron_pacs.rl_step import StepLayout, train_on_batch
+    from megatron_pacs.utils.metrics import PhaseTimer
+
+    if (why := _supported(recipe)) is not None:
+        pytest.skip(why)
+    path, groups = setup
+    model = ModelConfig(hf_model=str(path), bf16=True, fp8_format="hybrid", fp8_recipe=recipe,
+                        transformer_impl="te", fp8_score_precision=scores)  # fmt: skip
+    actor = Actor(model, groups, OptimConfig(lr=1e-5))
+    assert actor.fp8 and actor.token_alignment == 16
+    batch = _batch(1024)
+    cfg = BatchConfig(global_batch_size=8, group_size=4, ppo_mini_batch_size=4, micro_batch_size=4,
+                      max_prompt_length=40, max_response_length=90, sequence_packing=packing)  # fmt: skip
+    layout = StepLayout(batch, cfg, groups, whole_groups=False, align=actor.token_alignment)
+    assert all(mb.tokens.shape[1] % 16 == 0 for mb in layout.micro_batches([0, 1]))
+    # The engines' log-probs stand-in: a bf16 pass of the same weights (a correct sync), at temperature 1.
+    rows = list(range(batch.num_responses))
+    ref = actor.logprobs(layout.micro_batches([0, 1]), batch.response_lens, tokens=True, fp8=False).tokens
+    assert ref is not None
+    batch.engine_logprobs = torch.cat([ref.response(i).cpu() for i in rows])
+    objective = build_objective(LossConfig(loss=loss), cfg)
+    metrics = train_on_batch(actor, batch, objective, cfg, groups, PhaseTimer(), temperature=1.0,
+                             score_fp8=scores == "fp8")  # fmt: skip
+    assert metrics["train/optimizer_steps"] == 2.0 and math.isfinite(metrics["train/grad_norm"])
+    assert math.isfinite(metrics["train/loss"])
+    assert metrics["consistency/logprob_abs_diff_max"] < 1e-3  # engines vs the bf16 pass: in sync
+    assert metrics["consistency/fp8_gap_logprob_abs_diff_mean"] > 0.0  # FP8's own gap, reported apart
+
+
+@requires_te
+def test_gpu_fp8_direct_pacs_with_fp8_scores(setup):
+    from megatron_pacs.algo.objectives import build_objective
+    from megatron_pacs.config import BatchConfig, LossConfig, ModelConfig, OptimConfig
+    from megatron_pacs.mcore.actor import Actor
+    from megatron_pacs.rl_step import train_on_batch
+    from megatron_pacs.utils.metrics import PhaseTimer
+
+    path, groups = setup
+    model = ModelConfig(hf_model=str(path), bf16=True, fp8_format="hybrid", fp8_recipe="tensorwise",
+                        transformer_impl="te", fp8_score_precision="fp8")  # fmt: skip
+    actor = Actor(model, groups, OptimConfig(lr=1e-5))
+    cfg = BatchConfig(global_batch_size=8, group_size=4, ppo_mini_batch_size=4, micro_batch_size=4,
+                      keep_groups_in_microbatch=True, max_prompt_length=40, max_response_length=90)  # fmt: skip
+    metrics = train_on_batch(actor, _batch(1024), build_objective(LossConfig(), cfg), cfg, groups, PhaseTimer(),
+                             temperature=1.0, score_fp8=True)  # fmt: skip
+    assert math.isfinite(metrics["train/grad_norm"]) and math.isfinite(metrics["pacs/loss"])
+
+
+@requires_te
+def test_gpu_mxfp8_is_refused_before_blackwell(tmp_path):
+    from megatron_pacs.config import parse_config
+
+    if torch.cuda.get_device_capability()[0] >= 10:
+        pytest.skip("a Blackwell GPU runs MXFP8")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text("")
+    cfg = parse_config(["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl"), "--bf16",
+                        "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"])  # fmt: skip
+    with pytest.raises(ValueError, match="--fp8-recipe: mxfp8 needs a Blackwell GPU"):
+        cfg.validate(1)
