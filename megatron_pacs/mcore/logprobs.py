@@ -7,6 +7,9 @@ allocated: no full ``[T, V]`` tensor and no fp32 copy of the shard. The backward
 from the saved logsumexp and needs no communication (Megatron's column-parallel output layer all-reduces the
 input gradient itself).
 
+Where Triton can run (CUDA, or ``TRITON_INTERPRET=1``), the same computation runs fused (``fused_logprobs.py``):
+one read of the bf16 shard for the statistics, one read and one bf16 write for the gradient, no fp32 buffers.
+
 Shapes: T tokens, Vp = V / TP vocabulary entries on this rank.
 """
 
@@ -16,6 +19,8 @@ from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
+
+from megatron_pacs.mcore import fused_logprobs
 
 __all__ = ["vocab_parallel_logprobs"]
 
@@ -105,6 +110,58 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+class _FusedVocabParallelLogProbs(torch.autograd.Function):
+    # The per-rank statistics come from one Triton pass; the TP combination is the same two all-reduces as the
+    # chunked path, on [T] vectors: MAX of the shard maxima, then SUM of the sums rescaled to the global max.
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start, temperature, with_entropy):
+        m_local, s, target, t = fused_logprobs.shard_stats(logits, labels, vocab_start, temperature, with_entropy)
+        m = m_local.clone()
+        _all_reduce(m, dist.ReduceOp.MAX, group)
+        scale = torch.exp(m_local - m)
+        # Each rank's sum exp(x - m_r) * (x - m_r), moved to the global max m: scale * (t + (m_r - m) * s).
+        moved = [] if t is None else [scale * (t + (m_local - m) * s)]
+        stats = torch.stack([s * scale, target, *moved])
+        _all_reduce(stats, dist.ReduceOp.SUM, group)
+        log_z = torch.log(stats[0])
+        lse = m + log_z
+        logp = stats[1] - lse
+        saved, outputs = (), (logp,)
+        if with_entropy:
+            shifted = stats[2] / stats[0]  # E_p[x - m]
+            saved, outputs = (shifted + m,), (logp, log_z - shifted)
+        ctx.save_for_backward(logits, labels, lse, *saved)
+        ctx.vocab_start, ctx.temperature, ctx.with_entropy = vocab_start, temperature, with_entropy
+        return outputs if with_entropy else logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        logits, labels, lse, *rest = ctx.saved_tensors
+        mean_x = rest[0] if rest else None
+        if not (ctx.with_entropy and grad_entropy is not None):
+            grad_entropy = None
+        grad = fused_logprobs.shard_grad(
+            logits, labels, ctx.vocab_start, ctx.temperature, lse, grad_logp, grad_entropy, mean_x
+        )
+        return grad, None, None, None, None, None
+
+
+def _resolve_impl(impl: str, logits: torch.Tensor) -> str:
+    if impl not in ("auto", "fused", "chunked"):
+        raise ValueError(f"impl={impl!r}: use 'auto', 'fused' or 'chunked'")
+    fusable = fused_logprobs.available(logits.device) and logits.dtype != torch.float64
+    if impl == "fused" and not fusable:
+        raise ValueError(
+            f"impl='fused' needs Triton and CUDA (or TRITON_INTERPRET=1) and bf16/fp16/fp32 logits; got "
+            f"{logits.dtype} on {logits.device} with Triton {'present' if fused_logprobs.triton else 'absent'}: "
+            "use impl='auto' or 'chunked'"
+        )
+    if impl == "auto":
+        return "fused" if fusable else "chunked"
+    return impl
+
+
 @overload
 def vocab_parallel_logprobs(
     logits_shard: torch.Tensor,
@@ -114,7 +171,60 @@ def vocab_parallel_logprobs(
     chunk_size: int = 512,
     temperature: float = 1.0,
     return_entropy: Literal[False] = False,
+    impl: Literal["auto", "fused", "chunked"] = "auto",
 ) -> torch.Tensor: ...
+
+
+class _FusedVocabParallelLogProbs(torch.autograd.Function):
+    # The per-rank statistics come from one Triton pass; the TP combination is the same two all-reduces as the
+    # chunked path, on [T] vectors: MAX of the shard maxima, then SUM of the sums rescaled to the global max.
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start, temperature, with_entropy):
+        m_local, s, target, t = fused_logprobs.shard_stats(logits, labels, vocab_start, temperature, with_entropy)
+        m = m_local.clone()
+        _all_reduce(m, dist.ReduceOp.MAX, group)
+        scale = torch.exp(m_local - m)
+        # Each rank's sum exp(x - m_r) * (x - m_r), moved to the global max m: scale * (t + (m_r - m) * s).
+        moved = [] if t is None else [scale * (t + (m_local - m) * s)]
+        stats = torch.stack([s * scale, target, *moved])
+        _all_reduce(stats, dist.ReduceOp.SUM, group)
+        log_z = torch.log(stats[0])
+        lse = m + log_z
+        logp = stats[1] - lse
+        saved, outputs = (), (logp,)
+        if with_entropy:
+            shifted = stats[2] / stats[0]  # E_p[x - m]
+            saved, outputs = (shifted + m,), (logp, log_z - shifted)
+        ctx.save_for_backward(logits, labels, lse, *saved)
+        ctx.vocab_start, ctx.temperature, ctx.with_entropy = vocab_start, temperature, with_entropy
+        return outputs if with_entropy else logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        logits, labels, lse, *rest = ctx.saved_tensors
+        mean_x = rest[0] if rest else None
+        if not (ctx.with_entropy and grad_entropy is not None):
+            grad_entropy = None
+        grad = fused_logprobs.shard_grad(
+            logits, labels, ctx.vocab_start, ctx.temperature, lse, grad_logp, grad_entropy, mean_x
+        )
+        return grad, None, None, None, None, None
+
+
+def _resolve_impl(impl: str, logits: torch.Tensor) -> str:
+    if impl not in ("auto", "fused", "chunked"):
+        raise ValueError(f"impl={impl!r}: use 'auto', 'fused' or 'chunked'")
+    fusable = fused_logprobs.available(logits.device) and logits.dtype != torch.float64
+    if impl == "fused" and not fusable:
+        raise ValueError(
+            f"impl='fused' needs Triton and CUDA (or TRITON_INTERPRET=1) and bf16/fp16/fp32 logits; got "
+            f"{logits.dtype} on {logits.device} with Triton {'present' if fused_logprobs.triton else 'absent'}: "
+            "use impl='auto' or 'chunked'"
+        )
+    if impl == "auto":
+        return "fused" if fusable else "chunked"
+    return impl
 
 
 @overload
@@ -126,7 +236,60 @@ def vocab_parallel_logprobs(
     chunk_size: int = 512,
     temperature: float = 1.0,
     return_entropy: Literal[True],
+    impl: Literal["auto", "fused", "chunked"] = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class _FusedVocabParallelLogProbs(torch.autograd.Function):
+    # The per-rank statistics come from one Triton pass; the TP combination is the same two all-reduces as the
+    # chunked path, on [T] vectors: MAX of the shard maxima, then SUM of the sums rescaled to the global max.
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start, temperature, with_entropy):
+        m_local, s, target, t = fused_logprobs.shard_stats(logits, labels, vocab_start, temperature, with_entropy)
+        m = m_local.clone()
+        _all_reduce(m, dist.ReduceOp.MAX, group)
+        scale = torch.exp(m_local - m)
+        # Each rank's sum exp(x - m_r) * (x - m_r), moved to the global max m: scale * (t + (m_r - m) * s).
+        moved = [] if t is None else [scale * (t + (m_local - m) * s)]
+        stats = torch.stack([s * scale, target, *moved])
+        _all_reduce(stats, dist.ReduceOp.SUM, group)
+        log_z = torch.log(stats[0])
+        lse = m + log_z
+        logp = stats[1] - lse
+        saved, outputs = (), (logp,)
+        if with_entropy:
+            shifted = stats[2] / stats[0]  # E_p[x - m]
+            saved, outputs = (shifted + m,), (logp, log_z - shifted)
+        ctx.save_for_backward(logits, labels, lse, *saved)
+        ctx.vocab_start, ctx.temperature, ctx.with_entropy = vocab_start, temperature, with_entropy
+        return outputs if with_entropy else logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        logits, labels, lse, *rest = ctx.saved_tensors
+        mean_x = rest[0] if rest else None
+        if not (ctx.with_entropy and grad_entropy is not None):
+            grad_entropy = None
+        grad = fused_logprobs.shard_grad(
+            logits, labels, ctx.vocab_start, ctx.temperature, lse, grad_logp, grad_entropy, mean_x
+        )
+        return grad, None, None, None, None, None
+
+
+def _resolve_impl(impl: str, logits: torch.Tensor) -> str:
+    if impl not in ("auto", "fused", "chunked"):
+        raise ValueError(f"impl={impl!r}: use 'auto', 'fused' or 'chunked'")
+    fusable = fused_logprobs.available(logits.device) and logits.dtype != torch.float64
+    if impl == "fused" and not fusable:
+        raise ValueError(
+            f"impl='fused' needs Triton and CUDA (or TRITON_INTERPRET=1) and bf16/fp16/fp32 logits; got "
+            f"{logits.dtype} on {logits.device} with Triton {'present' if fused_logprobs.triton else 'absent'}: "
+            "use impl='auto' or 'chunked'"
+        )
+    if impl == "auto":
+        return "fused" if fusable else "chunked"
+    return impl
 
 
 @overload
@@ -138,6 +301,7 @@ def vocab_parallel_logprobs(
     chunk_size: int = 512,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    impl: Literal["auto", "fused", "chunked"] = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -149,6 +313,7 @@ def vocab_parallel_logprobs(
     chunk_size: int = 512,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    impl: Literal["auto", "fused", "chunked"] = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each label under softmax(logits / temperature) over the full (sharded) vocabulary.
 
@@ -160,6 +325,8 @@ def vocab_parallel_logprobs(
         chunk_size: Tokens per chunk; the fp32 working memory is two ``[chunk_size, Vp]`` buffers.
         temperature: Sampling temperature the log-probs refer to (the rollout's).
         return_entropy: Also return the entropy of each token's distribution (differentiable).
+        impl: ``"fused"``: the Triton kernels (CUDA, or ``TRITON_INTERPRET=1``; not for float64 logits);
+            ``"chunked"``: the torch path above (``chunk_size`` applies); ``"auto"``: fused where it can run.
 
     Returns:
         ``[...]`` log-probs, and ``[...]`` entropies when ``return_entropy``; float32 (float64 for float64
@@ -176,15 +343,17 @@ def vocab_parallel_logprobs(
     lead = labels.shape
     vp = logits_shard.shape[-1]
     rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
-    out = _VocabParallelLogProbs.apply(
-        logits_shard.reshape(-1, vp),
-        labels.reshape(-1).long(),
-        tp_group,
-        rank * vp,
-        chunk_size,
-        float(temperature),
-        return_entropy,
-    )
+    flat, flat_labels = logits_shard.reshape(-1, vp), labels.reshape(-1).long()
+    if _resolve_impl(impl, logits_shard) == "fused":
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        out = _FusedVocabParallelLogProbs.apply(
+            flat, flat_labels, tp_group, rank * vp, float(temperature), return_entropy
+        )
+    else:
+        out = _VocabParallelLogProbs.apply(
+            flat, flat_labels, tp_group, rank * vp, chunk_size, float(temperature), return_entropy
+        )
     if return_entropy:
         return out[0].view(lead), out[1].view(lead)
     return out.view(lead)

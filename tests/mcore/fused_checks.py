@@ -1,0 +1,83 @@
+"""The fused (Triton) token log-prob against a float64 reference and against the chunked torch path.
+
+Run by tests/mcore/test_fused_logprobs.py: under ``TRITON_INTERPRET=1`` on CPU (``torchrun --nproc-per-node=2``:
+TP=1 on rank 0 and TP=2 over both ranks, gloo), and in-process on a GPU. Writes ``{name: max abs error}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
+
+# (tokens, vocabulary, temperature): one tile, several tiles with a ragged last one, a sampling temperature.
+CASES = [(17, 40, 1.0), (33, 5002, 1.0), (29, 9000, 0.7)]
+
+
+def check(device: torch.device, group: dist.ProcessGroup | None, tag: str) -> dict[str, float]:
+    """Max abs errors of fused vs float64 and fused vs chunked, for fp32 and bf16 logits (with the entropy)."""
+    tp = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    out: dict[str, float] = {}
+    for num_tokens, vocab, temp in CASES:
+        gen = torch.Generator().manual_seed(vocab)  # the same full logits on every rank
+        full = torch.randn(num_tokens, vocab, generator=gen, dtype=torch.float64) * 4
+        labels = torch.randint(0, vocab, (num_tokens,), generator=gen)
+        w_lp, w_h = torch.randn(num_tokens, generator=gen), torch.randn(num_tokens, generator=gen)
+        vp = vocab // tp
+        for dtype in (torch.float32, torch.bfloat16):
+            x = full.to(dtype)  # the reference sees exactly the rounded inputs
+            ref_in = x.double().requires_grad_(True)
+            ref = torch.log_softmax(ref_in / temp, -1)
+            ref_lp = ref.gather(1, labels[:, None]).squeeze(1)
+            ref_ent = -(ref.exp() * ref).sum(-1)
+            (ref_lp * w_lp + ref_ent * w_h).sum().backward()
+            assert ref_in.grad is not None
+            ref_grad = ref_in.grad[:, rank * vp : (rank + 1) * vp]
+            got = {}
+            for impl in ("fused", "chunked"):
+                shard = x[:, rank * vp : (rank + 1) * vp].to(device).requires_grad_(True)
+                lp, ent = vocab_parallel_logprobs(
+                    shard, labels.to(device), group, temperature=temp, return_entropy=True, impl=impl
+                )
+                (lp * w_lp.to(device) + ent * w_h.to(device)).sum().backward()
+                assert shard.grad is not None and shard.grad.dtype == dtype
+                got[impl] = (lp.double().cpu(), ent.double().cpu(), shard.grad.double().cpu())
+            lp, ent, grad = got["fused"]
+            name = f"{tag}/V{vocab}/T{temp}/{str(dtype).split('.')[-1]}"
+            out[f"{name}/logp"] = (lp - ref_lp).abs().max().item()
+            out[f"{name}/entropy"] = (ent - ref_ent).abs().max().item()
+            # The gradient is stored in the logits' dtype: its error relative to the largest gradient entry.
+            out[f"{name}/grad_rel"] = ((grad - ref_grad).abs().max() / ref_grad.abs().max()).item()
+            out[f"{name}/vs_chunked_logp"] = (lp - got["chunked"][0]).abs().max().item()
+            out[f"{name}/vs_chunked_entropy"] = (ent - got["chunked"][1]).abs().max().item()
+    # Leading dims, a strided (sliced) input and an empty input take the same path.
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(0)).to(device)
+    labels = torch.randint(0, 64 * tp, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    a = vocab_parallel_logprobs(x[:, :-1], labels, group, impl="fused")
+    b = vocab_parallel_logprobs(x[:, :-1], labels, group, impl="chunked")
+    out[f"{tag}/strided_3d"] = (a - b).abs().max().item() if a.shape == (2, 8) else float("inf")
+    empty = vocab_parallel_logprobs(x[:, :0], labels[:, :0], group, impl="fused")
+    out[f"{tag}/empty_ok"] = float(empty.shape == (2, 0))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    results = check(torch.device("cpu"), dist.group.WORLD, "tp2")
+    if dist.get_rank() == 0:
+        results.update(check(torch.device("cpu"), None, "tp1"))
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
