@@ -8,6 +8,8 @@ tail clipped at 8,192 (the length mix of long-CoT RLVR). Variants, each in a fre
   padded only: its SDPA path cannot confine attention to the sequences of a packed row).
 - ``fwd_bwd``: our Megatron model, forward + backward through Megatron's schedule (no optimizer).
 - ``train``: our full step, ``train_on_batch`` with the PACS objective (forward, backward, optimizer step).
+- ``logprobs``: our forward-only token log-probs over every micro-batch (``Actor.logprobs``: the old, reference
+  and phase-1 passes of a step), no backward.
 - ``host`` (GPU): the host's share of one forward-only pass: time to enqueue it (Python: Megatron's layers, our
   attention and log-prob code) against the device time (CUDA events), per layer. Host-bound when enqueue >= device.
 
@@ -20,12 +22,16 @@ shows up as lost MFU. MFU is against the GPU's dense bf16 peak (989 TFLOP/s on H
 
 On GPU (default there): a random-init Qwen2.5-1.5B shape (``--shape 3b`` / ``7b`` too), bf16. On CPU (default
 here): a tiny model and the same mix scaled down 16x, through the same code; the figure of merit is the
-packed/padded ratio of tokens per second. ``--fp8 RECIPE`` runs our variants with Transformer Engine FP8.
+packed/padded ratio of tokens per second. ``--fp8 RECIPE [RECIPE ...]`` adds rows for our variants in Transformer
+Engine FP8 (hybrid format) per recipe, each with its speed-up over the same variant and layout in bf16 ("vs bf16").
+A 7B training state (fp32 master weights and Adam moments) does not fit one 80 GiB GPU: there, run
+``--variants hf fwd_bwd logprobs``.
 
 Usage:
   python benchmarks/bench_train_step.py                          # CPU: tiny, packed vs padded
   python benchmarks/bench_train_step.py --shape 1.5b             # GPU: hf, fwd_bwd, train x padded, packed
-  python benchmarks/bench_train_step.py --shape 7b --variants hf fwd_bwd --layouts packed
+  python benchmarks/bench_train_step.py --shape 7b --variants hf fwd_bwd logprobs --layouts packed \
+      --fp8 delayed tensorwise blockwise                         # GPU: the FP8 columns at 7B
 """
 
 from __future__ import annotations
@@ -160,7 +166,8 @@ def worker(args: argparse.Namespace) -> dict:
     )
     groups = init_parallel(ParallelConfig())
     model_dir = make_model_dir(args.shape, Path(args.workdir))
-    layout = StepLayout(batch, bcfg, groups, whole_groups=False, align=16 if args.fp8 else 1)
+    fp8_recipe = None if args.precision == "bf16" else args.precision
+    layout = StepLayout(batch, bcfg, groups, whole_groups=False, align=16 if fp8_recipe else 1)
     mbs = layout.micro_batches([0])
     lengths = batch.lengths.tolist()
     processed = sum(mb.tokens.numel() for mb in mbs)
@@ -174,11 +181,16 @@ def worker(args: argparse.Namespace) -> dict:
     else:
         from megatron_pacs.mcore.actor import Actor
 
-        fp8 = {"fp8_format": "hybrid", "fp8_recipe": args.fp8} if args.fp8 else {}
+        fp8 = {"fp8_format": "hybrid", "fp8_recipe": fp8_recipe} if fp8_recipe else {}
         model = ModelConfig(hf_model=str(model_dir), bf16=gpu, transformer_impl=args.impl, **fp8)
-        actor = Actor(model, groups, OptimConfig(lr=1e-7, use_distributed_optimizer=gpu))
+        optim = None if args.variant == "logprobs" else OptimConfig(lr=1e-7, use_distributed_optimizer=gpu)
+        actor = Actor(model, groups, optim)
         if args.variant == "fwd_bwd":
             step = _fwd_bwd_step(actor, mbs)
+        elif args.variant == "logprobs":
+
+            def step():
+                actor.logprobs(mbs, batch.response_lens)
         else:
             objective = build_objective(LossConfig(), bcfg)
 
@@ -187,9 +199,12 @@ def worker(args: argparse.Namespace) -> dict:
 
     seconds, peak = _timed(step, args.warmup, args.iters)
     flops = useful_flops(shape, lengths)
+    # A forward is a third of forward + backward: its useful FLOPs are 2 N T + 4 L (heads d) sum s^2.
+    flops = flops / 3 if args.variant == "logprobs" else flops
     out = {
         "variant": args.variant,
         "layout": args.layout,
+        "precision": args.precision,
         "seconds": seconds,
         "tokens_per_s": sum(lengths) / seconds,
         "tflops": flops / seconds / 1e12,
@@ -283,9 +298,9 @@ def _hf_step(model_dir: Path, mbs, gpu: bool):
     return step
 
 
-def run_variant(args: argparse.Namespace, variant: str, layout: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--layout", layout]
-    names = ("shape", "prompts", "group_size", "scale", "seed", "micro_batch_size", "max_tokens", "impl", "fp8")
+def run_variant(args: argparse.Namespace, variant: str, layout: str, precision: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--layout", layout, "--precision", precision]
+    names = ("shape", "prompts", "group_size", "scale", "seed", "micro_batch_size", "max_tokens", "impl")
     for name in (*names, "workdir"):
         value = getattr(args, name)
         if value is not None:
@@ -294,36 +309,54 @@ def run_variant(args: argparse.Namespace, variant: str, layout: str) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
-        return {"variant": variant, "layout": layout, "error": (proc.stderr or proc.stdout)[-1500:]}
+        return {
+            "variant": variant,
+            "layout": layout,
+            "precision": precision,
+            "error": (proc.stderr or proc.stdout)[-1500:],
+        }
     return json.loads(lines[-1])
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     host = [r for r in rows if r["variant"] == "host" and "error" not in r]
     rows = [r for r in rows if r["variant"] != "host" or "error" in r]
-    base = {(r["variant"]): r for r in rows if r.get("layout") == "padded" and "error" not in r}
-    hf = next((r for r in rows if r["variant"] == "hf" and "error" not in r), None)
+    ok = [r for r in rows if "error" not in r]
+    base = {(r["variant"], r["precision"]): r for r in ok if r["layout"] == "padded"}
+    bf16 = {(r["variant"], r["layout"]): r for r in ok if r["precision"] == "bf16"}
+    hf = next((r for r in ok if r["variant"] == "hf"), None)
     print(f"train step, {args.shape} shape, {args.prompts} prompts x {args.group_size} responses, length mix / "
           f"{args.scale}, micro-batch {args.micro_batch_size} rows (padded) or their worst-case tokens (packed)"
-          f"{', FP8 ' + args.fp8 if args.fp8 else ''}")  # fmt: skip
-    header = "| variant | layout | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | padding | vs padded | MFU vs hf |"
+          f"{', FP8 (hybrid) ' + ' '.join(args.fp8) if args.fp8 else ''}")  # fmt: skip
+    header = (
+        "| variant | layout | precision | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | padding | vs padded | "
+        "vs bf16 | MFU vs hf |"
+    )
     print(header)
     print("|" + "|".join("---" for _ in range(header.count("|") - 1)) + "|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | {r['layout']} | failed: {r['error'].splitlines()[-1][:100]} |")
+            print(
+                f"| {r['variant']} | {r['layout']} | {r['precision']} | failed: {r['error'].splitlines()[-1][:100]} |"
+            )
             continue
-        padded = base.get(r["variant"])
+        padded = base.get((r["variant"], r["precision"]))
         vs_padded = f"{r['tokens_per_s'] / padded['tokens_per_s']:.2f}x" if padded else "-"
+        ref = bf16.get((r["variant"], r["layout"]))
+        vs_bf16 = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref and r["precision"] != "bf16" else "-"
         mfu = r.get("mfu")
         vs_hf = f"{mfu / hf['mfu']:.2f}x" if mfu and hf and hf.get("mfu") else "-"
         print(
-            f"| {r['variant']} | {r['layout']} | {r['seconds'] * 1e3:.0f} | {r['tokens_per_s']:.0f} | "
-            f"{r['tflops']:.1f} | {'-' if mfu is None else f'{mfu:.1%}'} | {r['peak_gib']:.1f} | "
-            f"{r['padding']:.1%} | {vs_padded} | {vs_hf} |"
+            f"| {r['variant']} | {r['layout']} | {r['precision'] if r.get('device') else 'fp32'} | "
+            f"{r['seconds'] * 1e3:.0f} | "
+            f"{r['tokens_per_s']:.0f} | {r['tflops']:.1f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+            f"{r['peak_gib']:.1f} | {r['padding']:.1%} | {vs_padded} | {vs_bf16} | {vs_hf} |"
         )
     dev = next((r.get("device") for r in rows if r.get("device")), "CPU")
-    print(f"device: {dev}; baselines: 'vs padded' = the same variant padded, 'MFU vs hf' = HF fwd+bwd (first row)")
+    print(
+        f"device: {dev}; baselines: 'vs padded' = the same variant and precision padded, 'vs bf16' = the same "
+        "variant and layout in bf16, 'MFU vs hf' = HF fwd+bwd (first row); MFU in bf16-peak terms"
+    )
     if host:
         print("\nhost overhead of one forward-only micro-batch (enqueue vs device time)")
         print("| layout | tokens | host ms | device ms | host ms / layer | host-bound |")
@@ -347,7 +380,9 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=2 if gpu else 8, help="padded rows per micro-batch")
     ap.add_argument("--max-tokens", type=int, default=None, help="packed budget (default: rows x max sequence)")
     ap.add_argument("--impl", default="auto", help="layer spec: auto, te, sdpa or local")
-    ap.add_argument("--fp8", default=None, help="FP8 recipe for our variants (delayed, tensorwise, blockwise)")
+    ap.add_argument(
+        "--fp8", nargs="*", default=[], help="FP8 recipes to add for our variants (delayed, tensorwise, blockwise)"
+    )
     ap.add_argument(
         "--variants", nargs="+", default=["hf", "fwd_bwd", "train", "host"] if gpu else ["fwd_bwd", "train"]
     )
@@ -358,6 +393,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--layout", help=argparse.SUPPRESS)
+    ap.add_argument("--precision", default="bf16", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args)), flush=True)
@@ -365,7 +401,8 @@ def main() -> None:
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     # HF's SDPA path cannot confine attention to each sequence of a packed row: it runs padded only.
     runs = [(v, lay) for v in args.variants for lay in args.layouts if not (v == "hf" and lay == "packed")]
-    rows = [run_variant(args, v, lay) for v, lay in runs]
+    ours = ["bf16", *args.fp8]
+    rows = [run_variant(args, v, lay, p) for v, lay in runs for p in (["bf16"] if v in ("hf", "host") else ours)]
     print_table(rows, args)
 
 

@@ -311,6 +311,9 @@ def build_gpt_model(
         Model chunks in virtual-stage order, on the current device.
     """
     kind = resolve_spec(spec)
+    if config_overrides.get("fp8") and kind != "te":
+        # Only Transformer Engine's layers run FP8 GEMMs; the other specs would silently run bf16.
+        raise ValueError(f"fp8={config_overrides['fp8']!r} needs the Transformer Engine spec; got spec={kind!r}")
     config = hf_to_transformer_config(
         hf_config,
         groups.config,

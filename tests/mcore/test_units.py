@@ -101,3 +101,13 @@ def test_gpu_rms_norm_fused_path_has_hf_numerics():
     ref = x.float()
     ref = norm.weight * (ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + norm.eps)).to(torch.bfloat16)
     torch.testing.assert_close(norm(x), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_fp8_on_a_spec_without_transformer_engine_is_refused():
+    """Only TE's layers run FP8 GEMMs: the local and sdpa specs would run bf16 under an FP8 label."""
+    from megatron_pacs.demo.tiny import tiny_hf_config
+    from megatron_pacs.mcore.model import build_gpt_model
+
+    for spec in ("local", "sdpa"):
+        with pytest.raises(ValueError, match="needs the Transformer Engine spec"):
+            build_gpt_model(tiny_hf_config("qwen2"), None, spec=spec, fp8="hybrid")  # type: ignore[arg-type]
