@@ -185,7 +185,7 @@ class Trainer:
             reference=self.reference,
             tis_cap=cfg.loss.tis_cap,
             same_weights=rows is not None,  # generated ahead (one step off, or restored): older weights
-            score_fp8=cfg.model.fp8_score_precision == "fp8",
+            score_fp8=cfg.score_fp8,
         )
         train = (train_started, time.perf_counter())
         self._check_consistency(metrics, step)

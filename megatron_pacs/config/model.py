@@ -25,10 +25,11 @@ class ModelConfig:
     """FP8 through Transformer Engine: e4m3 or hybrid (needs --bf16 and Transformer Engine)."""
     fp8_recipe: str = "delayed"
     """Transformer Engine FP8 recipe: delayed, tensorwise, mxfp8 (Blackwell only) or blockwise."""
-    fp8_score_precision: str = "bf16"
+    fp8_score_precision: str = "auto"
     """With --fp8-format: the precision of the forward-only passes whose log-probs enter PACS scores and ratios (old,
-    phase-1 current, reference): bf16 keeps FP8's per-token bias out of the scores (docs/algorithm.md §7.2), fp8
-    runs them in FP8 too; the training forward and backward run in FP8 either way."""
+    phase-1 current, reference). bf16 keeps FP8's per-token bias out of PACS scores; fp8 runs them in FP8 too (the
+    training forward and backward run in FP8 either way); auto: bf16 for the two-phase PACS gradient, fp8 for GRPO
+    and direct mode, whose scores or ratios take one term from the FP8 training pass (docs/algorithm.md §7.2)."""
     first_last_layers_bf16: bool = False
     """With --fp8-format: keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in
     bf16 (not with the delayed recipe)."""
@@ -54,8 +55,8 @@ class ModelConfig:
             raise bad("fp8_format", "FP8 training needs --bf16 as well")
         if self.fp8_recipe not in FP8_RECIPES:
             raise bad("fp8_recipe", f"{self.fp8_recipe!r}: use one of {list(FP8_RECIPES)}")
-        if self.fp8_score_precision not in ("bf16", "fp8"):
-            raise bad("fp8_score_precision", f"{self.fp8_score_precision!r}: use bf16 or fp8")
+        if self.fp8_score_precision not in ("auto", "bf16", "fp8"):
+            raise bad("fp8_score_precision", f"{self.fp8_score_precision!r}: use auto, bf16 or fp8")
         if self.first_last_layers_bf16 and not self.fp8_format:
             raise bad("first_last_layers_bf16", "only means something with --fp8-format")
         if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":

@@ -129,6 +129,14 @@ class TrainConfig:
             raise bad("eval_interval", "validation needs --val-data files")
         return dp
 
+    @property
+    def score_fp8(self) -> bool:
+        """Whether the score passes (old, phase-1 current, reference) run in FP8 (``--fp8-score-precision``)."""
+        precision = self.model.fp8_score_precision
+        if not self.model.fp8_format or precision == "bf16":
+            return False
+        return precision == "fp8" or self.loss.loss == "grpo" or self.batch.keep_groups_in_microbatch
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for checkpoints and metric sinks)."""
         return dataclasses.asdict(self)

@@ -93,7 +93,8 @@ def test_cross_section_refusals_before_anything_starts():
         (["--ref-reset-interval", "5"], "--ref-reset-interval: no reference policy is built"),
         (["--off-policy-correction", "tis", "--temperature", "0.7"], "--off-policy-correction: tis compares"),
         (
-            ["--bf16", "--fp8-format", "hybrid", "--keep-groups-in-microbatch", "--micro-batch-size", "8"],
+            ["--bf16", "--fp8-format", "hybrid", "--fp8-score-precision", "bf16", "--keep-groups-in-microbatch"]
+            + ["--micro-batch-size", "8"],
             "--fp8-score-precision: bf16 scores with --keep-groups-in-microbatch",
         ),
     ]
@@ -102,6 +103,17 @@ def test_cross_section_refusals_before_anything_starts():
             parse_config(argv).validate(1, need_files=False)
     parse_config(["--pacs-score-reference", "ref", "--ref-reset-interval", "5"]).validate(1, need_files=False)
     parse_config(["--lr", "0"]).validate(1, need_files=False)  # a frozen-policy measurement run
+
+
+def test_fp8_score_precision_auto_is_bf16_for_two_phase_pacs_and_fp8_where_a_term_comes_from_training():
+    fp8 = ["--bf16", "--fp8-format", "hybrid"]
+    assert parse_config([]).score_fp8 is False  # no FP8: nothing to choose
+    assert parse_config(fp8).score_fp8 is False  # two-phase PACS: every score term from a bf16 pass
+    assert parse_config([*fp8, "--loss", "grpo"]).score_fp8 is True  # the ratio's current term is the FP8 pass
+    direct = [*fp8, "--keep-groups-in-microbatch", "--micro-batch-size", "8"]
+    assert parse_config(direct).score_fp8 is True
+    assert parse_config([*fp8, "--fp8-score-precision", "fp8"]).score_fp8 is True
+    assert parse_config([*fp8, "--loss", "grpo", "--fp8-score-precision", "bf16"]).score_fp8 is False
 
 
 def test_train_refuses_bad_data_before_building_anything(tmp_path):
