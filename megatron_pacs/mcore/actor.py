@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -79,14 +79,14 @@ class Actor:
         if enabled or not self.fp8:
             yield
             return
-        configs = list({id(m.config): m.config for m in self.models}.values())
-        saved = [c.fp8 for c in configs]
+        configs: list[Any] = list({id(m.config): m.config for m in self.models}.values())
+        saved = [(c, c.fp8) for c in configs]
         for c in configs:
             c.fp8 = None
         try:
             yield
         finally:
-            for c, value in zip(configs, saved, strict=True):
+            for c, value in saved:
                 c.fp8 = value
 
     @property

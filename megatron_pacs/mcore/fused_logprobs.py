@@ -15,16 +15,11 @@ these kernels can run on a device (CUDA, or any device under ``TRITON_INTERPRET=
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from functools import cache
 
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU install has no Triton; the chunked torch path runs instead
-    triton = None
-    tl = None
 
 __all__ = ["available", "shard_grad", "shard_stats"]
 
@@ -32,101 +27,22 @@ __all__ = ["available", "shard_grad", "shard_stats"]
 _MAX_BLOCK = 4096
 
 
+@cache
+def triton_installed() -> bool:
+    """Whether Triton can be imported (the CPU install has none: the chunked torch path runs there)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def available(device: torch.device) -> bool:
-    """Whether the fused kernels can run on ``device`` (Triton imports and the device is CUDA, or Triton's CPU
+    """Whether the fused kernels can run on ``device`` (Triton is installed and the device is CUDA, or Triton's CPU
     interpreter is switched on with ``TRITON_INTERPRET=1``)."""
-    if triton is None:
+    if not triton_installed():
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-if triton is not None:
-
-    @triton.jit
-    def _stats_kernel(
-        logits_ptr,
-        row_stride,
-        labels_ptr,
-        vocab_start,
-        vp,
-        temperature,
-        max_ptr,
-        sum_ptr,
-        target_ptr,
-        xsum_ptr,
-        BLOCK: tl.constexpr,
-        ENTROPY: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * row_stride
-        # A finite start (no logit is below it) keeps (m - m_new) * s free of -inf * 0 on the first tile.
-        m = tl.zeros([], dtype=tl.float32) - 1e30
-        s = tl.zeros([], dtype=tl.float32)
-        t = tl.zeros([], dtype=tl.float32)
-        for start in range(0, vp, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < vp
-            x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32) / temperature
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            # Online softmax: rescale what was summed against the old max to the new one.
-            scale = tl.exp(m - m_new)
-            e = tl.exp(x - m_new)
-            if ENTROPY:
-                # t = sum e * (x - m) moves with m too: sum e' * (x - m_new) = scale * (t + (m - m_new) * s).
-                t = scale * (t + (m - m_new) * s) + tl.sum(e * tl.where(mask, x - m_new, 0.0), axis=0)
-            s = s * scale + tl.sum(e, axis=0)
-            m = m_new
-        local = tl.load(labels_ptr + row) - vocab_start
-        owned = (local >= 0) & (local < vp)
-        target = tl.load(base + local, mask=owned, other=0.0).to(tl.float32) / temperature
-        tl.store(max_ptr + row, m)
-        tl.store(sum_ptr + row, s)
-        tl.store(target_ptr + row, tl.where(owned, target, 0.0))
-        if ENTROPY:
-            tl.store(xsum_ptr + row, t)
-
-    @triton.jit
-    def _grad_kernel(
-        logits_ptr,
-        row_stride,
-        grad_ptr,
-        grad_row_stride,
-        labels_ptr,
-        vocab_start,
-        vp,
-        temperature,
-        lse_ptr,
-        g_ptr,
-        h_ptr,
-        mean_ptr,
-        BLOCK: tl.constexpr,
-        ENTROPY: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * row_stride
-        out = grad_ptr + row * grad_row_stride
-        lse = tl.load(lse_ptr + row)
-        g = tl.load(g_ptr + row)
-        local = tl.load(labels_ptr + row) - vocab_start
-        if ENTROPY:
-            h = tl.load(h_ptr + row)
-            mean = tl.load(mean_ptr + row)
-        for start in range(0, vp, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < vp
-            x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32) / temperature
-            p = tl.exp(x - lse)
-            if ENTROPY:
-                coef = g + h * (x - mean)  # d logp/dx = onehot - p;  d H/dx = -p * (x - E_p[x])
-            else:
-                coef = g
-            d = (tl.where(cols == local, g, 0.0) - p * coef) / temperature
-            tl.store(out + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)  # downcast rounds to nearest even
-
-
 def _launch_args(vp: int) -> tuple[int, int]:
-    assert triton is not None
-    block = min(triton.next_power_of_2(vp), _MAX_BLOCK)
+    block = min(1 << max(vp - 1, 0).bit_length(), _MAX_BLOCK)  # the next power of two, capped
     return block, 8 if block >= 2048 else 4
 
 
@@ -156,7 +72,9 @@ def shard_stats(
     t = new(num_tokens, dtype=torch.float32) if with_entropy else None
     if num_tokens:
         block, warps = _launch_args(vp)
-        _stats_kernel[(num_tokens,)](
+        from megatron_pacs.mcore._logprob_kernels import stats_kernel
+
+        stats_kernel[(num_tokens,)](
             logits,
             logits.stride(0),
             labels.contiguous(),
@@ -208,7 +126,9 @@ def shard_grad(
         block, warps = _launch_args(vp)
         g = _rows(grad_logp)
         h, mean = (_rows(grad_entropy), _rows(mean_x)) if grad_entropy is not None and mean_x is not None else (g, g)
-        _grad_kernel[(num_tokens,)](
+        from megatron_pacs.mcore._logprob_kernels import grad_kernel
+
+        grad_kernel[(num_tokens,)](
             logits,
             logits.stride(0),
             grad,

@@ -152,10 +152,10 @@ def _resolve_impl(impl: str, logits: torch.Tensor) -> str:
         raise ValueError(f"impl={impl!r}: use 'auto', 'fused' or 'chunked'")
     fusable = fused_logprobs.available(logits.device) and logits.dtype != torch.float64
     if impl == "fused" and not fusable:
+        triton = "installed" if fused_logprobs.triton_installed() else "absent"
         raise ValueError(
             f"impl='fused' needs Triton and CUDA (or TRITON_INTERPRET=1) and bf16/fp16/fp32 logits; got "
-            f"{logits.dtype} on {logits.device} with Triton {'present' if fused_logprobs.triton else 'absent'}: "
-            "use impl='auto' or 'chunked'"
+            f"{logits.dtype} on {logits.device} with Triton {triton}: use impl='auto' or 'chunked'"
         )
     if impl == "auto":
         return "fused" if fusable else "chunked"
@@ -175,58 +175,6 @@ def vocab_parallel_logprobs(
 ) -> torch.Tensor: ...
 
 
-class _FusedVocabParallelLogProbs(torch.autograd.Function):
-    # The per-rank statistics come from one Triton pass; the TP combination is the same two all-reduces as the
-    # chunked path, on [T] vectors: MAX of the shard maxima, then SUM of the sums rescaled to the global max.
-
-    @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, temperature, with_entropy):
-        m_local, s, target, t = fused_logprobs.shard_stats(logits, labels, vocab_start, temperature, with_entropy)
-        m = m_local.clone()
-        _all_reduce(m, dist.ReduceOp.MAX, group)
-        scale = torch.exp(m_local - m)
-        # Each rank's sum exp(x - m_r) * (x - m_r), moved to the global max m: scale * (t + (m_r - m) * s).
-        moved = [] if t is None else [scale * (t + (m_local - m) * s)]
-        stats = torch.stack([s * scale, target, *moved])
-        _all_reduce(stats, dist.ReduceOp.SUM, group)
-        log_z = torch.log(stats[0])
-        lse = m + log_z
-        logp = stats[1] - lse
-        saved, outputs = (), (logp,)
-        if with_entropy:
-            shifted = stats[2] / stats[0]  # E_p[x - m]
-            saved, outputs = (shifted + m,), (logp, log_z - shifted)
-        ctx.save_for_backward(logits, labels, lse, *saved)
-        ctx.vocab_start, ctx.temperature, ctx.with_entropy = vocab_start, temperature, with_entropy
-        return outputs if with_entropy else logp
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy=None):
-        logits, labels, lse, *rest = ctx.saved_tensors
-        mean_x = rest[0] if rest else None
-        if not (ctx.with_entropy and grad_entropy is not None):
-            grad_entropy = None
-        grad = fused_logprobs.shard_grad(
-            logits, labels, ctx.vocab_start, ctx.temperature, lse, grad_logp, grad_entropy, mean_x
-        )
-        return grad, None, None, None, None, None
-
-
-def _resolve_impl(impl: str, logits: torch.Tensor) -> str:
-    if impl not in ("auto", "fused", "chunked"):
-        raise ValueError(f"impl={impl!r}: use 'auto', 'fused' or 'chunked'")
-    fusable = fused_logprobs.available(logits.device) and logits.dtype != torch.float64
-    if impl == "fused" and not fusable:
-        raise ValueError(
-            f"impl='fused' needs Triton and CUDA (or TRITON_INTERPRET=1) and bf16/fp16/fp32 logits; got "
-            f"{logits.dtype} on {logits.device} with Triton {'present' if fused_logprobs.triton else 'absent'}: "
-            "use impl='auto' or 'chunked'"
-        )
-    if impl == "auto":
-        return "fused" if fusable else "chunked"
-    return impl
-
-
 @overload
 def vocab_parallel_logprobs(
     logits_shard: torch.Tensor,
@@ -238,58 +186,6 @@ def vocab_parallel_logprobs(
     return_entropy: Literal[True],
     impl: Literal["auto", "fused", "chunked"] = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class _FusedVocabParallelLogProbs(torch.autograd.Function):
-    # The per-rank statistics come from one Triton pass; the TP combination is the same two all-reduces as the
-    # chunked path, on [T] vectors: MAX of the shard maxima, then SUM of the sums rescaled to the global max.
-
-    @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, temperature, with_entropy):
-        m_local, s, target, t = fused_logprobs.shard_stats(logits, labels, vocab_start, temperature, with_entropy)
-        m = m_local.clone()
-        _all_reduce(m, dist.ReduceOp.MAX, group)
-        scale = torch.exp(m_local - m)
-        # Each rank's sum exp(x - m_r) * (x - m_r), moved to the global max m: scale * (t + (m_r - m) * s).
-        moved = [] if t is None else [scale * (t + (m_local - m) * s)]
-        stats = torch.stack([s * scale, target, *moved])
-        _all_reduce(stats, dist.ReduceOp.SUM, group)
-        log_z = torch.log(stats[0])
-        lse = m + log_z
-        logp = stats[1] - lse
-        saved, outputs = (), (logp,)
-        if with_entropy:
-            shifted = stats[2] / stats[0]  # E_p[x - m]
-            saved, outputs = (shifted + m,), (logp, log_z - shifted)
-        ctx.save_for_backward(logits, labels, lse, *saved)
-        ctx.vocab_start, ctx.temperature, ctx.with_entropy = vocab_start, temperature, with_entropy
-        return outputs if with_entropy else logp
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy=None):
-        logits, labels, lse, *rest = ctx.saved_tensors
-        mean_x = rest[0] if rest else None
-        if not (ctx.with_entropy and grad_entropy is not None):
-            grad_entropy = None
-        grad = fused_logprobs.shard_grad(
-            logits, labels, ctx.vocab_start, ctx.temperature, lse, grad_logp, grad_entropy, mean_x
-        )
-        return grad, None, None, None, None, None
-
-
-def _resolve_impl(impl: str, logits: torch.Tensor) -> str:
-    if impl not in ("auto", "fused", "chunked"):
-        raise ValueError(f"impl={impl!r}: use 'auto', 'fused' or 'chunked'")
-    fusable = fused_logprobs.available(logits.device) and logits.dtype != torch.float64
-    if impl == "fused" and not fusable:
-        raise ValueError(
-            f"impl='fused' needs Triton and CUDA (or TRITON_INTERPRET=1) and bf16/fp16/fp32 logits; got "
-            f"{logits.dtype} on {logits.device} with Triton {'present' if fused_logprobs.triton else 'absent'}: "
-            "use impl='auto' or 'chunked'"
-        )
-    if impl == "auto":
-        return "fused" if fusable else "chunked"
-    return impl
 
 
 @overload

@@ -93,8 +93,7 @@ def test_cross_section_refusals_before_anything_starts():
         (["--ref-reset-interval", "5"], "--ref-reset-interval: no reference policy is built"),
         (["--off-policy-correction", "tis", "--temperature", "0.7"], "--off-policy-correction: tis compares"),
         (
-            ["--bf16", "--fp8-format", "hybrid", "--fp8-score-precision", "bf16", "--keep-groups-in-microbatch"]
-            + ["--micro-batch-size", "8"],
+            [*("--bf16", "--fp8-format", "hybrid", "--fp8-score-precision", "bf16"), "--keep-groups-in-microbatch"],
             "--fp8-score-precision: bf16 scores with --keep-groups-in-microbatch",
         ),
     ]
