@@ -63,14 +63,39 @@ TINY_RUN_FLAGS = [
 
 
 #: Float results of a CPU run depend on which vector kernels torch, MKL and oneDNN pick for the machine's ISA
-#: (AVX2 vs AVX-512 sum in different orders) and on the thread count. Pinning both makes the golden trace and the
-#: bitwise resume checks reproducible on any x86-64 machine with AVX2, whichever CPU CI lands on.
+#: (AVX2 vs AVX-512 sum in different orders) and on the thread count; pinned here for the golden trace and the
+#: bitwise resume checks. MKL's GEMMs take the conditional-numerical-reproducibility branch ``COMPATIBLE`` (SSE2):
+#: on AMD processors MKL ignores every other branch (``AVX2``, ``AVX512``: measured, the same bits as unset), so
+#: only ``COMPATIBLE`` runs the same code on AMD and Intel machines. torch's own kernels are pinned to AVX2.
 PINNED_CPU_ENV = {
     "OMP_NUM_THREADS": "1",
     "ATEN_CPU_CAPABILITY": "avx2",
-    "MKL_CBWR": "AVX2",
+    "MKL_CBWR": "COMPATIBLE",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
+
+
+def cpu_platform() -> dict[str, str]:
+    """What, besides the code and :data:`PINNED_CPU_ENV`, can change a CPU run's float results: the processor
+    (vendor, family, model, the vector extensions present) and the torch build."""
+    import platform
+
+    import torch
+
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model", "model name", "flags") and key not in info:
+                info[key] = value.strip()
+    except OSError:
+        pass
+    flags = set(info.pop("flags", "").split())
+    info["vector_extensions"] = " ".join(f for f in ("avx2", "fma", "avx512f") if f in flags)
+    info["machine"] = platform.machine()
+    info["torch"] = torch.__version__
+    return info
 
 
 def run_train(flags: list[str], *, log_dir: Path, cwd: Path, world: int = 1) -> list[dict]:
