@@ -210,17 +210,21 @@ def main() -> None:
             rows.append({"option": option, "recipe": recipe, "error": f"{type(exc).__name__}: {exc}"[:200]})
     base_row = next((r for r in rows if r["option"] == "bf16" and "error" not in r), None)
     print(f"PACS score error vs fp32 (sdpa), {args.shape}, {args.sequences} x {args.length} tokens, nats, beta = 1")
-    print("| option | recipe | score err 1k mean / max | score err all mean / max | sum drift all mean / max | "
-          "token bias | score pass ms | vs bf16 time |")  # fmt: skip
+    print(
+        "| option | recipe | score err 1k mean / max | score err all mean / max | sum drift all mean / max | "
+        "token bias | score pass ms | vs bf16 time |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['option']} | {r['recipe'] or '-'} | failed: {r['error']} |")
             continue
         vs = f"{base_row['seconds'] / r['seconds']:.2f}x" if base_row else "-"
-        print(f"| {r['option']} | {r['recipe'] or '-'} | {r['score_1k_mean']:.3g} / {r['score_1k_max']:.3g} | "
-              f"{r['score_all_mean']:.3g} / {r['score_all_max']:.3g} | {r['sum_all_mean']:.3g} / "
-              f"{r['sum_all_max']:.3g} | {r['bias']:.2e} | {r['seconds'] * 1e3:.0f} | {vs} |")  # fmt: skip
+        print(
+            f"| {r['option']} | {r['recipe'] or '-'} | {r['score_1k_mean']:.3g} / {r['score_1k_max']:.3g} | "
+            f"{r['score_all_mean']:.3g} / {r['score_all_max']:.3g} | {r['sum_all_mean']:.3g} / "
+            f"{r['sum_all_max']:.3g} | {r['bias']:.2e} | {r['seconds'] * 1e3:.0f} | {vs} |"
+        )
     print("baseline: 'bf16' (no FP8); score pass = one forward-only log-prob pass over all sequences")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -50,15 +50,43 @@ from pathlib import Path
 
 SHAPES = {
     # Qwen2.5 shapes (HF config fields); "tiny" is a CPU stand-in.
-    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}  # fmt: skip
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "3b": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+}
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
 
 
@@ -325,9 +353,11 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     base = {(r["variant"], r["precision"]): r for r in ok if r["layout"] == "padded"}
     bf16 = {(r["variant"], r["layout"]): r for r in ok if r["precision"] == "bf16"}
     hf = next((r for r in ok if r["variant"] == "hf"), None)
-    print(f"train step, {args.shape} shape, {args.prompts} prompts x {args.group_size} responses, length mix / "
-          f"{args.scale}, micro-batch {args.micro_batch_size} rows (padded) or their worst-case tokens (packed)"
-          f"{', FP8 (hybrid) ' + ' '.join(args.fp8) if args.fp8 else ''}")  # fmt: skip
+    print(
+        f"train step, {args.shape} shape, {args.prompts} prompts x {args.group_size} responses, length mix / "
+        f"{args.scale}, micro-batch {args.micro_batch_size} rows (padded) or their worst-case tokens (packed)"
+        f"{', FP8 (hybrid) ' + ' '.join(args.fp8) if args.fp8 else ''}"
+    )
     header = (
         "| variant | layout | precision | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | padding | vs padded | "
         "vs bf16 | MFU vs hf |"
@@ -363,8 +393,10 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         print("|---|---|---|---|---|---|")
         for r in host:
             bound = "yes" if r["host_ms"] >= r["device_ms"] else "no"
-            print(f"| {r['layout']} | {r['tokens']} | {r['host_ms']:.1f} | {r['device_ms']:.1f} | "
-                  f"{r['host_ms_per_layer']:.2f} | {bound} |")  # fmt: skip
+            print(
+                f"| {r['layout']} | {r['tokens']} | {r['host_ms']:.1f} | {r['device_ms']:.1f} | "
+                f"{r['host_ms_per_layer']:.2f} | {bound} |"
+            )
 
 
 def main() -> None:

@@ -105,8 +105,10 @@ def main() -> int:
         )  # type: ignore[union-attr]
         tokens = int(batch.lengths.sum())
         print(json.dumps({"baseline_s": t_old, "ours_s": t_new, "pickled_mb": pickled, "share_mb": share}))
-        print(f"rollouts to {args.world} gloo ranks (DP={args.world}): {args.prompts} x {args.group_size} responses, "
-              f"{tokens / 1e6:.1f}M tokens, slowest rank, median of 3")  # fmt: skip
+        print(
+            f"rollouts to {args.world} gloo ranks (DP={args.world}): {args.prompts} x {args.group_size} responses, "
+            f"{tokens / 1e6:.1f}M tokens, slowest rank, median of 3"
+        )
         print("| transport | MB sent to each rank | seconds | speed-up |")
         print("|---|---|---|---|")
         print(f"| baseline: broadcast_object_list of the pickled step | {pickled:.0f} | {t_old:.2f} | 1.00x |")

@@ -133,6 +133,7 @@ class MemoryEstimate:
     """``only`` (PP=1), ``first`` or ``last``."""
     params_per_gpu: int
     weights_gb: float
+    reference_gb: float
     main_params_gb: float
     grads_gb: float
     adam_gb: float
@@ -163,6 +164,7 @@ class RunPlan:
     fp8: str | None
     use_distributed_optimizer: bool
     recompute_activations: bool
+    reference_on_gpu: bool
     num_engines: int
     rollout_tp: int
     responses_per_step: int
@@ -220,6 +222,7 @@ class RunPlan:
         ]
         rows = [
             ("weights", m.weights_gb),
+            ("reference policy weights", m.reference_gb),
             ("fp32 main params", m.main_params_gb),
             ("fp32 main grads", m.grads_gb),
             ("Adam m, v", m.adam_gb),
@@ -277,6 +280,7 @@ def _stage_memory(plan: RunPlan, stage: str, rank: int) -> MemoryEstimate:
         stage=stage,
         params_per_gpu=round(params),
         weights_gb=wbytes * params / GiB,
+        reference_gb=wbytes * params / GiB if plan.reference_on_gpu else 0.0,  # a frozen copy: no grads or state
         main_params_gb=4 * params / shard / GiB if plan.bf16 else 0.0,
         grads_gb=4 * params / GiB,
         adam_gb=8 * params / shard / GiB,
@@ -366,6 +370,7 @@ def plan_run(shape: ModelShape, cfg: TrainConfig, *, world_size: int, gpu_memory
         fp8=cfg.model.fp8_format,
         use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
         recompute_activations=cfg.model.recompute_activations,
+        reference_on_gpu=cfg.loss.needs_reference and not cfg.reference.ref_offload,
         num_engines=cfg.rollout.num_engines,
         rollout_tp=rollout_tp,
         responses_per_step=b.global_batch_size * b.group_size,

@@ -124,7 +124,7 @@ class StepLayout:
     Padded (``--no-sequence-packing``): contiguous whole groups per rank; micro-batches cut in order by row count or
     by a padded token budget, one shape under pipeline parallelism. Packed: groups dealt to ranks by token count,
     then bin-packed into the same number of micro-batches on every rank (:mod:`megatron_pacs.data.packing`); under
-    pipeline parallelism every packed row is padded to the token budget.
+    pipeline parallelism every packed row of a pass is padded to that pass's fullest row (at most the budget).
 
     Args:
         batch: The step's rollouts (identical on every rank).
@@ -186,10 +186,12 @@ class StepLayout:
             rank_units.append([rows[k : k + unit] for k in range(0, len(rows), unit)])
         budget = _round_up(self.cfg.packing_budget, self.align)
         bins = pack_micro_batches(rank_units, self.lengths, budget, multiple=self.multiple)[self.dp_rank]
+        used = [sum(self.lengths[i] for i in b) for b in bins]
+        # pipeline messages have one shape per schedule: every row padded to the fullest one (<= the budget)
+        longest = _round_up(max([*used, 1]), self.align)
         out = []
-        for b in bins:
-            used = sum(self.lengths[i] for i in b)
-            length = budget if self.pipeline else _round_up(max(used, 1), self.align)
+        for b, filled in zip(bins, used, strict=True):
+            length = longest if self.pipeline else _round_up(max(filled, 1), self.align)
             tokens, mask, index, seqlens = pack_rows(self.batch, b, length=length)
             out.append(MicroBatch(tokens, mask, index, seqlens=seqlens))
         return out
@@ -231,26 +233,29 @@ def train_on_batch(
     layout = StepLayout(batch, cfg, groups, whole_groups=objective.whole_groups, align=actor.token_alignment)
     logprobs = partial(actor.logprobs, response_lens=batch.response_lens, temperature=temperature, fp8=score_fp8)
     minis = list(range(layout.num_mini_batches))
-    ref = None
+    ref, old, importance = None, None, None
+    correct = objective.correction is not None and batch.engine_logprobs is not None
+    need_old = correct or bool(objective.old_logprobs and (len(minis) > 1 or cfg.ppo_epochs > 1))
+    old_tokens = "token" in {objective.old_logprobs, objective.correction}
     if objective.ref_logprobs:
         if reference is None:
             raise ValueError("this objective needs the reference policy's log-probs; pass the ReferencePolicy")
+        # one schedule, two models: the actor's old log-probs (when needed) ride along on every mini-batch
         with timer.phase("ref_logprobs"):
-            ref = reference.logprobs(
+            ref, old = reference.logprobs(
                 layout.micro_batches(minis),
                 batch.response_lens,
                 temperature=temperature,
                 tokens=objective.ref_logprobs == "token",
                 fp8=score_fp8,
+                actor=actor if need_old else None,
+                actor_tokens=old_tokens,
             )
-    old, importance = None, None
-    correct = objective.correction is not None and batch.engine_logprobs is not None
-    if correct or (objective.old_logprobs and (len(minis) > 1 or cfg.ppo_epochs > 1)):
+    elif need_old:
         with timer.phase("old_logprobs"):
             # the off-policy correction needs the start-of-step policy on every response, the first mini-batch's too
             which = minis if cfg.ppo_epochs > 1 or correct else minis[1:]
-            level = {objective.old_logprobs, objective.correction}
-            old = logprobs(layout.micro_batches(which), tokens="token" in level)
+            old = logprobs(layout.micro_batches(which), tokens=old_tokens)
     parts: list[dict[str, torch.Tensor]] = []
     if correct:
         assert old is not None and objective.correction is not None
@@ -307,7 +312,8 @@ def truncated_importance(
 
     The behaviour policy is the engines' (their log-probs of the sampled tokens); the anchor is the policy at the
     start of the step. Sequence level (a PACS score and loss are per response): the ratio of the responses'
-    likelihoods; token level (GRPO): per token. Tokens the engines gave no log-prob for count as on-policy.
+    likelihoods; token level (GRPO): per token. What the engines gave no log-prob for counts as on-policy (ratio 1):
+    the token at token level, the whole response at sequence level.
 
     Returns:
         ``Logprobs`` holding the ratios (``seq`` ``[S]`` or ``tokens``; 1 where this rank holds no response), and
@@ -318,11 +324,11 @@ def truncated_importance(
     engine = batch.engine_logprobs.double()
     if level == "sequence":
         device = anchor.seq.device
-        per_response = batch.engine_offsets[1:] - batch.engine_offsets[:-1]
-        behaviour = torch.segment_reduce(
-            torch.nan_to_num(engine, nan=0.0).to(device), "sum", lengths=per_response.to(device), unsafe=True
-        )
-        raw = torch.exp(anchor.seq.double() - behaviour)[held]
+        per_response = (batch.engine_offsets[1:] - batch.engine_offsets[:-1]).to(device)
+        engine = engine.to(device)
+        behaviour = torch.segment_reduce(torch.nan_to_num(engine, nan=0.0), "sum", lengths=per_response, unsafe=True)
+        missing = torch.segment_reduce(engine.isnan().double(), "sum", lengths=per_response, unsafe=True) > 0
+        raw = torch.where(missing, 1.0, torch.exp(anchor.seq.double() - behaviour))[held]
         ratios = torch.ones(batch.num_responses, dtype=torch.float64, device=device)
         ratios[held] = raw.clamp(max=cap)
         out = Logprobs(ratios)

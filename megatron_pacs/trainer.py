@@ -62,7 +62,6 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
         self.log_dir = Path(cfg.run.log_dir)
         self.timer = PhaseTimer(cuda_sync=torch.cuda.is_available())
-        self.gen_timer = PhaseTimer()  # the generation thread's phases (generate, reward)
         self.fleet = self.scorer = None
         self.producer: RolloutProducer | None = None
         self.engine_version = 0  # the training step whose weights the engines hold
@@ -72,8 +71,7 @@ class Trainer:
         self.colocation: Colocation | None = None
         if cfg.rollout.colocate:
             offload = self.actor if cfg.rollout.offload_optimizer_during_rollout else None
-            self.colocation = Colocation(self.fleet, offload)
-            self.colocation.start()
+            self.colocation = Colocation(self.fleet, offload)  # started in fit(), after a resume
         self.writer: MetricsWriter | None = None
 
     def _start_driver(self) -> None:
@@ -96,8 +94,13 @@ class Trainer:
         self.producer = RolloutProducer(self._collect)
 
     def _collect(self, rows: list[PromptRow], step: int) -> StepRollouts:
-        """Driver: generate, score and pack step ``step``'s rollouts (maybe in the producer's thread)."""
-        return collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, self.gen_timer)
+        """Driver: generate, score and pack step ``step``'s rollouts (maybe in the producer's thread); their
+        ``perf/time/generate`` and ``perf/time/reward`` travel with them, so a step reports its own rollouts' times
+        whenever they were generated."""
+        timer = PhaseTimer()
+        rollouts = collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, timer)
+        rollouts.metrics.update(timer.collect())
+        return rollouts
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -109,6 +112,8 @@ class Trainer:
         """
         cfg = self.cfg
         start_step = self.resume(loader) if cfg.checkpoint.load else 0
+        if self.colocation is not None:
+            self.colocation.start()  # after the resume: a checkpoint loads into the optimizer state on the GPU
         self.writer = MetricsWriter(
             self.log_dir,
             enabled=self.driver,
@@ -206,7 +211,6 @@ class Trainer:
             assert gen is not None
             elapsed = time.perf_counter() - started
             metrics.update(gen.rollouts.metrics)
-            metrics.update(self.gen_timer.collect())
             metrics.update(overlap_metrics(ran, train, (started, started + elapsed), waited))
             metrics["rollout/policy_lag"] = float(step - 1 - gen.version)
             metrics["perf/time/step"] = elapsed
@@ -270,7 +274,8 @@ class Trainer:
             return 0.0
         rows = batch.held.nonzero().flatten()[:num_probes].tolist()
         tokens, _, _ = pad_rows(batch, rows)
-        logp = token_logprobs(self.actor.chunks, self.groups, tokens, micro_batch_size=len(rows))
+        with self.actor.fp8_passes(False):  # the engines run bf16: an FP8 pass would add FP8's own gap (§7.2)
+            logp = token_logprobs(self.actor.chunks, self.groups, tokens, micro_batch_size=len(rows))
         if not self.driver:
             return 0.0
         assert self.fleet is not None, "the driver owns the fleet"

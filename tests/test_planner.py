@@ -181,6 +181,11 @@ def test_memory_components_follow_the_accounting(qwen7b):
     assert m.recompute_gb == pytest.approx(34 * sbh / gib)
     fp32 = _plan(qwen7b, tp=1, sequence_parallel=False, bf16=False).memory
     assert fp32.main_params_gb == 0 and fp32.weights_gb == pytest.approx(2 * m.weights_gb)
+    assert m.reference_gb == 0  # no reference policy in this run
+    ref = _plan(qwen7b, tp=1, sequence_parallel=False, use_distributed_optimizer=False, kl_coef=0.001)
+    assert ref.memory.reference_gb == pytest.approx(m.weights_gb)  # a frozen bf16 copy of the actor's shard
+    assert ref.memory.total_gb == pytest.approx(m.total_gb + m.weights_gb)
+    assert "reference policy weights" in ref.format()
 
 
 def test_pipeline_stages_and_micro_batches(qwen7b):

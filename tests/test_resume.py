@@ -76,9 +76,17 @@ def test_resume_with_reference_resets_equals_continuous(setup):
     meta = json.loads((root / "ckpt_v2b" / "iter_0000002" / "megatron_pacs.json").read_text())
     assert meta["reference"] == {"resets": 1} and (root / "ckpt_v2b" / "iter_0000002" / "reference").is_dir()
     split = _train(
-        root, "v2_split", "--train-iters", "4", "--save", str(root / "ckpt_v2b"), "--load", str(root / "ckpt_v2b"),
-        "--save-hf", *v2,
-    )  # fmt: skip
+        root,
+        "v2_split",
+        "--train-iters",
+        "4",
+        "--save",
+        str(root / "ckpt_v2b"),
+        "--load",
+        str(root / "ckpt_v2b"),
+        "--save-hf",
+        *v2,
+    )
     assert [m["ref/resets"] for m in split if "ref/resets" in m][-2:] == [1.0, 2.0]
     assert [m["ref/kl"] for m in straight[-2:]] == [m["ref/kl"] for m in split[-2:]]
     a = _weights(root / "ckpt_v2a" / "iter_0000004" / "hf")
@@ -92,16 +100,34 @@ def test_resume_with_a_generation_in_flight_equals_continuous(setup):
     root = setup
     off = ["--off-policy-steps", "1"]
     straight = _train(
-        root, "off_straight", "--train-iters", "4", "--save", str(root / "ckpt_offa"), "--save-interval", "2",
-        "--keep-last", "2", "--save-hf", *off,
-    )  # fmt: skip
+        root,
+        "off_straight",
+        "--train-iters",
+        "4",
+        "--save",
+        str(root / "ckpt_offa"),
+        "--save-interval",
+        "2",
+        "--keep-last",
+        "2",
+        "--save-hf",
+        *off,
+    )
     mid = root / "ckpt_offa" / "iter_0000002"
     assert json.loads((mid / "megatron_pacs.json").read_text())["pending_step"] == 3
     assert (mid / "pending_rollouts.pt").is_file()
     resumed = _train(
-        root, "off_resumed", "--train-iters", "4", "--load", str(mid), "--save", str(root / "ckpt_offb"), "--save-hf",
+        root,
+        "off_resumed",
+        "--train-iters",
+        "4",
+        "--load",
+        str(mid),
+        "--save",
+        str(root / "ckpt_offb"),
+        "--save-hf",
         *off,
-    )  # fmt: skip
+    )
     assert [m["step"] for m in resumed] == [3, 4]
     keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "rollout/policy_lag")
     assert [{k: m[k] for k in keys} for m in straight[-2:]] == [{k: m[k] for k in keys} for m in resumed]

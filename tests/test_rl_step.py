@@ -67,9 +67,12 @@ def test_packed_layout_covers_each_response_once_with_equal_micro_batch_counts(p
         seen = sorted(int(i) for mbs in per_rank for mb in mbs for i in mb.sequence_index)
         assert seen == list(range(m * 32, (m + 1) * 32))
         for mbs in per_rank:
+            fullest = max(mb.tokens.numel() - mb.num_padding for mb in mbs)
             for mb in mbs:
                 assert mb.packed and mb.tokens.shape[0] == 1
-                assert mb.tokens.shape[1] == budget if pp_size > 1 else mb.tokens.shape[1] <= budget
+                assert mb.tokens.shape[1] <= budget
+                if pp_size > 1:  # one message shape per schedule: the fullest row's, no more
+                    assert mb.tokens.shape[1] == fullest
                 if whole_groups:
                     idx = mb.sequence_index.tolist()
                     assert len(idx) % 4 == 0 and all(idx[k] % 4 == 0 for k in range(0, len(idx), 4))
@@ -104,14 +107,16 @@ def test_a_group_larger_than_the_packed_budget_is_refused_at_configuration():
 
 def test_truncated_importance_ratios_at_sequence_and_token_level():
     """min(pi_anchor / pi_behaviour, cap), the behaviour being the engines' log-probs; sequence level multiplies the
-    tokens' ratios (PACS), token level keeps them apart (GRPO); tokens without an engine log-prob count as 1."""
+    tokens' ratios (PACS), token level keeps them apart (GRPO); what has no engine log-prob counts as on-policy (a
+    token at token level, its whole response at sequence level)."""
     from megatron_pacs.algo.objectives import Logprobs
     from megatron_pacs.algo.tokens import TokenStore
     from megatron_pacs.data.batching import RolloutBatch
     from megatron_pacs.rl_step import truncated_importance
 
     seqs = [[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9]]
-    engine = torch.tensor([-1.0, -2.0, -0.5, -1.0, -3.0, float("nan"), -1.0])
+    # responses' engine log-probs: 0 has a token without one; 1 is not held here; 2 is complete
+    engine = torch.tensor([-1.0, float("nan"), -0.5, -1.0, -3.0, -0.7])
     batch = RolloutBatch.from_sequences(
         seqs, torch.tensor([2, 2, 2]), torch.tensor([2, 1, 3]), torch.zeros(3), 1, engine_logprobs=engine
     ).share([0, 2])  # this rank holds responses 0 and 2
@@ -121,13 +126,14 @@ def test_truncated_importance_ratios_at_sequence_and_token_level():
         seq=torch.tensor([-2.5, -0.5, -3.3], dtype=torch.float64), tokens=TokenStore(anchor_tokens, offsets)
     )
     seq, report = truncated_importance(anchor, batch, "sequence", cap=2.0)
-    # response 0: exp(-2.5 - (-3.0)) = 1.65; response 2: exp(-3.3 - (-4.0)) = 2.01 -> 2.0 (NaN counts as 0 nats)
-    assert seq.seq.tolist() == pytest.approx([math.exp(0.5), 1.0, 2.0])
+    # response 0: incomplete, on-policy (1); response 1: not held (1); response 2: exp(-3.3 - (-4.7)) = 4.06 -> 2.0
+    assert seq.seq.tolist() == pytest.approx([1.0, 1.0, 2.0])
     assert report["offpolicy/is_truncated"].tolist() == [1.0, 2.0]
+    assert report["offpolicy/is_ratio_mean"].tolist() == pytest.approx([1.0 + math.exp(1.4), 2.0])
     tok, _ = truncated_importance(anchor, batch, "token", cap=2.0)
     assert tok.tokens is not None
-    # response 0's tokens vs engine [-1, -2]; response 1 is not held (1); response 2's vs engine [-1, -3, NaN]
-    expected = [math.exp(-0.5), math.exp(1.0), 1.0, math.exp(-2.0 + 1.0), math.exp(-0.3 + 3.0), 1.0]
+    # response 0's tokens vs engine [-1, NaN]; response 1 is not held (1); response 2's vs engine [-1, -3, -0.7]
+    expected = [math.exp(-0.5), 1.0, 1.0, math.exp(-2.0 + 1.0), math.exp(-0.3 + 3.0), math.exp(-1.0 + 0.7)]
     expected = [min(v, 2.0) for v in expected]
     assert tok.tokens.values.tolist() == pytest.approx(expected)
 
@@ -146,9 +152,13 @@ def test_consistency_separates_fp8s_gap_from_a_sync_error():
     bf16 = TokenStore(torch.tensor([-1.0, -2.0, -0.5]) + 1e-3, torch.tensor([0, 2, 3]))  # synced, bf16 rounding
     fp8_logp = torch.tensor([-1.2, -2.1, -0.45])  # the FP8 training pass: a larger gap
     tokens = TokenLogprobs(
-        logp=fp8_logp, seq=torch.tensor([0, 0, 1]), rank=torch.tensor([0, 1, 0]), index=torch.tensor([0, 1]),
-        lengths=torch.tensor([2, 1]), raw=fp8_logp,
-    )  # fmt: skip
+        logp=fp8_logp,
+        seq=torch.tensor([0, 0, 1]),
+        rank=torch.tensor([0, 1, 0]),
+        index=torch.tensor([0, 1]),
+        lengths=torch.tensor([2, 1]),
+        raw=fp8_logp,
+    )
 
     def loss(t):
         return t.logp.sum(), torch.tensor(2), {}

@@ -57,11 +57,21 @@ class ModelConfig:
             raise bad("fp8_recipe", f"{self.fp8_recipe!r}: use one of {list(FP8_RECIPES)}")
         if self.fp8_score_precision not in ("auto", "bf16", "fp8"):
             raise bad("fp8_score_precision", f"{self.fp8_score_precision!r}: use auto, bf16 or fp8")
-        if self.first_last_layers_bf16 and not self.fp8_format:
-            raise bad("first_last_layers_bf16", "only means something with --fp8-format")
+        if not self.fp8_format:  # FP8's own settings, given without FP8, would be ignored: refuse them
+            for name, default in (("fp8_recipe", "delayed"), ("fp8_score_precision", "auto")):
+                if getattr(self, name) != default:
+                    raise bad(name, "only means something with --fp8-format; add that or drop the flag")
+            if self.first_last_layers_bf16:
+                raise bad("first_last_layers_bf16", "only means something with --fp8-format")
+        if not self.first_last_layers_bf16:
+            for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+                if getattr(self, name) != 1:
+                    raise bad(name, "only means something with --first-last-layers-bf16; add that or drop the flag")
         if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
-            raise bad("first_last_layers_bf16", "Transformer Engine's delayed recipe cannot mix bf16 layers; use "
-                      "--fp8-recipe tensorwise or blockwise")  # fmt: skip
+            raise bad(
+                "first_last_layers_bf16",
+                "Transformer Engine's delayed recipe cannot mix bf16 layers; use --fp8-recipe tensorwise or blockwise",
+            )
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")

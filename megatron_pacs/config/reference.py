@@ -26,3 +26,8 @@ class ReferenceConfig:
     def __post_init__(self) -> None:
         if self.ref_reset_interval < 0:
             raise bad("ref_reset_interval", f"{self.ref_reset_interval} must be >= 0 (0 never resets)")
+        if not self.ref_reset_optimizer and not self.ref_reset_interval:
+            raise ValueError(
+                "--no-ref-reset-optimizer: only means something with reference resets; add --ref-reset-interval N "
+                "or drop the flag"
+            )

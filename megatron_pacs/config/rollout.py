@@ -34,8 +34,9 @@ class RolloutConfig:
     """Object store of a locally started Ray, GiB (weight updates pass through it on CPU)."""
     colocate: bool = False
     """Engines share the trainer's GPUs, sleeping while it trains (GPU only; refused on a machine without CUDA)."""
-    gpu_memory_utilization: float = 0.85
-    """GPU memory share per engine for weights and KV cache (engines own their GPUs; lower it when colocated)."""
+    gpu_memory_utilization: float | None = None
+    """GPU memory share per engine for weights and KV cache; default: 0.85 when the engines own their GPUs, 0.5 with
+    --colocate (the trainer's weights, gradients and activations stay on the GPU while the engines generate)."""
     kv_cache_gb: float = 1.0
     """CPU only: KV cache per engine, GiB."""
     weight_sync: str = "auto"
@@ -72,7 +73,7 @@ class RolloutConfig:
             raise bad("temperature", "training rollouts must be sampled: use a temperature > 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must lie in (0, 1]")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must lie in (0, 1]")
         if self.weight_sync not in WEIGHT_SYNC:
             raise bad("weight_sync", f"{self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
@@ -89,3 +90,10 @@ class RolloutConfig:
             raise bad("max_logprob_diff", f"{self.max_logprob_diff} must be > 0")
         if self.ray_object_store_gb <= 0 or self.kv_cache_gb <= 0:
             raise bad("ray_object_store_gb" if self.ray_object_store_gb <= 0 else "kv_cache_gb", "must be > 0")
+
+    @property
+    def engine_memory_fraction(self) -> float:
+        """``--gpu-memory-utilization``, or its default for the placement (see the field)."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return 0.5 if self.colocate else 0.85

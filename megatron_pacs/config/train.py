@@ -92,19 +92,32 @@ class TrainConfig:
                 "pass's log-likelihoods (direct mode scores in the training pass); use --fp8-score-precision fp8, "
                 "or drop --keep-groups-in-microbatch (the two-phase gradient takes every score from bf16 passes)",
             )
+        if self.loss.off_policy_correction == "tis" and self.loss.loss == "pacs" and self.score_fp8:
+            raise bad(
+                "off_policy_correction",
+                "a sequence-level ratio against FP8 score passes turns FP8's per-token bias into a factor of "
+                "exp(bias x length) (docs/algorithm.md §5.1); use --fp8-score-precision bf16 or drop the correction",
+            )
         if self.model.fp8_format and not _importable("transformer_engine"):
             raise bad("fp8_format", "needs Transformer Engine (pip install .[gpu] on a CUDA machine)")
         if not need_files:
             return dp
+        if self.model.fp8_format and self.model.fp8_recipe == "mxfp8" and _cuda_capability() < (10, 0):
+            raise bad("fp8_recipe", "mxfp8 needs a Blackwell GPU (compute capability 10); use tensorwise or blockwise")
         if self.rollout.colocate and not _cuda_available():
             raise bad(
                 "colocate",
                 "shares GPUs between the trainer and the engines and needs CUDA; this machine has none, so drop "
                 "--colocate (the engines then run beside the trainer)",
             )
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if (self.rollout.colocate or self.rollout.weight_sync == "ipc") and world_size > local_world:
+            raise bad(
+                "colocate" if self.rollout.colocate else "weight_sync",
+                "weights reach the engines by CUDA IPC from rank 0's GPU, which engines on other nodes cannot map: "
+                "one node only; for a multi-node run drop --colocate and use --weight-sync broadcast",
+            )
         m = self.model
-        if m.fp8_format and m.fp8_recipe == "mxfp8" and _cuda_capability() < (10, 0):
-            raise bad("fp8_recipe", "mxfp8 needs a Blackwell GPU (compute capability 10); use tensorwise or blockwise")
         if m.bias_swiglu_fusion and not _cuda_available():
             raise bad("bias_swiglu_fusion", "the fused SwiGLU kernel needs CUDA; drop the flag on this machine")
         if m.rope_fusion and not (_cuda_available() and _importable("transformer_engine")):

@@ -13,7 +13,7 @@ length.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_pacs.algo.objectives import Logprobs, MicroBatchLoss
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import ModelConfig, OptimConfig
-from megatron_pacs.mcore.forward import MicroBatch, model_token_logprobs, run_schedule, token_alignment
+from megatron_pacs.mcore.forward import MicroBatch, model_token_logprobs, run_schedule_together, token_alignment
 from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, train_step
 from megatron_pacs.mcore.parallel import ParallelGroups
@@ -31,7 +31,7 @@ from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["Actor"]
+__all__ = ["Actor", "policy_logprobs"]
 
 
 class Actor:
@@ -73,7 +73,7 @@ class Actor:
         return bool(self.models[0].config.fp8)
 
     @contextmanager
-    def _fp8(self, enabled: bool) -> Iterator[None]:
+    def fp8_passes(self, enabled: bool) -> Iterator[None]:
         """FP8 on (as built) or off (bf16) for the passes inside. Megatron decides per forward from
         ``TransformerConfig.fp8``, and a pass outside FP8 leaves the delayed recipe's amax history alone."""
         if enabled or not self.fp8:
@@ -100,7 +100,6 @@ class Actor:
 
     # -- forward-only ----------------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def logprobs(
         self,
         micro_batches: list[MicroBatch],
@@ -124,26 +123,10 @@ class Actor:
             in the micro-batches), identical on every rank of the model-parallel group; ``tokens`` holds response
             i's ``[R_i]`` token log-probs on the last stage when asked for.
         """
-        for m in self.chunks:
-            m.eval()
-        tp_group = self.groups.tp_group
-        device = next(self.models[0].parameters()).device
-        seq_logp = torch.zeros(response_lens.numel(), dtype=torch.float64, device=device)
-        store = TokenStore.zeros(response_lens, device) if tokens else None
-
-        def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-            scored = mb.scored(model_token_logprobs(logits, mb, tp_group, temperature).float())
-            sums = scored.sequence_sums()
-            seq_logp[scored.index] = sums
-            if store is not None:
-                store.put(scored, scored.logp)
-            return sums.sum().float(), torch.tensor(1, dtype=torch.int), {}
-
-        with self._fp8(fp8):
-            run_schedule(self.chunks, micro_batches, loss_fn, forward_only=True)
-        if self.groups.pp_size > 1:
-            dist.broadcast(seq_logp, src=self.groups.last_stage_global_rank, group=self.groups.pp_group)
-        return Logprobs(seq_logp, store)
+        (out,) = policy_logprobs(
+            [self], micro_batches, response_lens, temperature=temperature, tokens=[tokens], fp8=fp8
+        )
+        return out
 
     # -- training ----------------------------------------------------------------------------------------------
 
@@ -199,3 +182,58 @@ class Actor:
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the current weights under HF names (every rank must iterate to the end)."""
         return export_hf_weights(self.models, self.groups, self.hf_config)
+
+
+@torch.no_grad()
+def policy_logprobs(
+    policies: Sequence[Actor],
+    micro_batches: list[MicroBatch],
+    response_lens: torch.Tensor,
+    *,
+    temperature: float,
+    tokens: Sequence[bool],
+    fp8: bool = True,
+) -> list[Logprobs]:
+    """Several policies' log-probs of the same micro-batches (the actor's old and the reference's), in one
+    forward-only schedule (:func:`~megatron_pacs.mcore.forward.run_schedule_together`): one pipeline fill and drain
+    and one pass over the data for all of them.
+
+    Args:
+        policies: Models with the same parallel layout.
+        micro_batches, response_lens, temperature, fp8: As :meth:`Actor.logprobs`.
+        tokens: Per policy, whether to keep the token log-probs too.
+
+    Returns:
+        One ``Logprobs`` per policy, as :meth:`Actor.logprobs` returns.
+    """
+    if len(policies) != len(tokens):
+        raise ValueError(f"{len(policies)} policies but {len(tokens)} token flags")
+    groups = policies[0].groups
+    device = next(policies[0].models[0].parameters()).device
+    seqs = [torch.zeros(response_lens.numel(), dtype=torch.float64, device=device) for _ in policies]
+    stores = [TokenStore.zeros(response_lens, device) if keep else None for keep in tokens]
+
+    def collect(seq_logp: torch.Tensor, store: TokenStore | None):
+        def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+            scored = mb.scored(model_token_logprobs(logits, mb, groups.tp_group, temperature).float())
+            sums = scored.sequence_sums()
+            seq_logp[scored.index] = sums
+            if store is not None:
+                store.put(scored, scored.logp)
+            return sums.sum().float(), torch.tensor(1, dtype=torch.int), {}
+
+        return loss_fn
+
+    for policy in policies:
+        for m in policy.chunks:
+            m.eval()
+    with ExitStack() as precision:
+        for policy in policies:
+            precision.enter_context(policy.fp8_passes(fp8))
+        run_schedule_together(
+            [p.chunks for p in policies], micro_batches, [collect(q, t) for q, t in zip(seqs, stores, strict=True)]
+        )
+    if groups.pp_size > 1:
+        for seq_logp in seqs:
+            dist.broadcast(seq_logp, src=groups.last_stage_global_rank, group=groups.pp_group)
+    return [Logprobs(q, t) for q, t in zip(seqs, stores, strict=True)]

@@ -20,9 +20,11 @@ The output at padding positions is 0: nothing reads it (scores come from real to
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,16 +98,18 @@ def packed_sequences(seqlens: tuple[int, ...], total: int, device: torch.device,
     )
 
 
-_OWN_ATTENTION: dict[int, bool] = {}
+# Keyed by the module itself, weakly: an id() key could be reused by a later model (a reference built after the
+# actor, a stacked pair of chunks) and answer for the wrong spec.
+_OWN_ATTENTION: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def uses_own_attention(model: torch.nn.Module) -> bool:
     """True when ``model``'s (possibly DDP-wrapped) core attention is :class:`SDPAttention` or
     :class:`LocalAttention` rather than Transformer Engine's: packed boundaries then stay on the host."""
-    key = id(model)
-    if key not in _OWN_ATTENTION:
-        _OWN_ATTENTION[key] = any(isinstance(m, SDPAttention | LocalAttention) for m in model.modules())
-    return _OWN_ATTENTION[key]
+    own = _OWN_ATTENTION.get(model)
+    if own is None:
+        own = _OWN_ATTENTION[model] = any(isinstance(m, SDPAttention | LocalAttention) for m in model.modules())
+    return own
 
 
 def _segments(params: PackedSequences) -> list[tuple[int, int]]:
@@ -117,7 +121,15 @@ def _segments(params: PackedSequences) -> list[tuple[int, int]]:
 
 
 def _varlen_kwargs() -> dict[str, Any] | None:
-    """How this torch's ``varlen_attn`` asks for a causal mask and GQA, or None where it has no such function."""
+    """How this torch's ``varlen_attn`` asks for a causal mask and GQA, or None where it has no such function (a
+    fresh dict per call: the caller edits it)."""
+    found = _varlen_signature()
+    return None if found is None else dict(found)
+
+
+@functools.cache
+def _varlen_signature() -> dict[str, Any] | None:
+    # inspect.signature costs ~30 us: once per process, not once per layer and micro-batch
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

@@ -41,6 +41,7 @@ __all__ = [
     "make_micro_batches",
     "model_token_logprobs",
     "run_schedule",
+    "run_schedule_together",
     "sequence_logprobs",
     "token_alignment",
     "token_logprobs",
@@ -230,8 +231,19 @@ def run_schedule(
     Returns:
         On the last pipeline stage, the report dicts of ``loss_fn``, one per micro-batch; ``[]`` elsewhere.
     """
+    return _schedule(models, micro_batches, loss_fn, forward_only=forward_only, rows_per_message=1)
+
+
+def _schedule(
+    models: Sequence[torch.nn.Module],
+    micro_batches: list[MicroBatch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool,
+    rows_per_message: int,
+) -> list[dict[str, torch.Tensor]]:
     seq_length = micro_batches[0].tokens.shape[1]
-    mbs = micro_batches[0].tokens.shape[0]
+    mbs = micro_batches[0].tokens.shape[0] * rows_per_message
     if len(models) > 1:  # interleaved: one iterator per model chunk
         data_iterator = [iter(micro_batches) for _ in models]
     else:
@@ -246,6 +258,74 @@ def run_schedule(
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
+
+
+class _StackedChunks(torch.nn.Module):
+    """Chunk i of several models with one parallel layout, run as one stage of one schedule.
+
+    Their activations travel stacked along the batch dimension: hidden states ``[s, n * b, h]`` between pipeline
+    stages (the schedule's message shape is told ``n * b`` rows), logits ``[n * b, L, Vp]`` from the last stage,
+    model k's rows at ``[k * b, (k + 1) * b)``. Megatron finds ``config`` and ``model_type`` through ``module``,
+    the first model's chunk.
+    """
+
+    def __init__(self, chunks: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        from megatron.core.utils import get_attr_wrapped_model
+
+        self.module = chunks[0]
+        self.others = torch.nn.ModuleList(chunks[1:])
+        self.last_stage = bool(get_attr_wrapped_model(chunks[0], "post_process"))
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        return [self.module, *self.others]
+
+    def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
+        from megatron.core.utils import get_attr_wrapped_model
+
+        received = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+        parts = [None] * len(self.chunks) if received is None else received.chunk(len(self.chunks), dim=1)
+        for chunk, part in zip(self.chunks, parts, strict=True):
+            get_attr_wrapped_model(chunk, "set_input_tensor")([part])
+
+    def set_is_first_microbatch(self) -> None:
+        for chunk in self.chunks:
+            if hasattr(chunk, "set_is_first_microbatch"):
+                chunk.set_is_first_microbatch()
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        outputs = [chunk(*args, **kwargs) for chunk in self.chunks]
+        return torch.cat(outputs, dim=0 if self.last_stage else 1)
+
+
+def run_schedule_together(
+    model_sets: Sequence[Sequence[MegatronModule]], micro_batches: list[MicroBatch], loss_fns: Sequence[LossFn]
+) -> None:
+    """Several models with the same parallel layout (the actor and the reference) over the same micro-batches in one
+    forward-only schedule: one pipeline fill and drain, one pass over the data, each model its own weights.
+
+    Args:
+        model_sets: Each model's chunks on this rank (as for :func:`run_schedule`).
+        micro_batches: This rank's micro-batches.
+        loss_fns: One per model, called on the last stage with that model's ``[b, L, Vp]`` logits shard (their
+            reports are dropped: the functions keep what they need).
+    """
+    if len(model_sets) != len(loss_fns):
+        raise ValueError(f"{len(model_sets)} models but {len(loss_fns)} loss functions")
+    if len(model_sets) == 1:
+        run_schedule(model_sets[0], micro_batches, loss_fns[0], forward_only=True)
+        return
+    if len({len(chunks) for chunks in model_sets}) != 1:
+        raise ValueError("models run together need the same layout (the same number of chunks on this rank)")
+    stacked = [_StackedChunks(chunks) for chunks in zip(*model_sets, strict=True)]
+
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+        for fn, part in zip(loss_fns, logits.chunk(len(loss_fns), dim=0), strict=True):
+            fn(part, mb)
+        return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+    _schedule(stacked, micro_batches, loss_fn, forward_only=True, rows_per_message=len(model_sets))
 
 
 def _token_logp_loss_fn(tp_group: dist.ProcessGroup, temperature: float) -> LossFn:

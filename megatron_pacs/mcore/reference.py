@@ -1,11 +1,12 @@
 """The frozen reference policy pi_ref: the KL term's and PACS v2's anchor (docs/algorithm.md §2.2, §2.7).
 
 A Megatron model with the actor's TP/PP layout and dtype, loaded from ``--ref-load`` (default: the actor's initial
-``--hf-model``), never trained: no DDP wrapper, no optimizer, no gradients. Its log-probs run through the same
-forward-only schedule over the same micro-batches as the actor's (``Actor.logprobs``). A reset
-(``--ref-reset-interval``) copies the actor's current weights into it in memory, each rank its own shards (the
-layouts are the same, so shard i of the actor is shard i of the reference). With ``--ref-offload`` the weights
-stay in pinned host memory between uses and are copied to the GPU around each forward.
+``--hf-model``), never trained: no DDP wrapper, no optimizer, no gradients. When a step needs the actor's old
+log-probs too, both models run in one forward-only schedule over the same micro-batches (``policy_logprobs``: one
+schedule, two models). A reset (``--ref-reset-interval``) copies the actor's current weights into it in memory,
+each rank its own shards (the layouts are the same, so shard i of the actor is shard i of the reference). With
+``--ref-offload`` the weights stay in pinned host memory between uses and are copied to the GPU around each
+forward.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from megatron_pacs.algo.objectives import Logprobs
 from megatron_pacs.config import ModelConfig
-from megatron_pacs.mcore.actor import Actor
+from megatron_pacs.mcore.actor import Actor, policy_logprobs
 from megatron_pacs.mcore.forward import MicroBatch
 from megatron_pacs.mcore.parallel import ParallelGroups
 
@@ -88,10 +89,27 @@ class ReferencePolicy:
         temperature: float,
         tokens: bool,
         fp8: bool = True,
-    ) -> Logprobs:
-        """The reference's log-probs of the micro-batches' responses (as :meth:`Actor.logprobs`)."""
+        actor: Actor | None = None,
+        actor_tokens: bool = False,
+    ) -> tuple[Logprobs, Logprobs | None]:
+        """The reference's log-probs of the micro-batches' responses (as :meth:`Actor.logprobs`) and, with
+        ``actor``, the actor's too, from the same forward-only schedule (one pipeline fill and drain, one pass over
+        the micro-batches; ``actor_tokens`` as ``tokens``).
+
+        Returns:
+            ``(reference, actor)`` log-probs; ``actor`` is None when no actor was given.
+        """
+        policies = [self.policy] if actor is None else [self.policy, actor]
         with self._on_device():
-            return self.policy.logprobs(micro_batches, response_lens, temperature=temperature, tokens=tokens, fp8=fp8)
+            out = policy_logprobs(
+                policies,
+                micro_batches,
+                response_lens,
+                temperature=temperature,
+                tokens=[tokens, actor_tokens][: len(policies)],
+                fp8=fp8,
+            )
+        return out[0], (out[1] if actor is not None else None)
 
     @torch.no_grad()
     def reset_from(self, actor: Actor) -> None:

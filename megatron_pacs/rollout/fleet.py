@@ -150,7 +150,7 @@ class RolloutFleet:
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            gpu_memory_utilization=cfg.engine_memory_fraction,
             kv_cache_gb=cfg.kv_cache_gb,
             enable_sleep_mode=cfg.colocate and self.on_gpu,
         )

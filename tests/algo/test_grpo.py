@@ -114,8 +114,9 @@ def test_our_clip_of_one_eighth_is_verls_clip_of_one_at_micro_batch_eight():
     (g_ours,) = torch.autograd.grad(ours.loss_sum / ours.count, theta)
     verl = 0.0  # per micro-batch: sum over its responses of token-sum / T_max, divided by the accumulation steps
     for s in range(0, num, micro):
-        part = grpo_loss(theta[s : s + micro], old[s : s + micro], mask[s : s + micro], adv[s : s + micro],
-                         max_response_len=t_max)  # fmt: skip
+        part = grpo_loss(
+            theta[s : s + micro], old[s : s + micro], mask[s : s + micro], adv[s : s + micro], max_response_len=t_max
+        )
         verl = verl + part.loss_sum / (num // micro)
     (g_verl,) = torch.autograd.grad(verl, theta)
     torch.testing.assert_close(g_verl, micro * g_ours)

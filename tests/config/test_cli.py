@@ -57,6 +57,13 @@ def test_help_documents_every_flag():
         (["--fp8-score-precision", "fp16"], "--fp8-score-precision"),
         (["--first-last-layers-bf16"], "--first-last-layers-bf16"),
         (["--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"], "--first-last-layers-bf16"),
+        # settings whose switch is off would be ignored: refused instead
+        (["--fp8-recipe", "tensorwise"], "--fp8-recipe"),
+        (["--fp8-score-precision", "bf16"], "--fp8-score-precision"),
+        (["--bf16", "--fp8-format", "hybrid", "--num-layers-at-end-in-bf16", "2"], "--num-layers-at-end-in-bf16"),
+        (["--tis-cap", "3"], "--tis-cap"),
+        (["--kl-estimator", "k1"], "--kl-estimator"),
+        (["--pacs-score-reference", "ref", "--no-ref-reset-optimizer"], "--no-ref-reset-optimizer"),
     ],
 )
 def test_bad_flags_exit_with_the_flag_named(argv, flag, capsys):
@@ -97,10 +104,18 @@ def test_cross_section_refusals_before_anything_starts():
             "--fp8-score-precision: bf16 scores with --keep-groups-in-microbatch",
         ),
     ]
+    tis = ["--off-policy-correction", "tis"]
+    cases.append(
+        ([*tis, "--bf16", "--fp8-format", "hybrid", "--fp8-score-precision", "fp8"], "--off-policy-correction: a seq")
+    )
     for argv, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_config(argv).validate(1, need_files=False)
     parse_config(["--pacs-score-reference", "ref", "--ref-reset-interval", "5"]).validate(1, need_files=False)
+    parse_config([*tis, "--tis-cap", "3"]).validate(1, need_files=False)
+    parse_config(["--kl-coef", "0.1", "--kl-estimator", "k1"]).validate(1, need_files=False)
+    reset = ["--pacs-score-reference", "ref", "--ref-reset-interval", "5", "--no-ref-reset-optimizer"]
+    assert parse_config(reset).reference.ref_reset_optimizer is False
     parse_config(["--lr", "0"]).validate(1, need_files=False)  # a frozen-policy measurement run
 
 
@@ -176,3 +191,32 @@ def test_colocate_is_refused_before_anything_starts_without_cuda(tmp_path):
         cfg.validate(1)
     help_text = build_parser().format_help()
     assert "GPU only; refused on a machine without CUDA" in " ".join(help_text.split())
+
+
+def test_gpu_only_refusals_with_a_gpu_simulated(tmp_path, monkeypatch):
+    """Refusals that depend on the GPU (mxfp8 before Blackwell; colocation and CUDA IPC beyond one node), checked
+    on CPU by simulating what the checks read (Transformer Engine importable, CUDA present, the device's compute
+    capability, torchrun's LOCAL_WORLD_SIZE): this machine has none of them."""
+    from megatron_pacs.config import train as train_config
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text("")
+    files = ["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl")]
+    monkeypatch.setattr(train_config, "_importable", lambda module: True)
+    monkeypatch.setattr(train_config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(train_config, "_cuda_capability", lambda: (9, 0))  # Hopper
+    mxfp8 = parse_config([*files, "--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"])
+    with pytest.raises(ValueError, match=r"--fp8-recipe: mxfp8 needs a Blackwell GPU"):
+        mxfp8.validate(1)
+    monkeypatch.setattr(train_config, "_cuda_capability", lambda: (10, 0))
+    mxfp8.validate(1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    colocated = parse_config([*files, "--colocate", "--global-batch-size", "16", "--ppo-mini-batch-size", "16"])
+    colocated.validate(8)
+    assert colocated.rollout.engine_memory_fraction == 0.5  # engines beside the trainer's state
+    with pytest.raises(ValueError, match=r"--colocate: weights reach the engines by CUDA IPC"):
+        colocated.validate(16)
+    ipc = parse_config([*files, "--weight-sync", "ipc", "--global-batch-size", "16", "--ppo-mini-batch-size", "16"])
+    with pytest.raises(ValueError, match=r"--weight-sync: weights reach the engines by CUDA IPC"):
+        ipc.validate(16)
+    assert ipc.rollout.engine_memory_fraction == 0.85  # engines on GPUs of their own

@@ -18,7 +18,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_pacs.config import ParallelConfig
 from megatron_pacs.mcore.checkpoint import load_model_checkpoint, save_model_checkpoint
-from megatron_pacs.mcore.forward import MicroBatch, make_micro_batches, run_schedule, sequence_logprobs
+from megatron_pacs.mcore.forward import (
+    MicroBatch,
+    make_micro_batches,
+    run_schedule,
+    run_schedule_together,
+    sequence_logprobs,
+)
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
 from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
@@ -170,6 +176,49 @@ def check_packing(model_dir, groups, results, spec):
     results[f"packing_{spec}/neighbour_moved_others"] = (seq_changed[1:] - seq_pack[1:]).abs().max().item()
 
 
+def _collect_token_logprobs(groups, out: dict):
+    """A forward-only loss function keeping each scored token's log-prob per (response, rank) in ``out``."""
+    from megatron_pacs.mcore.forward import model_token_logprobs
+
+    def loss_fn(logits, mb: MicroBatch):
+        scored = mb.scored(model_token_logprobs(logits, mb, groups.tp_group))
+        owners = scored.index[scored.seq].tolist()
+        for key, value in zip(zip(owners, scored.rank.tolist(), strict=True), scored.logp.tolist(), strict=True):
+            out[key] = value
+        return scored.logp.sum(), torch.tensor(1, dtype=torch.int), {}
+
+    return loss_fn
+
+
+def check_together(model_dir, groups, results, spec):
+    """Two models of one layout (the actor and a reference with other weights) run together in one forward-only
+    schedule give, bit for bit, what each gives alone, padded and packed; and the two really differ."""
+    cfg = AutoConfig.from_pretrained(model_dir)
+    first = build_gpt_model(cfg, groups, spec=spec)
+    second = build_gpt_model(cfg, groups, spec=spec)
+    load_hf_weights(first, str(model_dir), groups, cfg)
+    load_hf_weights(second, str(model_dir), groups, cfg)
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    with torch.no_grad():
+        for p in (p for m in second for p in m.parameters()):
+            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    for m in (*first, *second):
+        m.eval()
+    for layout, micro_batches in zip(("padded", "packed"), _packing_batches(cfg.vocab_size), strict=True):
+        alone: list[dict] = [{}, {}]
+        with torch.no_grad():
+            for models, out in zip((first, second), alone, strict=True):
+                run_schedule(models, micro_batches, _collect_token_logprobs(groups, out), forward_only=True)
+            together: list[dict] = [{}, {}]
+            run_schedule_together(
+                [first, second], micro_batches, [_collect_token_logprobs(groups, out) for out in together]
+            )
+        if groups.is_last_stage:
+            assert alone[0].keys() == together[0].keys() == alone[1].keys() == together[1].keys()
+            results[f"together_{spec}_{layout}/identical"] = alone == together
+            results[f"together_{spec}_{layout}/models_differ"] = max(abs(alone[0][k] - alone[1][k]) for k in alone[0])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, required=True)
@@ -196,6 +245,7 @@ def main():
     check_vocab_logprobs(groups, results)
     for spec in ("local", "sdpa"):
         check_packing(args.workdir / "models" / "qwen2_untied", groups, results, spec)
+        check_together(args.workdir / "models" / "qwen2_untied", groups, results, spec)
     ckpt = args.workdir / "ckpt_tp2"
     if args.tp == 1 and args.pp == 1 and ckpt.is_dir():
         cfg = AutoConfig.from_pretrained(args.workdir / "models" / "qwen2_tied")

@@ -3,7 +3,8 @@
 HF vs Megatron logits and sequence log-probs at TP=1, TP=2, PP=2, TP=2 x PP=2 and interleaved PP=2 x VPP=2, for
 Qwen2 (tied and untied), Llama-3 (rope scaling) and Qwen3 (qk-norm); the SDPA attention spec; bitwise weight
 export; vocab-parallel log-probs and their gradient; packed vs padded micro-batches (log-probs, gradients,
-independence of packed neighbours) on the local and SDPA specs; a TP=2 checkpoint loaded at TP=1.
+independence of packed neighbours) on the local and SDPA specs; two models in one forward-only schedule; a TP=2
+checkpoint loaded at TP=1.
 
 Each layout is one torchrun launch running every check (start-up dominates); see dist_checks.py.
 """
@@ -95,6 +96,17 @@ def test_packed_and_padded_micro_batches_agree(results, layout, spec):
     assert r["grad"] <= 1e-5 * max(1.0, r["grad_scale"])
     assert r["neighbour_moved_self"] > 1e-3  # the change is real
     assert r["neighbour_moved_others"] == 0.0
+
+
+@pytest.mark.parametrize("spec", ["local", "sdpa"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_two_models_in_one_schedule_equal_each_alone(results, layout, spec):
+    """The actor and the reference in one forward-only schedule (stacked along the batch dimension between
+    pipeline stages) give each model's token log-probs bit for bit as their own schedules do, padded and packed."""
+    r = results[layout]
+    for micro_batches in ("padded", "packed"):
+        assert r[f"together_{spec}_{micro_batches}/identical"] is True
+        assert r[f"together_{spec}_{micro_batches}/models_differ"] > 1e-3  # two different models really ran
 
 
 def test_checkpoint_saved_at_tp2_loads_at_tp1(results):

@@ -125,11 +125,27 @@ def test_alignment_padding_changes_no_log_prob(tmp_path):
     )
 
     def sums(packing: bool, align: int) -> torch.Tensor:
-        cfg = BatchConfig(global_batch_size=2, group_size=2, ppo_mini_batch_size=2, micro_batch_size=2,
-                          sequence_packing=packing, max_prompt_length=8, max_response_length=12)  # fmt: skip
-        layout = StepLayout(batch, cfg, SimpleNamespace(dp_rank=0, dp_size=1, pp_size=1,  # type: ignore[arg-type]
-                            config=SimpleNamespace(virtual_pipeline_model_parallel_size=None)), whole_groups=False,
-                            align=align)  # fmt: skip
+        cfg = BatchConfig(
+            global_batch_size=2,
+            group_size=2,
+            ppo_mini_batch_size=2,
+            micro_batch_size=2,
+            sequence_packing=packing,
+            max_prompt_length=8,
+            max_response_length=12,
+        )
+        layout = StepLayout(
+            batch,
+            cfg,
+            SimpleNamespace(
+                dp_rank=0,
+                dp_size=1,
+                pp_size=1,  # type: ignore[arg-type]
+                config=SimpleNamespace(virtual_pipeline_model_parallel_size=None),
+            ),
+            whole_groups=False,
+            align=align,
+        )
         mbs = layout.micro_batches([0])
         assert all(mb.tokens.shape[1] % align == 0 for mb in mbs)
         out = torch.zeros(4, dtype=torch.float64)

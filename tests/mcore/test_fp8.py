@@ -38,8 +38,12 @@ def setup(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("fp8") / "model"
     # every GEMM dimension a multiple of 16 (FP8's requirement)
-    build_tiny_model(str(path), tiny_hf_config("qwen2", hidden=256, heads=8, kv_heads=2, layers=4, vocab_size=1024),
-                     seed=0, scale=3.0)  # fmt: skip
+    build_tiny_model(
+        str(path),
+        tiny_hf_config("qwen2", hidden=256, heads=8, kv_heads=2, layers=4, vocab_size=1024),
+        seed=0,
+        scale=3.0,
+    )
     return path, init_parallel(ParallelConfig())
 
 
@@ -47,8 +51,14 @@ def _batch(vocab: int):
     from megatron_pacs.data.batching import RolloutBatch
 
     gen = torch.Generator().manual_seed(0)
-    lens = [(int(p), int(r)) for p, r in zip(torch.randint(8, 40, (8,), generator=gen).repeat_interleave(4),
-                                             torch.randint(4, 90, (32,), generator=gen), strict=True)]  # fmt: skip
+    lens = [
+        (int(p), int(r))
+        for p, r in zip(
+            torch.randint(8, 40, (8,), generator=gen).repeat_interleave(4),
+            torch.randint(4, 90, (32,), generator=gen),
+            strict=True,
+        )
+    ]
     seqs = [torch.randint(3, vocab, (p + r,), generator=gen).tolist() for p, r in lens]
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0] * 8)
     return RolloutBatch.from_sequences(
@@ -80,13 +90,26 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
     if (why := _supported(recipe)) is not None:
         pytest.skip(why)
     path, groups = setup
-    model = ModelConfig(hf_model=str(path), bf16=True, fp8_format="hybrid", fp8_recipe=recipe,
-                        transformer_impl="te", fp8_score_precision=scores)  # fmt: skip
+    model = ModelConfig(
+        hf_model=str(path),
+        bf16=True,
+        fp8_format="hybrid",
+        fp8_recipe=recipe,
+        transformer_impl="te",
+        fp8_score_precision=scores,
+    )
     actor = Actor(model, groups, OptimConfig(lr=1e-5))
     assert actor.fp8 and actor.token_alignment == 16
     batch = _batch(1024)
-    cfg = BatchConfig(global_batch_size=8, group_size=4, ppo_mini_batch_size=4, micro_batch_size=4,
-                      max_prompt_length=40, max_response_length=90, sequence_packing=packing)  # fmt: skip
+    cfg = BatchConfig(
+        global_batch_size=8,
+        group_size=4,
+        ppo_mini_batch_size=4,
+        micro_batch_size=4,
+        max_prompt_length=40,
+        max_response_length=90,
+        sequence_packing=packing,
+    )
     layout = StepLayout(batch, cfg, groups, whole_groups=False, align=actor.token_alignment)
     assert all(mb.tokens.shape[1] % 16 == 0 for mb in layout.micro_batches([0, 1]))
     # The engines' log-probs stand-in: a bf16 pass of the same weights (a correct sync), at temperature 1.
@@ -95,8 +118,9 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
     assert ref is not None
     batch.engine_logprobs = torch.cat([ref.response(i).cpu() for i in rows])
     objective = build_objective(LossConfig(loss=loss), cfg)
-    metrics = train_on_batch(actor, batch, objective, cfg, groups, PhaseTimer(), temperature=1.0,
-                             score_fp8=scores == "fp8")  # fmt: skip
+    metrics = train_on_batch(
+        actor, batch, objective, cfg, groups, PhaseTimer(), temperature=1.0, score_fp8=scores == "fp8"
+    )
     assert metrics["train/optimizer_steps"] == 2.0 and math.isfinite(metrics["train/grad_norm"])
     assert math.isfinite(metrics["train/loss"])
     assert metrics["consistency/logprob_abs_diff_max"] < 1e-3  # engines vs the bf16 pass: in sync
@@ -112,13 +136,34 @@ def test_gpu_fp8_direct_pacs_with_fp8_scores(setup):
     from megatron_pacs.utils.metrics import PhaseTimer
 
     path, groups = setup
-    model = ModelConfig(hf_model=str(path), bf16=True, fp8_format="hybrid", fp8_recipe="tensorwise",
-                        transformer_impl="te", fp8_score_precision="fp8")  # fmt: skip
+    model = ModelConfig(
+        hf_model=str(path),
+        bf16=True,
+        fp8_format="hybrid",
+        fp8_recipe="tensorwise",
+        transformer_impl="te",
+        fp8_score_precision="fp8",
+    )
     actor = Actor(model, groups, OptimConfig(lr=1e-5))
-    cfg = BatchConfig(global_batch_size=8, group_size=4, ppo_mini_batch_size=4, micro_batch_size=4,
-                      keep_groups_in_microbatch=True, max_prompt_length=40, max_response_length=90)  # fmt: skip
-    metrics = train_on_batch(actor, _batch(1024), build_objective(LossConfig(), cfg), cfg, groups, PhaseTimer(),
-                             temperature=1.0, score_fp8=True)  # fmt: skip
+    cfg = BatchConfig(
+        global_batch_size=8,
+        group_size=4,
+        ppo_mini_batch_size=4,
+        micro_batch_size=4,
+        keep_groups_in_microbatch=True,
+        max_prompt_length=40,
+        max_response_length=90,
+    )
+    metrics = train_on_batch(
+        actor,
+        _batch(1024),
+        build_objective(LossConfig(), cfg),
+        cfg,
+        groups,
+        PhaseTimer(),
+        temperature=1.0,
+        score_fp8=True,
+    )
     assert math.isfinite(metrics["train/grad_norm"]) and math.isfinite(metrics["pacs/loss"])
 
 
@@ -130,7 +175,18 @@ def test_gpu_mxfp8_is_refused_before_blackwell(tmp_path):
         pytest.skip("a Blackwell GPU runs MXFP8")
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "train.jsonl").write_text("")
-    cfg = parse_config(["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl"), "--bf16",
-                        "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"])  # fmt: skip
+    cfg = parse_config(
+        [
+            "--hf-model",
+            str(tmp_path),
+            "--train-data",
+            str(tmp_path / "train.jsonl"),
+            "--bf16",
+            "--fp8-format",
+            "hybrid",
+            "--fp8-recipe",
+            "mxfp8",
+        ]
+    )
     with pytest.raises(ValueError, match="--fp8-recipe: mxfp8 needs a Blackwell GPU"):
         cfg.validate(1)

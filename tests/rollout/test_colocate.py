@@ -89,8 +89,14 @@ def test_without_offloading_and_on_a_rank_without_the_fleet_only_the_right_calls
     engine = RecordingEngine(calls)
     _two_steps(Colocation(engine, None), engine, calls)
     assert "offload" not in calls and "onload" not in calls
-    assert calls[:6] == ["generate", "sleep(2)", "train", "wake_up(['weights'])", "update_weights(2)",
-                         "wake_up(['kv_cache'])"]  # fmt: skip
+    assert calls[:6] == [
+        "generate",
+        "sleep(2)",
+        "train",
+        "wake_up(['weights'])",
+        "update_weights(2)",
+        "wake_up(['kv_cache'])",
+    ]
     others: list[str] = []
     _two_steps(Colocation(None, RecordingState(others)), None, others)  # a non-driver rank: its state only
     assert others == ["offload", "onload", "train", "offload", "onload", "train", "offload"]
