@@ -6,7 +6,8 @@ tail clipped at 8,192 (the length mix of long-CoT RLVR). Variants, each in a fre
 
 - ``hf``: Hugging Face transformers forward + backward on the padded micro-batches (SDPA attention, its own loss;
   padded only: its SDPA path cannot confine attention to the sequences of a packed row).
-- ``fwd_bwd``: our Megatron model, forward + backward through Megatron's schedule (no optimizer).
+- ``fwd_bwd``: our Megatron model, forward + backward through Megatron's schedule, with no optimizer and no DDP
+  (gradients in the parameters' dtype, as HF's): the model's own cost, comparable with ``hf`` in time and memory.
 - ``train``: our full step, ``train_on_batch`` with the PACS objective (forward, backward, optimizer step).
 - ``logprobs``: our forward-only token log-probs over every micro-batch (``Actor.logprobs``: the old, reference
   and phase-1 passes of a step), no backward.
@@ -211,7 +212,7 @@ def worker(args: argparse.Namespace) -> dict:
 
         fp8 = {"fp8_format": "hybrid", "fp8_recipe": fp8_recipe} if fp8_recipe else {}
         model = ModelConfig(hf_model=str(model_dir), bf16=gpu, transformer_impl=args.impl, **fp8)
-        optim = None if args.variant == "logprobs" else OptimConfig(lr=1e-7, use_distributed_optimizer=gpu)
+        optim = OptimConfig(lr=1e-7, use_distributed_optimizer=gpu) if args.variant == "train" else None
         actor = Actor(model, groups, optim)
         if args.variant == "fwd_bwd":
             step = _fwd_bwd_step(actor, mbs)
@@ -260,10 +261,13 @@ def _fwd_bwd_step(actor, mbs):
         scored = mb.scored(model_token_logprobs(logits, mb, tp_group))
         return scored.logp.sum(), torch.tensor(scored.num_sequences, dtype=torch.int), {}
 
+    for p in (p for m in actor.chunks for p in m.parameters()):
+        p.requires_grad_(True)  # built frozen (no optimizer): gradients land in p.grad, in the weights' dtype
+
     def step():
         for m in actor.chunks:
             m.train()
-            m.zero_grad_buffer()  # pyright: ignore[reportAttributeAccessIssue]
+            m.zero_grad(set_to_none=True)
         run_schedule(actor.chunks, mbs, loss_fn, forward_only=False)
 
     return step
@@ -431,8 +435,9 @@ def main() -> None:
         print(json.dumps(worker(args)), flush=True)
         return
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    # HF's SDPA path cannot confine attention to each sequence of a packed row: it runs padded only.
-    runs = [(v, lay) for v in args.variants for lay in args.layouts if not (v == "hf" and lay == "packed")]
+    # HF's SDPA path cannot confine attention to each sequence of a packed row: it runs padded only, whatever
+    # --layouts says (it is the named baseline of every row).
+    runs = [(v, lay) for v in args.variants for lay in (["padded"] if v == "hf" else args.layouts)]
     ours = ["bf16", *args.fp8]
     rows = [run_variant(args, v, lay, p) for v, lay in runs for p in (["bf16"] if v in ("hf", "host") else ours)]
     print_table(rows, args)

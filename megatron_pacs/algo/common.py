@@ -107,12 +107,13 @@ def masked_sequence_sum(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.T
         mask: ``[S, T]`` bool or 0/1 mask of response tokens.
 
     Returns:
-        ``[S]`` per-response sums, in ``token_logp``'s dtype.
+        ``[S]`` per-response sums, accumulated in float64 (a PACS score is a difference of two such sums:
+        docs/algorithm.md §2.1).
     """
     if token_logp.shape != mask.shape:
         raise ValueError(f"token_logp {tuple(token_logp.shape)} and mask {tuple(mask.shape)} must have one shape")
     # where() rather than a product so that -inf/NaN at padded positions cannot leak into the sum.
-    return torch.where(mask.bool(), token_logp, torch.zeros_like(token_logp)).sum(dim=-1)
+    return torch.where(mask.bool(), token_logp, torch.zeros_like(token_logp)).sum(dim=-1, dtype=torch.float64)
 
 
 def stat_entries(prefix: str, values: torch.Tensor) -> dict[str, torch.Tensor]:

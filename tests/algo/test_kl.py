@@ -114,3 +114,24 @@ def test_at_the_reference_the_v2_loss_equals_the_old_anchored_one_and_uniform_gr
     c = pacs_score_grads(torch.zeros(S, dtype=torch.float64), rewards, group_size=N, normalizer=1.0)
     assert c[:8].abs().max().item() == 0.0  # groups 0 (all correct) and 1 (all wrong)
     assert c[8:].abs().min().item() > 0.0
+
+
+def test_a_single_class_group_gets_no_gradient_at_equal_scores_and_only_a_zero_sum_one_otherwise():
+    """All-equal rewards: c = 0 whenever the group's scores are equal (theta = theta_anchor, or any common shift,
+    since the rloo logits centre it away); with unequal scores (the v2 anchor between resets) c sums to 0 over the
+    group, so the group's total log-likelihood gets no push, only its spread contracts (docs/algorithm.md §2.6)."""
+    rewards = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0], dtype=torch.float32)
+    shifted = torch.tensor([3.0] * 4 + [-2.0] * 4, dtype=torch.float64)
+    c = pacs_score_grads(shifted, rewards, group_size=N, normalizer=1.0)
+    assert c.abs().max().item() == 0.0
+    gen = torch.Generator().manual_seed(11)
+    spread = torch.randn(8, generator=gen, dtype=torch.float64)
+    c = pacs_score_grads(spread, rewards, group_size=N, normalizer=1.0)
+    assert c.abs().min().item() > 0.0
+    sums = c.view(2, N).sum(1)
+    assert sums.abs().max().item() < 1e-15
+    # the contraction: the lowest-scored correct response is pushed up most, the highest down (c = dL/ds)
+    first = slice(0, N)
+    assert int(c[first].argmin()) == int(spread[first].argmin()) and int(c[first].argmax()) == int(
+        spread[first].argmax()
+    )

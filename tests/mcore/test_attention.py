@@ -46,6 +46,9 @@ def test_gpu_sdpa_varlen_path_equals_one_sdpa_call_per_sequence():
 
     from megatron_pacs.mcore import attention
 
+    # without torch's varlen kernel both sides would be the per-sequence path and the test would prove nothing
+    assert attention._varlen_kwargs() is not None, f"torch {torch.__version__} has no varlen_attn"
+
     class _Cfg:  # the fields SDPAttention reads (a TransformerConfig needs a parallel state)
         context_parallel_size, attention_dropout, kv_channels = 1, 0.0, 64
 

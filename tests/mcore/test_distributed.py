@@ -30,6 +30,7 @@ MODELS = {
     "qwen2_untied": ("qwen2", False),
     "llama": ("llama", False),
     "qwen3_tied": ("qwen3", True),
+    "qwen3_untied": ("qwen3", False),  # Qwen3-8B's layout (qk-norm, separate output layer)
 }
 FP32_TOL = 1e-5
 

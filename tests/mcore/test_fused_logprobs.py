@@ -102,11 +102,14 @@ def test_fused_kernels_under_the_triton_interpreter_match_float64_at_tp1_and_tp2
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = json.loads(out.read_text())
     assert any(k.startswith("tp2/V9000") for k in results) and any(k.startswith("tp1/V9000") for k in results)
+    assert results.pop("tp2/shards_checked") == 2.0  # both ranks' vocabulary shards (rank 1: vocab_start != 0)
     _assert_within(results, bf16_grad_tol=2**-7)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not fused_logprobs.available(torch.device("cuda")), reason="needs CUDA and Triton")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and fused_logprobs.available(torch.device("cuda"))), reason="needs CUDA and Triton"
+)
 def test_fused_kernels_compiled_on_gpu_match_float64():
     sys.path.insert(0, str(HERE))
     from fused_checks import check
