@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -190,10 +190,16 @@ def token_alignment(config: TransformerConfig) -> int:
 def model_token_logprobs(
     output: torch.Tensor, mb: MicroBatch, tp_group: dist.ProcessGroup, temperature: float = 1.0
 ) -> torch.Tensor:
-    """``[b, L - 1]`` log-prob of ``tokens[:, 1:]`` from the last stage's logits ``[b, L, Vp]``."""
-    return vocab_parallel_logprobs(
-        output[:, :-1], mb.tokens[:, 1:].to(output.device), tp_group, temperature=temperature
-    )
+    """``[b, L - 1]`` log-prob of ``tokens[:, 1:]`` from the last stage's logits ``[b, L, Vp]``.
+
+    Every position is scored against the next token (the last one against a placeholder, cut off): slicing the
+    logits to ``L - 1`` positions instead would copy them (non-contiguous) and make the backward allocate a zeroed
+    full-size gradient plus a copy; this way the kernels read the logits in place and write their gradient whole
+    (the last position's is 0).
+    """
+    tokens = mb.tokens.to(output.device)
+    labels = torch.roll(tokens, -1, dims=1)  # labels[:, t] = tokens[:, t + 1]; the wrap-around at L - 1 is dropped
+    return vocab_parallel_logprobs(output, labels, tp_group, temperature=temperature)[:, :-1]
 
 
 def _forward_step_factory(loss_fn: LossFn):
@@ -281,18 +287,30 @@ class _StackedChunks(torch.nn.Module):
     def chunks(self) -> list[torch.nn.Module]:
         return [self.module, *self.others]
 
-    def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
+    @staticmethod
+    def _method(chunk: torch.nn.Module, name: str) -> Callable[..., None] | None:
+        """``chunk``'s (possibly DDP-wrapped) model's method ``name``, or None where it has none."""
         from megatron.core.utils import get_attr_wrapped_model
 
+        try:
+            return cast(Callable[..., None], get_attr_wrapped_model(chunk, name))
+        except RuntimeError:
+            return None
+
+    def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
         received = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
         parts = [None] * len(self.chunks) if received is None else received.chunk(len(self.chunks), dim=1)
         for chunk, part in zip(self.chunks, parts, strict=True):
-            get_attr_wrapped_model(chunk, "set_input_tensor")([part])
+            setter = self._method(chunk, "set_input_tensor")
+            assert setter is not None, "a Megatron model chunk takes its pipeline input through set_input_tensor"
+            setter([part])
 
     def set_is_first_microbatch(self) -> None:
+        # FP8 weight caching: Megatron calls this on the stage's model at each pass's first micro-batch
         for chunk in self.chunks:
-            if hasattr(chunk, "set_is_first_microbatch"):
-                chunk.set_is_first_microbatch()
+            method = self._method(chunk, "set_is_first_microbatch")
+            if method is not None:
+                method()
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         outputs = [chunk(*args, **kwargs) for chunk in self.chunks]
