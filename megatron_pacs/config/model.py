@@ -40,7 +40,8 @@ class ModelConfig:
     recompute_activations: bool = False
     """Full activation recompute: keep only each layer's input, recompute the rest in the backward pass."""
     transformer_impl: str = "auto"
-    """Layer implementation: auto (TE on GPU when importable, else local), te, sdpa or local."""
+    """Layer implementation: auto (te on a GPU with Transformer Engine, sdpa on a GPU without it, local on CPU), te,
+    sdpa or local."""
     bias_swiglu_fusion: bool | None = None
     """Fuse the SwiGLU activation (Megatron's bias_swiglu_impl); default: on with CUDA, off on CPU (exact)."""
     rope_fusion: bool | None = None

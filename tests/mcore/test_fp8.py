@@ -2,7 +2,8 @@
 
 Every path that runs in bf16 must run in FP8: the old and phase-1 log-probs, the two-phase PACS surrogate, PACS
 direct, GRPO, padded and packed micro-batches (the token dimension aligned to 16), for each recipe the GPU
-supports (delayed, tensorwise, blockwise; MXFP8 is refused before Blackwell). The consistency check separates
+supports (delayed, tensorwise, blockwise; MXFP8 is refused before Blackwell), with the reference policy (KL, the v2
+anchor) and with the outer layers in bf16. The consistency check separates
 FP8's own gap from a sync error (docs/algorithm.md §7.1-7.2). The CPU half of this (alignment, masking, the
 separation) is in tests/mcore/test_forward.py and tests/test_rl_step.py.
 """
@@ -165,6 +166,59 @@ def test_gpu_fp8_direct_pacs_with_fp8_scores(setup):
         score_fp8=True,
     )
     assert math.isfinite(metrics["train/grad_norm"]) and math.isfinite(metrics["pacs/loss"])
+
+
+@requires_te
+@pytest.mark.parametrize("first_last_bf16", [False, True], ids=["all_fp8", "first_last_bf16"])
+@pytest.mark.parametrize("objective", ["grpo_kl", "pacs_v2_kl"])
+def test_gpu_fp8_with_the_reference_policy(setup, objective, first_last_bf16):
+    """The reference's log-probs (with the actor's old ones in the same forward-only schedule for GRPO), a KL term
+    and PACS v2's reference anchor under FP8, score passes in bf16; optionally the outer layers kept in bf16."""
+    from megatron_pacs.algo.objectives import build_objective
+    from megatron_pacs.config import BatchConfig, LossConfig, ModelConfig, OptimConfig
+    from megatron_pacs.mcore.actor import Actor
+    from megatron_pacs.mcore.reference import ReferencePolicy
+    from megatron_pacs.rl_step import train_on_batch
+    from megatron_pacs.utils.metrics import PhaseTimer
+
+    path, groups = setup
+    model = ModelConfig(
+        hf_model=str(path),
+        bf16=True,
+        fp8_format="hybrid",
+        fp8_recipe="tensorwise",
+        transformer_impl="te",
+        first_last_layers_bf16=first_last_bf16,
+    )
+    actor = Actor(model, groups, OptimConfig(lr=1e-5))
+    reference = ReferencePolicy(model, groups, load=None, offload=False)
+    cfg = BatchConfig(
+        global_batch_size=8,
+        group_size=4,
+        ppo_mini_batch_size=4,
+        micro_batch_size=4,
+        max_prompt_length=40,
+        max_response_length=90,
+    )
+    loss = (
+        LossConfig(loss="grpo", kl_coef=0.1)
+        if objective == "grpo_kl"
+        else LossConfig(pacs_score_reference="ref", kl_coef=0.1)
+    )
+    metrics = train_on_batch(
+        actor,
+        _batch(1024),
+        build_objective(loss, cfg),
+        cfg,
+        groups,
+        PhaseTimer(),
+        temperature=1.0,
+        reference=reference,
+    )
+    assert metrics["train/optimizer_steps"] == 2.0 and math.isfinite(metrics["train/grad_norm"])
+    # theta = theta_ref, but the KL term compares the FP8 training pass with the bf16 reference pass: FP8's gap
+    assert math.isfinite(metrics["ref/kl"]) and metrics["ref/kl"] >= 0.0
+    assert math.isfinite(metrics["train/loss"])
 
 
 @requires_te
