@@ -20,7 +20,7 @@ from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["HF_SIDE_FILES", "load_model_checkpoint", "save_hf_checkpoint", "save_model_checkpoint"]
+__all__ = ["HF_SIDE_FILES", "apply_model_state", "load_model_checkpoint", "save_hf_checkpoint", "save_model_checkpoint"]
 
 META_FILE = "megatron_pacs.json"
 HF_SIDE_FILES = (
@@ -109,13 +109,24 @@ def load_model_checkpoint(models: Sequence[MegatronModule], ckpt_dir: str | os.P
             state = cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt_dir)))
     except Exception as e:  # noqa: BLE001 - Megatron raises several exception types here
         raise ValueError(f"{ckpt_dir} does not fit the model: {type(e).__name__}: {e}") from None
+    apply_model_state(models, state, str(ckpt_dir))
+    return meta
+
+
+def apply_model_state(models: Sequence[torch.nn.Module], state: dict[str, Any], where: str) -> None:
+    """Load a checkpoint's model entries (``model``, or ``model0``, ``model1``, ... per chunk) into this rank's
+    (possibly DDP-wrapped) chunks; every weight must be there (Transformer Engine's ``_extra_state`` may not).
+
+    Raises:
+        ValueError: naming ``where`` and the first missing or unexpected keys.
+    """
     for i, m in enumerate(models):
+        inner = getattr(m, "module", m)  # DDP wraps the GPTModel
         key = "model" if len(models) == 1 else f"model{i}"
-        missing, unexpected = m.load_state_dict(state[key], strict=False)
+        missing, unexpected = inner.load_state_dict(state[key], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
-            raise ValueError(f"{ckpt_dir}: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return meta
+            raise ValueError(f"{where}: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def save_hf_checkpoint(

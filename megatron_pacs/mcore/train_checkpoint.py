@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_pacs.mcore.checkpoint import META_FILE
+from megatron_pacs.mcore.checkpoint import META_FILE, apply_model_state
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.utils.logging import get_logger
 
@@ -160,13 +160,7 @@ def _load_models(ckpt: Path, models: Sequence[MegatronModule], optimizer: Any = 
             state = cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt)))
     except Exception as exc:  # noqa: BLE001 - Megatron raises several types here
         raise ValueError(f"--load: {ckpt} does not fit this model: {type(exc).__name__}: {exc}") from None
-    for i, m in enumerate(models):
-        inner = getattr(m, "module", m)
-        key = "model" if len(models) == 1 else f"model{i}"
-        missing, unexpected = inner.load_state_dict(state[key], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(f"--load: {ckpt}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    apply_model_state(models, state, f"--load: {ckpt}")
     return state
 
 

@@ -77,13 +77,36 @@ def _supported(recipe: str) -> str | None:
     return None
 
 
+def _model(path, **overrides):
+    """An FP8 (hybrid) TE model of the fixture's weights; ``overrides`` are ModelConfig fields."""
+    from megatron_pacs.config import ModelConfig
+
+    settings = dict(hf_model=str(path), bf16=True, fp8_format="hybrid", fp8_recipe="tensorwise", transformer_impl="te")
+    return ModelConfig(**{**settings, **overrides})
+
+
+def _cfg(**overrides):
+    """Two mini-batches of 4 prompts x 4 responses (``overrides`` are BatchConfig fields)."""
+    from megatron_pacs.config import BatchConfig
+
+    settings = dict(
+        global_batch_size=8,
+        group_size=4,
+        ppo_mini_batch_size=4,
+        micro_batch_size=4,
+        max_prompt_length=40,
+        max_response_length=90,
+    )
+    return BatchConfig(**{**settings, **overrides})
+
+
 @requires_te
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize(("loss", "scores"), [("pacs", "bf16"), ("pacs", "fp8"), ("grpo", "bf16")])
 def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
     from megatron_pacs.algo.objectives import build_objective
-    from megatron_pacs.config import BatchConfig, LossConfig, ModelConfig, OptimConfig
+    from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.rl_step import StepLayout, train_on_batch
     from megatron_pacs.utils.metrics import PhaseTimer
@@ -91,26 +114,10 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
     if (why := _supported(recipe)) is not None:
         pytest.skip(why)
     path, groups = setup
-    model = ModelConfig(
-        hf_model=str(path),
-        bf16=True,
-        fp8_format="hybrid",
-        fp8_recipe=recipe,
-        transformer_impl="te",
-        fp8_score_precision=scores,
-    )
-    actor = Actor(model, groups, OptimConfig(lr=1e-5))
+    actor = Actor(_model(path, fp8_recipe=recipe, fp8_score_precision=scores), groups, OptimConfig(lr=1e-5))
     assert actor.fp8 and actor.token_alignment == 16
     batch = _batch(1024)
-    cfg = BatchConfig(
-        global_batch_size=8,
-        group_size=4,
-        ppo_mini_batch_size=4,
-        micro_batch_size=4,
-        max_prompt_length=40,
-        max_response_length=90,
-        sequence_packing=packing,
-    )
+    cfg = _cfg(sequence_packing=packing)
     layout = StepLayout(batch, cfg, groups, whole_groups=False, align=actor.token_alignment)
     assert all(mb.tokens.shape[1] % 16 == 0 for mb in layout.micro_batches([0, 1]))
     # The engines' log-probs stand-in: a bf16 pass of the same weights (a correct sync), at temperature 1.
@@ -131,30 +138,14 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
 @requires_te
 def test_gpu_fp8_direct_pacs_with_fp8_scores(setup):
     from megatron_pacs.algo.objectives import build_objective
-    from megatron_pacs.config import BatchConfig, LossConfig, ModelConfig, OptimConfig
+    from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.rl_step import train_on_batch
     from megatron_pacs.utils.metrics import PhaseTimer
 
     path, groups = setup
-    model = ModelConfig(
-        hf_model=str(path),
-        bf16=True,
-        fp8_format="hybrid",
-        fp8_recipe="tensorwise",
-        transformer_impl="te",
-        fp8_score_precision="fp8",
-    )
-    actor = Actor(model, groups, OptimConfig(lr=1e-5))
-    cfg = BatchConfig(
-        global_batch_size=8,
-        group_size=4,
-        ppo_mini_batch_size=4,
-        micro_batch_size=4,
-        keep_groups_in_microbatch=True,
-        max_prompt_length=40,
-        max_response_length=90,
-    )
+    actor = Actor(_model(path, fp8_score_precision="fp8"), groups, OptimConfig(lr=1e-5))
+    cfg = _cfg(keep_groups_in_microbatch=True)
     metrics = train_on_batch(
         actor,
         _batch(1024),
@@ -175,31 +166,17 @@ def test_gpu_fp8_with_the_reference_policy(setup, objective, first_last_bf16):
     """The reference's log-probs (with the actor's old ones in the same forward-only schedule for GRPO), a KL term
     and PACS v2's reference anchor under FP8, score passes in bf16; optionally the outer layers kept in bf16."""
     from megatron_pacs.algo.objectives import build_objective
-    from megatron_pacs.config import BatchConfig, LossConfig, ModelConfig, OptimConfig
+    from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.mcore.reference import ReferencePolicy
     from megatron_pacs.rl_step import train_on_batch
     from megatron_pacs.utils.metrics import PhaseTimer
 
     path, groups = setup
-    model = ModelConfig(
-        hf_model=str(path),
-        bf16=True,
-        fp8_format="hybrid",
-        fp8_recipe="tensorwise",
-        transformer_impl="te",
-        first_last_layers_bf16=first_last_bf16,
-    )
+    model = _model(path, first_last_layers_bf16=first_last_bf16)
     actor = Actor(model, groups, OptimConfig(lr=1e-5))
     reference = ReferencePolicy(model, groups, load=None, offload=False)
-    cfg = BatchConfig(
-        global_batch_size=8,
-        group_size=4,
-        ppo_mini_batch_size=4,
-        micro_batch_size=4,
-        max_prompt_length=40,
-        max_response_length=90,
-    )
+    cfg = _cfg()
     loss = (
         LossConfig(loss="grpo", kl_coef=0.1)
         if objective == "grpo_kl"
