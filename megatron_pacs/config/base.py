@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["bad", "flag"]
+__all__ = ["bad", "flag", "is_set"]
 
 
 def flag(name: str) -> str:
@@ -13,3 +13,12 @@ def flag(name: str) -> str:
 def bad(name: str, problem: str) -> ValueError:
     """A ``ValueError`` for field ``name`` that starts with its flag, so library and CLI users read the same fix."""
     return ValueError(f"{flag(name)}: {problem}")
+
+
+def is_set(section: object, name: str) -> bool:
+    """Whether field ``name`` of a config dataclass differs from its declared default (the one place defaults live),
+    e.g. to refuse a setting whose switch is off rather than ignore it."""
+    import dataclasses
+
+    default = next(f.default for f in dataclasses.fields(section) if f.name == name)
+    return getattr(section, name) != default

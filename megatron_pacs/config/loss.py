@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pacs.config.base import bad
+from megatron_pacs.config.base import bad, is_set
 
 __all__ = ["LossConfig"]
 
@@ -68,9 +68,9 @@ class LossConfig:
             raise bad("kl_coef", "must be >= 0")
         if not self.tis_cap > 1:
             raise bad("tis_cap", f"{self.tis_cap} must be > 1 (the ratio is truncated from above at this value)")
-        if self.tis_cap != 2.0 and self.off_policy_correction != "tis":
+        if is_set(self, "tis_cap") and self.off_policy_correction != "tis":
             raise bad("tis_cap", "only means something with --off-policy-correction tis; add that or drop the flag")
-        if self.kl_estimator != "k3" and self.kl_coef == 0:
+        if is_set(self, "kl_estimator") and self.kl_coef == 0:
             raise bad("kl_estimator", "only means something with --kl-coef > 0; add that or drop the flag")
         if self.pacs_score_reference == "ref" and self.loss != "pacs":
             raise bad("pacs_score_reference", "anchors the PACS score; it has no meaning for --loss grpo")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pacs.config.base import bad
+from megatron_pacs.config.base import bad, is_set
 
 __all__ = ["ModelConfig"]
 
@@ -59,14 +59,14 @@ class ModelConfig:
         if self.fp8_score_precision not in ("auto", "bf16", "fp8"):
             raise bad("fp8_score_precision", f"{self.fp8_score_precision!r}: use auto, bf16 or fp8")
         if not self.fp8_format:  # FP8's own settings, given without FP8, would be ignored: refuse them
-            for name, default in (("fp8_recipe", "delayed"), ("fp8_score_precision", "auto")):
-                if getattr(self, name) != default:
+            for name in ("fp8_recipe", "fp8_score_precision"):
+                if is_set(self, name):
                     raise bad(name, "only means something with --fp8-format; add that or drop the flag")
             if self.first_last_layers_bf16:
                 raise bad("first_last_layers_bf16", "only means something with --fp8-format")
         if not self.first_last_layers_bf16:
             for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-                if getattr(self, name) != 1:
+                if is_set(self, name):
                     raise bad(name, "only means something with --first-last-layers-bf16; add that or drop the flag")
         if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
             raise bad(
