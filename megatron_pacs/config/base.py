@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 __all__ = ["bad", "flag", "is_set"]
 
 
@@ -15,7 +20,7 @@ def bad(name: str, problem: str) -> ValueError:
     return ValueError(f"{flag(name)}: {problem}")
 
 
-def is_set(section: object, name: str) -> bool:
+def is_set(section: DataclassInstance, name: str) -> bool:
     """Whether field ``name`` of a config dataclass differs from its declared default (the one place defaults live),
     e.g. to refuse a setting whose switch is off rather than ignore it."""
     import dataclasses
