@@ -109,6 +109,7 @@ def collect_rollouts(
         "reward/num_errors": float(scored.num_errors),
         "reward/num_timeouts": float(scored.num_timeouts),
         "reward/num_too_long": float(scored.num_too_long),
+        "reward/num_verify_timeouts": float(scored.num_verify_timeouts),
     }
     return StepRollouts(batch, records, metrics)
 
@@ -260,7 +261,9 @@ def train_on_batch(
     if correct:
         assert old is not None and objective.correction is not None
         importance, report = truncated_importance(old, batch, objective.correction, cap=tis_cap)
-        parts.append(report)
+        # token ratios exist on the last pipeline stage only (elsewhere the store is all zeros: 1 / p_engine)
+        if True or objective.correction == "sequence" or groups.is_last_stage:
+            parts.append(report)
     results: list[StepResult] = []
     padding = processed = 0
     for epoch in range(cfg.ppo_epochs):

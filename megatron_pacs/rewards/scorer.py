@@ -3,7 +3,9 @@
 ``concurrent.futures`` cannot stop a task that hangs (a pathological LaTeX parse can run for minutes), so each
 worker here has its own pipe and the parent enforces a deadline per item: a worker past its deadline is killed
 and replaced, its item scores 0.0 and is counted as a timeout. A worker that dies scores its item 0.0 as an
-error. The step is never held longer than about ``timeout_s`` per item.
+error. The step is never held longer than about ``timeout_s`` per item. Each worker has its own start-up deadline
+from the moment it is (re)started, so replacing every worker at once (hangs late in a long batch) cannot end the
+run; only a pool none of whose workers ever starts raises.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from megatron_pacs.rewards.math_verify import ERROR, OK, TIMEOUT, TOO_LONG, score_with_status
+from megatron_pacs.rewards.math_verify import ERROR, OK, TIMEOUT, TOO_LONG, VERIFY_TIMEOUT, score_with_status
 from megatron_pacs.utils.logging import get_logger
 
 __all__ = ["RewardScorer", "ScoreResult"]
@@ -35,7 +37,8 @@ class ScoreResult:
         num_errors: Items scored 0.0 because of an error (bad input, an exception, a crashed worker).
         num_timeouts: Items scored 0.0 because they ran past the timeout.
         num_too_long: Items scored 0.0 without parsing because they exceed ``max_chars``.
-        statuses: Per item ``"ok"``, ``"error"``, ``"timeout"`` or ``"too_long"``.
+        num_verify_timeouts: Items scored 0.0 because math-verify's own time limit (~5 s) cut them short.
+        statuses: Per item ``"ok"``, ``"error"``, ``"timeout"``, ``"too_long"`` or ``"verify_timeout"``.
     """
 
     scores: list[float]
@@ -43,6 +46,7 @@ class ScoreResult:
     num_timeouts: int = 0
     num_too_long: int = 0
     statuses: list[str] = field(default_factory=list)
+    num_verify_timeouts: int = 0
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """``{prefix}/mean`` and the failure counts, for the metric logger."""
@@ -51,6 +55,7 @@ class ScoreResult:
             f"{prefix}/num_errors": float(self.num_errors),
             f"{prefix}/num_timeouts": float(self.num_timeouts),
             f"{prefix}/num_too_long": float(self.num_too_long),
+            f"{prefix}/num_verify_timeouts": float(self.num_verify_timeouts),
         }
 
 
@@ -86,6 +91,7 @@ class _Worker:
         self.proc.start()
         child.close()
         self.ready = False
+        self.started = time.monotonic()
         self.item: tuple[int, float] | None = None  # (index, deadline) of the item in flight
 
     def kill(self) -> None:
@@ -102,9 +108,10 @@ class RewardScorer:
             no hard timeout).
         timeout_s: Wall-clock limit per item, measured from when a ready worker receives it.
         reward_fn: A picklable ``(response, ground_truth) -> float | (float, status)``; default math-verify.
-        start_timeout_s: How long a worker may take to import and warm up.
-        max_chars: Responses longer than this score 0.0 unparsed (status ``too_long``); None disables the
-            guard. The default is far above any 4,096-token response and stops megabyte inputs early.
+        start_timeout_s: How long a worker may take to import and warm up, from its own (re)start; one that
+            does not is restarted, and only when no worker has started within it does ``score`` raise.
+        max_chars: Responses longer than this score 0.0 unparsed (status ``too_long``, counted); None disables
+            the guard (``--reward-max-chars``).
 
     Use as a context manager, or call :meth:`close`.
     """
@@ -121,6 +128,8 @@ class RewardScorer:
             raise ValueError(f"num_workers={num_workers} must be >= 0 (0 scores in this process)")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds")
+        if max_chars is not None and max_chars < 1:
+            raise ValueError(f"max_chars={max_chars} must be >= 1 (None disables the guard)")
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.reward_fn = reward_fn
@@ -129,6 +138,7 @@ class RewardScorer:
         self.total_errors = 0
         self.total_timeouts = 0
         self.total_too_long = 0
+        self.total_verify_timeouts = 0
         # spawn, not fork: the trainer process holds threads (Ray, torch) that fork would copy half-initialised.
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -183,18 +193,28 @@ class RewardScorer:
             self._run_pool(todo, responses, ground_truths, results)
         scores = [r[0] for r in results]  # type: ignore[index]
         statuses = [r[1] for r in results]  # type: ignore[index]
-        out = ScoreResult(scores, statuses.count(ERROR), statuses.count(TIMEOUT), statuses.count(TOO_LONG), statuses)
+        out = ScoreResult(
+            scores,
+            statuses.count(ERROR),
+            statuses.count(TIMEOUT),
+            statuses.count(TOO_LONG),
+            statuses,
+            num_verify_timeouts=statuses.count(VERIFY_TIMEOUT),
+        )
         self.total_errors += out.num_errors
         self.total_timeouts += out.num_timeouts
         self.total_too_long += out.num_too_long
-        if out.num_errors or out.num_timeouts or out.num_too_long:
+        self.total_verify_timeouts += out.num_verify_timeouts
+        if out.num_errors or out.num_timeouts or out.num_too_long or out.num_verify_timeouts:
             log.warning(
-                "reward: %d errors, %d timeouts (> %.1fs), %d over %s chars among %d items; all scored 0.0",
+                "reward: %d errors, %d timeouts (> %.1fs), %d over %s chars (--reward-max-chars), %d stopped by "
+                "math-verify's own time limit, among %d items; all scored 0.0",
                 out.num_errors,
                 out.num_timeouts,
                 self.timeout_s,
                 out.num_too_long,
                 self.max_chars,
+                out.num_verify_timeouts,
                 len(scores),
             )
         return out
@@ -208,9 +228,23 @@ class RewardScorer:
         worker.kill()
         self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.reward_fn)
 
+    def _check_start_up(self, now: float) -> None:
+        """Raise when every worker is past its own start-up deadline (each counts from that worker's start, so
+        replacing all of them at once costs no run); restart a late one while others work."""
+        late = [w for w in self._workers if not w.ready and now > w.started + self.start_timeout_s]
+        if late and len(late) == len(self._workers):
+            raise RuntimeError(
+                f"no reward worker started within {self.start_timeout_s}s; check that math-verify imports "
+                "(python -c 'import math_verify') or raise start_timeout_s"
+            )
+        for w in late:
+            log.warning(
+                "reward worker pid %s did not start within %.0fs: restarting it", w.proc.pid, self.start_timeout_s
+            )
+            self._replace(w)
+
     def _run_pool(self, todo: deque[int], responses, ground_truths, results) -> None:
         self._ensure_workers()
-        start_deadline = time.monotonic() + self.start_timeout_s
         while todo or any(w.item is not None for w in self._workers):
             now = time.monotonic()
             for w in self._workers:
@@ -218,12 +252,9 @@ class RewardScorer:
                     i = todo.popleft()
                     w.conn.send((i, responses[i], ground_truths[i]))
                     w.item = (i, now + self.timeout_s)
-            if not any(w.ready for w in self._workers) and now > start_deadline:
-                raise RuntimeError(
-                    f"no reward worker started within {self.start_timeout_s}s; check that math-verify imports "
-                    "(python -c 'import math_verify') or raise start_timeout_s"
-                )
+            self._check_start_up(now)
             deadlines = [w.item[1] for w in self._workers if w.item is not None]
+            deadlines += [w.started + self.start_timeout_s for w in self._workers if not w.ready]
             wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.5
             for conn in wait([w.conn for w in self._workers], timeout=wait_s):
                 w = next(w for w in self._workers if w.conn is conn)

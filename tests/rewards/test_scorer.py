@@ -12,6 +12,8 @@ def sleepy_reward(response, ground_truth):
     """A reward that hangs and ignores signals' intent: only a hard kill stops it."""
     if response == "hang":
         time.sleep(600)
+    if response == "slow":
+        time.sleep(0.5)
     return 1.0 if response == ground_truth else 0.0
 
 
@@ -44,7 +46,8 @@ def test_batch_in_order_with_pathological_inputs(scorer):
     elapsed = time.monotonic() - t0
     assert out.scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     assert out.statuses[1] == "too_long" and out.num_too_long == 1
-    assert out.statuses[3] == "timeout" and out.num_timeouts == 1
+    # math-verify's own ~5 s limit and the pool's 2 s one race here; either way the item is counted, not "ok".
+    assert out.statuses[3] in ("timeout", "verify_timeout") and out.num_timeouts + out.num_verify_timeouts == 1
     assert out.statuses[4] == out.statuses[5] == "error" and out.num_errors == 2
     assert elapsed < 15, f"a batch with one 2 s timeout took {elapsed:.1f}s"
     # The killed worker was replaced: the pool still works.
@@ -75,3 +78,53 @@ def test_serial_mode_and_argument_errors():
         RewardScorer(num_workers=0).score(["a"], [])
     with pytest.raises(ValueError, match="timeout_s=0"):
         RewardScorer(timeout_s=0)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_replacing_every_worker_late_in_a_batch_is_a_timeout_not_an_error(num_workers):
+    """Issue 24.1: the start-up deadline was set once per ``score`` call, so slow items past it, then hangs that
+    replace every worker at once, raised "no reward worker started". Each worker's deadline now runs from its own
+    (re)start: the hangs come back as timeouts and the rest is scored."""
+    start_timeout = 6.0
+    slow = ["slow"] * int(2 * num_workers * start_timeout)  # 0.5 s each: the batch outlives the first deadline
+    responses = [*slow, *["hang"] * num_workers, "a"]
+    with RewardScorer(
+        num_workers=num_workers, timeout_s=1.5, reward_fn=sleepy_reward, start_timeout_s=start_timeout
+    ) as s:
+        t0 = time.monotonic()
+        out = s.score(responses, [*slow, *["x"] * num_workers, "a"])
+        assert time.monotonic() - t0 > start_timeout  # the old single deadline had passed
+    assert out.statuses == ["ok"] * len(slow) + ["timeout"] * num_workers + ["ok"]
+    assert out.scores[-1] == 1.0 and out.num_timeouts == num_workers
+
+
+def test_a_pool_whose_workers_never_start_raises():
+    with RewardScorer(num_workers=1, reward_fn=never_ready_reward, start_timeout_s=3.0) as s:
+        with pytest.raises(RuntimeError, match="no reward worker started within 3.0s"):
+            s.score(["a"], ["a"])
+
+
+def never_ready_reward(response, ground_truth):
+    time.sleep(600)  # hangs in the worker's warm-up call too
+
+
+def test_math_verify_time_limit_is_counted_not_hidden():
+    """Issue 24.2: math-verify's own ~5 s limit returned 0 as "ok"; it is now ``verify_timeout`` and counted in
+    ``reward/num_verify_timeouts`` (serial mode: no hard timeout can fire first)."""
+    with RewardScorer(num_workers=0) as s:
+        out = s.score(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2}", "\\boxed{1}"], ["1", "1", "1"])
+    assert out.statuses == ["verify_timeout", "ok", "ok"] and out.scores == [0.0, 0.0, 1.0]
+    assert out.num_verify_timeouts == 1 and out.num_errors == 0
+    assert out.metrics()["reward/num_verify_timeouts"] == 1.0 and s.total_verify_timeouts == 1
+
+
+def test_max_chars_is_a_setting_and_counts_truncations():
+    """Issue 24.6: the character cap is --reward-max-chars (None: off), and over-long responses are counted."""
+    long_correct = "x" * 200 + "\\boxed{7}"
+    with RewardScorer(num_workers=0, max_chars=100) as s:
+        out = s.score([long_correct], ["7"])
+    assert out.statuses == ["too_long"] and out.metrics()["reward/num_too_long"] == 1.0
+    with RewardScorer(num_workers=0, max_chars=None) as s:
+        assert s.score([long_correct], ["7"]).scores == [1.0]
+    with pytest.raises(ValueError, match="max_chars=0"):
+        RewardScorer(max_chars=0)
