@@ -261,9 +261,7 @@ def train_on_batch(
     if correct:
         assert old is not None and objective.correction is not None
         importance, report = truncated_importance(old, batch, objective.correction, cap=tis_cap)
-        # token ratios exist on the last pipeline stage only (elsewhere the store is all zeros: 1 / p_engine)
-        if True or objective.correction == "sequence" or groups.is_last_stage:
-            parts.append(report)
+        parts.append(report)
     results: list[StepResult] = []
     padding = processed = 0
     for epoch in range(cfg.ppo_epochs):
