@@ -38,8 +38,9 @@ wrapper are GPU only and refused on CPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -265,8 +266,13 @@ def _clip(optimizer: MegatronOptimizer, clip_grad: float, grad_norm: float) -> N
         torch._foreach_mul_(grads, coeff)  # pyright: ignore[reportPrivateImportUsage]
 
 
-def _optimizer_step(optimizer: MegatronOptimizer, clip_grad: float) -> tuple[bool, float]:
+def _optimizer_step(
+    optimizer: MegatronOptimizer, clip_grad: float, before_update: Callable[[], None] | None = None
+) -> tuple[bool, float]:
     """Megatron's ``ChainedOptimizer.step`` with a skip on a non-finite global norm (see the module docstring).
+
+    ``before_update`` runs only when the step is taken, right before the parameters move (a pending optimizer
+    reset: a skipped step must not use it up).
 
     Returns:
         ``(stepped, grad_norm)``; not stepped when the norm is not finite or an fp16 loss scaler found inf.
@@ -278,6 +284,8 @@ def _optimizer_step(optimizer: MegatronOptimizer, clip_grad: float) -> tuple[boo
         return False, grad_norm
     if clip_grad > 0:
         _clip(optimizer, clip_grad, grad_norm)
+    if before_update is not None:
+        before_update()
     return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
@@ -305,10 +313,10 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_fn: L
     reports = run_schedule(ddp_models, micro_batches, loss_fn, forward_only=False)
     lr = schedule.current_lr()
     _set_lr(optimizer, lr, cfg.lr, cfg.weight_decay)
-    if trainable.reset_pending:
-        _apply_pending_reset(trainable)
+    # a pending reset is applied only on a taken step: a skipped one leaves Adam's state (and the reset) as it was
+    reset = partial(_apply_pending_reset, trainable) if trainable.reset_pending else None
     with cuda_to_cpu():
-        ok, grad_norm = _optimizer_step(optimizer, cfg.clip_grad)
+        ok, grad_norm = _optimizer_step(optimizer, cfg.clip_grad, reset)
     if not ok:
         _zero_grads(ddp_models, optimizer)
         return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)
@@ -320,7 +328,8 @@ def reset_optimizer_state(trainable: Trainable) -> None:
     """Forget Adam's moments and step counters at the next optimizer step (PACS v2's reset with the reference,
     following ProRL): that step is a first Adam step again. The learning-rate schedule continues.
 
-    The reset is applied just before the next update rather than now: until then the state stays valid, so a
+    The reset is applied just before the next update that is taken (a step skipped on a non-finite gradient
+    leaves it pending and Adam's state intact) rather than now: until then the state stays valid, so a
     checkpoint written in between (say at the reset step) saves it normally together with
     ``Trainable.reset_pending`` (megatron-core 0.16.1 drops a zero step count when saving, so an optimizer holding
     freshly zeroed counters would not reload).

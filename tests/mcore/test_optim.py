@@ -381,3 +381,29 @@ def test_optimizer_reset_makes_the_next_step_a_first_adam_step(env, tmp_path):
     _step(env, fresh, micro_batch_size=3)
     after, expected = _export(env, models), _export(env, fresh_models)
     assert max((after[k] - expected[k]).abs().max().item() for k in after) < 1e-6
+
+
+def test_a_skipped_step_keeps_a_pending_reset_and_a_checkpoint_then_resumes(env, tmp_path):
+    """A step skipped on a non-finite gradient must not use up a pending reset: Adam's state stays as it was (a
+    checkpoint saved then holds it and loads again), and the next taken step is the first Adam step."""
+    from megatron_pacs.mcore.optim import _inner_optimizers, reset_optimizer_state
+    from megatron_pacs.mcore.train_checkpoint import load_training_checkpoint, save_training_checkpoint
+
+    models, trainable = _trainable(env)
+    for _ in range(2):
+        _step(env, trainable, micro_batch_size=3)
+    reset_optimizer_state(trainable)
+    hook = poison_gradient(models)
+    assert _step(env, trainable, micro_batch_size=3).skipped
+    hook.remove()
+    inner = [o.optimizer for o in _inner_optimizers(trainable.optimizer)]
+    assert trainable.reset_pending
+    assert inner[0].state and all(float(s["step"]) == 2.0 for o in inner for s in o.state.values())
+    path = save_training_checkpoint(tmp_path / "ckpt", 3, trainable.models, trainable.optimizer, {"step": 3})
+    _, resumed = _trainable(env)
+    load_training_checkpoint(path, resumed.models, resumed.optimizer)
+    resumed_inner = [o.optimizer for o in _inner_optimizers(resumed.optimizer)]
+    assert all(float(s["step"]) == 2.0 for o in resumed_inner for s in o.state.values())
+    result = _step(env, trainable, micro_batch_size=3)  # taken: now the reset applies
+    assert not result.skipped and not trainable.reset_pending
+    assert all(float(s["step"]) == 1.0 for o in inner for s in o.state.values())
