@@ -3,9 +3,18 @@ step, data position and config; written to a temporary folder and renamed into p
 
 Layout under ``--save``::
 
-    iter_0000020/            a complete checkpoint (megatron_pacs.json written last, then the folder renamed)
-    .iter_0000040.tmp-XXXX/  an interrupted write: never loaded, removed by the next save
-    latest                   the newest complete step (a hint; the folders themselves are the truth)
+    iter_0000020/                    a complete checkpoint (megatron_pacs.json written last, then the folder renamed)
+    .iter_0000040.tmp-XXXX/          an interrupted write: never loaded, removed by the next save
+    latest_checkpointed_iteration.txt  the step written last (Megatron-LM's and verl's tracker file)
+
+Resuming takes the checkpoint the tracker names, not the highest step: after a rollback (``--load`` of an earlier
+step) the new branch's checkpoints are the ones written last, and ``--keep-last`` deletes in write order, so the
+diverged branch goes first. The metadata and the tracker are fsynced before they count. A tracker that is missing,
+or names a checkpoint whose metadata is empty or corrupt, falls back with a warning to the complete checkpoint
+written last before it.
+
+Checkpoints are trusted input: the RNG state loads with ``weights_only=True``, but the driver's pending rollouts
+(``pending_rollouts.pt``) are pickled Python objects, so load only checkpoints you or your job wrote.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import random
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -31,11 +41,18 @@ from megatron_pacs.utils.logging import get_logger
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["find_latest_checkpoint", "load_training_checkpoint", "save_training_checkpoint"]
+__all__ = [
+    "TRACKER",
+    "complete_checkpoints",
+    "find_latest_checkpoint",
+    "load_training_checkpoint",
+    "save_training_checkpoint",
+]
 
 log = get_logger("checkpoint")
 
 _ITER = re.compile(r"^iter_(\d{7})$")
+TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _rank() -> int:
@@ -63,16 +80,78 @@ def checkpoint_dir(save: str | os.PathLike, step: int) -> Path:
     return Path(save) / f"iter_{step:07d}"
 
 
-def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` (a folder with its metadata file), or None.
+def _read_meta(ckpt: Path) -> dict[str, Any] | None:
+    """A checkpoint's metadata, or None when the file is missing, empty or not a JSON object."""
+    try:
+        meta = json.loads((ckpt / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
-    Temporary folders of interrupted writes and folders without metadata are ignored.
-    """
+
+def _written_at(ckpt: Path, meta: dict[str, Any]) -> float:
+    """When a checkpoint was completed: its recorded time, else (older checkpoints) its metadata file's mtime."""
+    written = meta.get("written_at")
+    return float(written) if isinstance(written, (int, float)) else (ckpt / META_FILE).stat().st_mtime
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints under ``root`` (readable metadata), oldest written first."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if _ITER.match(p.name) and (p / META_FILE).is_file()]
-    return max(done, key=lambda p: int(p.name.removeprefix("iter_"))) if done else None  # names matched _ITER
+        return []
+    found = []
+    for p in root.iterdir():
+        if _ITER.match(p.name) and (meta := _read_meta(p)) is not None:
+            found.append((_written_at(p, meta), int(p.name.removeprefix("iter_")), p))
+    return [p for *_, p in sorted(found)]
+
+
+def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The checkpoint written last under ``root``: the one the tracker file names, or None if there is none.
+
+    Temporary folders of interrupted writes and folders without metadata are ignored. When the tracker is missing
+    or names a checkpoint whose metadata is empty or corrupt, the complete checkpoint written last is taken, with
+    a warning.
+    """
+    root = Path(root)
+    done = complete_checkpoints(root)
+    tracker = root / TRACKER
+    try:
+        named = checkpoint_dir(root, int(tracker.read_text().strip()))
+    except (OSError, ValueError):
+        named = None
+    if named is not None and named in done:
+        return named
+    if done and (named is not None or tracker.exists()):
+        log.warning(
+            "%s names %s, which is not a complete checkpoint (empty or corrupt %s?): resuming from %s, the complete "
+            "checkpoint written last",
+            tracker,
+            named.name if named is not None else "no step",
+            META_FILE,
+            done[-1],
+        )
+    return done[-1] if done else None
+
+
+def _fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a fsynced temporary file and a rename (never a half-written file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def save_training_checkpoint(
@@ -130,21 +209,19 @@ def save_training_checkpoint(
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     _barrier()
     if _rank() == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        meta = {**metadata, "step": step, "world_size": world, "written_at": time.time()}
         with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump(
-                {**metadata, "step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1},
-                f,
-                indent=2,
-                default=str,
-            )
+            json.dump(meta, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        (final.parent / "latest").write_text(f"{step}\n")
-        complete = sorted(
-            (p for p in final.parent.iterdir() if _ITER.match(p.name) and (p / META_FILE).is_file()),
-            key=lambda p: p.name,
-        )
+        _fsync_dir(final.parent)
+        _write_durably(final.parent / TRACKER, f"{step}\n")
+        # Oldest written first, the one just written last whatever the clock says.
+        complete = [p for p in complete_checkpoints(final.parent) if p != final] + [final]
         for old in complete[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
@@ -192,7 +269,12 @@ def load_training_checkpoint(
             f"--load: {ckpt} is not a complete checkpoint (no {META_FILE}); it may be an interrupted "
             "write: point --load at the checkpoint root to take the newest complete one"
         )
-    metadata = json.loads(meta_path.read_text())
+    metadata = _read_meta(ckpt)
+    if metadata is None:
+        raise ValueError(
+            f"--load: {meta_path} is empty or corrupt; point --load at the checkpoint root to resume from the "
+            "complete checkpoint written last"
+        )
     state = _load_models(ckpt, models, optimizer)
     if optimizer is not None:
         with cuda_to_cpu():
@@ -201,7 +283,7 @@ def load_training_checkpoint(
         _load_models(ckpt / name, chunks)
     rng_file = ckpt / f"rng_rank{_rank():05d}.pt"
     if rng_file.is_file() and metadata.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
-        rng = torch.load(rng_file, weights_only=False)
+        rng = torch.load(rng_file, weights_only=True)  # tensors, ints and tuples: no pickled code runs
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
