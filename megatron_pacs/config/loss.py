@@ -12,7 +12,7 @@ CHOICES = {
     "loss": ("pacs", "grpo"),
     "pacs_score": ("log_ratio", "mean_logp"),
     "pacs_score_reference": ("old", "ref"),
-    "kl_estimator": ("k1", "k2", "k3"),
+    "kl_estimator": ("k1", "k2", "k3", "k3+"),
     "off_policy_correction": ("none", "tis"),
     "pacs_advantage": ("rloo", "grpo", "grpo_no_std", "naive"),
     "pacs_weights": ("balanced", "none", "only_positive", "only_negative"),
@@ -42,8 +42,10 @@ class LossConfig:
     """KL penalty to the frozen reference policy: kl-coef x mean over responses of (sum of per-token estimates) /
     --max-response-length, added to the loss (0: none; a reference is then built only for the ref anchor)."""
     kl_estimator: str = "k3"
-    """Per-token KL estimator with r = log pi_ref - log pi: k1 (-r, score-function gradient), k2 (r^2 / 2) or k3
-    (exp(r) - r - 1, low variance)."""
+    """Per-token KL estimator with r = log pi_ref - log pi. The value (ref/kl) estimates KL(pi || pi_ref); the
+    gradient, in expectation per token: k1 (-r, score-function form), k2 (r^2 / 2) and k3+ (k3's value, k2's
+    gradient) follow KL(pi || pi_ref); k3 (exp(r) - r - 1, value clamped at 10) follows the reverse KL(pi_ref || pi)
+    (docs/algorithm.md §2.7)."""
 
     off_policy_correction: str = "none"
     """none, or tis: weight each response (PACS) or token (GRPO) by min(pi_anchor / pi_behaviour, --tis-cap), the

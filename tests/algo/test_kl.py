@@ -24,28 +24,69 @@ def _tokens(theta, mask, rows):
     return TokenLogprobs(logp=theta[idx][m], seq=seq, rank=rank, index=idx, lengths=lengths)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+"])
 def test_estimator_values_and_gradients(estimator):
     gen = torch.Generator().manual_seed(0)
     ref = -torch.rand(50, generator=gen) * 3
     logp = (ref + 0.3 * torch.randn(50, generator=gen)).requires_grad_()
     value, surrogate = kl_estimate(logp, ref, estimator)
     r = ref - logp.detach()
-    expected = {"k1": -r, "k2": 0.5 * r**2, "k3": torch.exp(r) - r - 1}[estimator]
+    k3 = torch.exp(r) - r - 1
+    assert k3.max().item() < 10.0  # inside verl's clamp of the k3 value
+    expected = {"k1": -r, "k2": 0.5 * r**2, "k3": k3, "k3+": k3}[estimator]
     torch.testing.assert_close(value, expected)
     torch.testing.assert_close(surrogate.detach(), expected)
     (grad,) = torch.autograd.grad(surrogate.sum(), logp)
     # k1: score-function form, k1 * d log pi; k2: -r * d(-log pi)... = k1 * d log pi too; k3: (1 - exp(r))
-    want = {"k1": -r, "k2": -r, "k3": 1 - torch.exp(r)}[estimator]
+    # k3+: k3's value, k2's gradient (straight through)
+    want = {"k1": -r, "k2": -r, "k3": 1 - torch.exp(r), "k3+": -r}[estimator]
     torch.testing.assert_close(grad, want)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+"])
 def test_kl_value_and_gradient_are_exactly_zero_at_the_reference(estimator):
     logp = (-torch.rand(40) * 5).requires_grad_()
     value, surrogate = kl_estimate(logp, logp.detach().clone(), estimator)
     (grad,) = torch.autograd.grad(surrogate.sum(), logp)
     assert value.abs().max().item() == 0.0 and grad.abs().max().item() == 0.0
+
+
+def test_which_kl_each_gradient_follows_in_expectation():
+    """Exact expectations over a small vocabulary: k2's (and k3+'s, k1's) expected gradient is the gradient of
+    KL(pi || pi_ref), the KL that ref/kl reports; k3's is the gradient of the reverse KL(pi_ref || pi)."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, generator=gen, dtype=torch.float64).requires_grad_()
+    ref = torch.log_softmax(torch.randn(6, generator=gen, dtype=torch.float64), -1)
+
+    def expected_grad(estimator):
+        logp = torch.log_softmax(logits, -1)
+        _, surrogate = kl_estimate(logp, ref, estimator)
+        # E_{y ~ pi}[grad surrogate(y)] = sum_y pi(y) grad surrogate(y): the sampling is not differentiated
+        (g,) = torch.autograd.grad((logp.exp().detach() * surrogate.double()).sum(), logits)
+        return g
+
+    pi = torch.log_softmax(logits, -1)
+    forward = (pi.exp() * (pi - ref)).sum()  # KL(pi || pi_ref)
+    reverse = (ref.exp() * (ref - pi)).sum()  # KL(pi_ref || pi)
+    (g_forward,) = torch.autograd.grad(forward, logits, retain_graph=True)
+    (g_reverse,) = torch.autograd.grad(reverse, logits)
+    for estimator in ("k1", "k2", "k3+"):
+        torch.testing.assert_close(expected_grad(estimator), g_forward, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(expected_grad("k3"), g_reverse, atol=1e-6, rtol=1e-5)
+    assert (g_forward - g_reverse).abs().max().item() > 1e-2  # a real difference away from the reference
+
+
+def test_k3_value_is_clamped_at_10_as_verl_and_its_gradient_stops_there():
+    ref = torch.zeros(3)
+    logp = torch.tensor([-5.0, -25.0, -0.5]).requires_grad_()  # r = 5 (k3 ~ 142), r = 25 (beyond the r clamp)
+    value, surrogate = kl_estimate(logp, ref, "k3")
+    assert value[:2].tolist() == [10.0, 10.0]
+    (grad,) = torch.autograd.grad(surrogate.sum(), logp)
+    assert grad[:2].tolist() == [0.0, 0.0] and grad[2].item() != 0.0
+    plus_value, plus = kl_estimate(logp, ref, "k3+")
+    assert torch.equal(plus_value, value)
+    (plus_grad,) = torch.autograd.grad(plus.sum(), logp)
+    assert plus_grad.tolist() == pytest.approx([-5.0, 0.0, -0.5])  # k2's gradient -r; zero beyond |r| = 20
 
 
 def test_k3_is_non_negative_and_refuses_unknown_estimators():
