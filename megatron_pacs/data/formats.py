@@ -18,6 +18,7 @@ Files: ``.jsonl``, ``.json`` (a list of objects, or JSON Lines), ``.parquet``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,9 @@ ANSWER_KEYS = ("answer", "Answer", "final_answer", "ground_truth")
 ID_KEYS = ("id", "unique_id", "ID", "idx", "index")
 
 
+_NON_FINITE = ("nan", "inf", "infinity")
+
+
 class BadRowError(ValueError):
     """A row that cannot be converted; the message names the file and line (1-based; row index for Parquet)."""
 
@@ -39,8 +43,8 @@ class BadRowError(ValueError):
 def read_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """Yield ``(line_or_row_number, record)`` from a JSON, JSON Lines or Parquet file.
 
-    A line that is not valid JSON is yielded as a :class:`BadRowError` instance, so the caller decides whether
-    to skip it.
+    A line that is not valid UTF-8 or not valid JSON is yielded as a :class:`BadRowError` instance naming the file
+    and line, so the caller decides whether to skip it.
     """
     path = Path(path)
     if not path.is_file():
@@ -53,17 +57,26 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
         return
     if suffix not in (".json", ".jsonl"):
         raise ValueError(f"{path}: unsupported file type {suffix!r}; use .json, .jsonl or .parquet")
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         head = f.read(1 << 16).lstrip()
         f.seek(0)
-        if suffix == ".json" and head.startswith("["):
+        if suffix == ".json" and head.startswith(b"["):
+            raw = f.read()
             try:
-                data = json.load(f)
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                line_no = raw.count(b"\n", 0, e.start) + 1
+                raise BadRowError(f"{path}:{line_no}: not UTF-8 text ({e.reason})") from None
             except json.JSONDecodeError as e:
                 raise BadRowError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
             yield from enumerate(data, start=1)
             return
-        for lineno, line in enumerate(f, start=1):
+        for lineno, raw_line in enumerate(f, start=1):
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, BadRowError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})")
+                continue
             if not line.strip():
                 continue
             try:
@@ -83,15 +96,20 @@ def normalize_ground_truth(ground_truth: Any) -> str:
     """A ground truth as a string: ints as written, integral floats without ``.0`` (AMC's ``27.0`` -> ``27``).
 
     Raises:
-        TypeError: for anything but str, int or float.
+        TypeError: for anything but str, int or float, and for NaN and infinities (a float ``nan``/``inf`` or the
+            text a serialiser writes for one), which no response can match.
     """
     if isinstance(ground_truth, bool):
         raise TypeError(f"ground truth must be a string or a number, got bool {ground_truth!r}")
     if isinstance(ground_truth, int):
         return str(ground_truth)
     if isinstance(ground_truth, float):
+        if not math.isfinite(ground_truth):
+            raise TypeError(f"ground truth must be a finite number, got {ground_truth!r}")
         return str(int(ground_truth)) if ground_truth.is_integer() else repr(ground_truth)
     if isinstance(ground_truth, str):
+        if ground_truth.strip().lower().lstrip("+-") in _NON_FINITE:
+            raise TypeError(f"ground truth must be a finite number, got {ground_truth!r}")
         return ground_truth.strip()
     raise TypeError(f"ground truth must be a string or a number, got {type(ground_truth).__name__}")
 
@@ -124,11 +142,24 @@ def to_prompt_row(rec: Any, *, data_source: str, where: str, index: int) -> Prom
         raise rec
     if not isinstance(rec, dict):
         raise BadRowError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    if isinstance(rec.get("prompt"), list) and "ground_truth" in rec:  # already canonical
-        q = rec.get("question") or rec["prompt"][-1].get("content", "")
+    if "prompt" in rec and "ground_truth" in rec:  # already canonical
+        prompt = rec["prompt"]
+        if not isinstance(prompt, list) or not prompt or not all(_is_message(m) for m in prompt):
+            raise BadRowError(
+                f"{where}: 'prompt' must be a non-empty list of {{'role': str, 'content': str}} messages, got "
+                f"{type(prompt).__name__} {str(prompt)[:80]!r}"
+            )
+        q = rec.get("question") or prompt[-1]["content"]
         extra = rec.get("extra_info") or {}
         if isinstance(extra, str):  # Parquet stores it as JSON text
-            extra = json.loads(extra)
+            try:
+                extra = json.loads(extra)
+            except json.JSONDecodeError as e:
+                raise BadRowError(f"{where}: 'extra_info' is not valid JSON text ({e.msg})") from None
+        if not isinstance(extra, dict):
+            raise BadRowError(f"{where}: 'extra_info' must be an object, got {type(extra).__name__}")
+        if not isinstance(q, str):
+            raise BadRowError(f"{where}: 'question' must be a string, got {type(q).__name__}")
         try:
             return PromptRow(
                 id=str(rec.get("id", index)),
@@ -159,6 +190,10 @@ def to_prompt_row(rec: Any, *, data_source: str, where: str, index: int) -> Prom
         question=question.strip(),
         extra_info=extra,
     )
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role", "user"), str)
 
 
 def read_prompt_rows(
