@@ -29,6 +29,7 @@ from megatron_pacs.mcore.optim import StepResult
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.utils.metrics import PhaseTimer
+from megatron_pacs.utils.seeding import SAMPLING_STREAM, derive_seed
 
 __all__ = ["StepLayout", "StepRollouts", "collect_rollouts", "train_on_batch"]
 
@@ -57,7 +58,9 @@ def collect_rollouts(
         top_p=r.top_p,
         top_k=r.top_k,
         max_tokens=b.max_response_length,
-        seed=cfg.run.seed * 1_000_003 + step * 7919,
+        # an independent stream per (seed, step): ``seed * a + step * b`` let seed s at a late step reuse seed s+1's
+        # early per-prompt seeds (``base + i * n + j`` covers a window of the integers)
+        seed=derive_seed(cfg.run.seed, SAMPLING_STREAM, step),
         stop_token_ids=eos,
         logprobs=True,  # the sampled tokens' log-probs at temperature 1: the train/rollout consistency check
     )

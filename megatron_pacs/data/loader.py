@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from megatron_pacs.utils.seeding import LOADER_STREAM, seed_sequence
 
 __all__ = ["PromptLoader"]
 
@@ -17,7 +20,8 @@ class PromptLoader(Generic[T]):
     Args:
         items: The dataset.
         batch_size: Items per batch (must not exceed ``len(items)``).
-        seed: Shuffle seed; epoch e uses ``Random(seed + e)``.
+        seed: Shuffle seed; epoch e permutes with the independent stream ``SeedSequence(seed, spawn_key=(0, e))``
+            (``utils.seeding``), so no (seed, epoch) pair replays another's order.
     """
 
     def __init__(self, items: Sequence[T], batch_size: int, seed: int) -> None:
@@ -30,9 +34,8 @@ class PromptLoader(Generic[T]):
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self.items)))
-        random.Random(self.seed + epoch).shuffle(order)
-        return order
+        rng = np.random.default_rng(seed_sequence(self.seed, LOADER_STREAM, epoch))
+        return [int(i) for i in rng.permutation(len(self.items))]
 
     def next_batch(self) -> list[T]:
         if self.position + self.batch_size > len(self.items):

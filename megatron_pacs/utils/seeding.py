@@ -1,0 +1,45 @@
+"""Independent random streams derived from the run's ``--seed``.
+
+Deriving a stream by addition (``seed + epoch``, ``seed * a + step * b``) aliases streams across seeds: seed s at
+epoch 1 is seed s+1 at epoch 0, so a seed sweep replays shifted copies of one data order. Every stream is instead
+``numpy.random.SeedSequence(seed, spawn_key=(domain, *keys))``, which hashes all of its inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["LOADER_STREAM", "SAMPLING_STREAM", "derive_seed", "seed_sequence"]
+
+LOADER_STREAM = 0
+"""Domain of the prompt loader's per-epoch permutations: keys ``(epoch,)``."""
+SAMPLING_STREAM = 1
+"""Domain of the rollout sampling seeds: keys ``(step,)``."""
+
+_SEED_BITS = 62
+"""Derived seeds stay below 2**62, so ``seed + prompt * n + sample`` (vLLM adds the sample index) fits vLLM's int64
+per-request seed tensor."""
+
+
+def seed_sequence(seed: int, domain: int, *keys: int) -> np.random.SeedSequence:
+    """The independent stream ``(seed, domain, *keys)``.
+
+    Args:
+        seed: The run's ``--seed`` (non-negative).
+        domain: Which consumer (``LOADER_STREAM``, ``SAMPLING_STREAM``), so two consumers never share a stream.
+        keys: Non-negative stream coordinates within the domain, e.g. the epoch.
+
+    Returns:
+        A ``SeedSequence`` for ``numpy.random.default_rng`` or ``derive_seed``.
+    """
+    if seed < 0:
+        raise ValueError(f"--seed {seed}: use a non-negative integer")
+    if any(k < 0 for k in (domain, *keys)):
+        raise ValueError(f"stream keys {(domain, *keys)} must be non-negative")
+    return np.random.SeedSequence(int(seed), spawn_key=(int(domain), *(int(k) for k in keys)))
+
+
+def derive_seed(seed: int, domain: int, *keys: int) -> int:
+    """An integer seed (``0 <= s < 2**62``) for the independent stream ``(seed, domain, *keys)``."""
+    lo, hi = seed_sequence(seed, domain, *keys).generate_state(2, np.uint32)
+    return ((int(hi) << 32) | int(lo)) & ((1 << _SEED_BITS) - 1)
