@@ -201,7 +201,19 @@ def micro_batch_rows(
 
     Returns:
         Lists of response indices.
+
+    Raises:
+        ValueError: ``rows`` are not whole groups, or (counting rows) ``micro_batch_size`` is not a multiple of
+            ``group_size``.
     """
+    if group_size:
+        if len(rows) % group_size:
+            raise ValueError(f"{len(rows)} rows are not whole groups of {group_size}: cannot keep groups intact")
+        if max_tokens is None and micro_batch_size % group_size:
+            raise ValueError(
+                f"micro_batch_size={micro_batch_size} is not a multiple of group_size={group_size}: whole groups "
+                "would overfill it (set --micro-batch-size to a multiple of --group-size)"
+            )
     unit = group_size or 1
     units = [list(rows[i : i + unit]) for i in range(0, len(rows), unit)]
     out: list[list[int]] = []
@@ -240,9 +252,19 @@ def pad_rows(
     Returns:
         ``tokens [b, L]`` long, ``score_mask [b, L]`` bool (True at response tokens: those whose log-prob counts),
         ``index [b]`` long (the response index, -1 for padding rows).
+
+    Raises:
+        ValueError: ``num_rows`` is fewer than ``len(rows)`` or ``length`` is shorter than a response (either
+            would drop tokens whose loss counts).
     """
+    if num_rows is not None and num_rows < len(rows):
+        raise ValueError(f"pad_rows: num_rows={num_rows} is fewer than the {len(rows)} responses to pad")
     num_rows = num_rows or len(rows)
-    length = length or max(int(batch.lengths[i]) for i in rows)
+    longest = max(int(batch.lengths[i]) for i in rows)
+    if length is not None and length < longest:
+        worst = max(rows, key=lambda i: int(batch.lengths[i]))
+        raise ValueError(f"pad_rows: length={length} is shorter than response {worst} ({longest} tokens)")
+    length = length or longest
     tokens = torch.full((num_rows, length), pad_id, dtype=torch.long)
     mask = torch.zeros((num_rows, length), dtype=torch.bool)
     index = torch.full((num_rows,), -1, dtype=torch.long)

@@ -141,8 +141,25 @@ def test_micro_batch_rows_groups_by_count():
     assert micro_batch_rows(rows, lengths, micro_batch_size=6, group_size=3) == [rows[0:6], rows[6:12]]
     # micro_batch_size 9: three groups, then the last one.
     assert micro_batch_rows(rows, lengths, micro_batch_size=9, group_size=3) == [rows[0:9], rows[9:12]]
-    # A group larger than micro_batch_size still stays whole.
-    assert micro_batch_rows(rows, lengths, micro_batch_size=2, group_size=4) == [rows[0:4], rows[4:8], rows[8:12]]
+    # micro_batch_size 4 with groups of 4: one group per micro-batch.
+    assert micro_batch_rows(rows, lengths, micro_batch_size=4, group_size=4) == [rows[0:4], rows[4:8], rows[8:12]]
+
+
+@pytest.mark.parametrize(("mbs", "group_size"), [(2, 4), (6, 4), (5, 3)])
+def test_micro_batch_rows_refuses_a_size_that_is_not_a_multiple_of_the_group(mbs, group_size):
+    """Counting rows with whole groups, a micro-batch size that is not a multiple of the group size was silently
+    exceeded (2 with groups of 4 gave micro-batches of 4); it is an internal contract: raise instead."""
+    with pytest.raises(ValueError, match=f"micro_batch_size={mbs} is not a multiple of group_size={group_size}"):
+        micro_batch_rows(list(range(12)), [3] * 12, micro_batch_size=mbs, group_size=group_size)
+    # With a token budget micro_batch_size is not used: nothing to check.
+    parts = micro_batch_rows(list(range(12)), [3] * 12, micro_batch_size=mbs, max_tokens=24, group_size=group_size)
+    check_partition(parts, range(12))
+
+
+def test_micro_batch_rows_refuses_rows_that_split_a_group():
+    """Rows that are not whole groups would leave a partial 'group' at the end, cut as if it were whole."""
+    with pytest.raises(ValueError, match="7 rows are not whole groups of 2"):
+        micro_batch_rows(list(range(7)), [3] * 7, micro_batch_size=4, group_size=2)
 
 
 def test_micro_batch_rows_groups_by_tokens():
@@ -227,6 +244,20 @@ def test_pad_rows_mask_is_response_span(rows):
         assert (tokens[j, p + r :] == 0).all()
         assert index[j] == i
     assert mask.sum() == sum(int(batch.response_lens[i]) for i in rows)
+
+
+def test_pad_rows_refuses_fewer_rows_than_responses():
+    """``num_rows < len(rows)`` silently dropped the responses past ``num_rows`` (their loss never computed)."""
+    batch = make_batch([2, 1, 1], [1, 2, 1])
+    with pytest.raises(ValueError, match="num_rows=2 is fewer than the 3 responses"):
+        pad_rows(batch, [0, 1, 2], num_rows=2)
+    assert pad_rows(batch, [0, 1, 2], num_rows=3)[2].tolist() == [0, 1, 2]
+
+
+def test_pad_rows_refuses_a_length_shorter_than_a_response():
+    batch = make_batch([2, 1, 1], [1, 2, 1])  # lengths 3, 3, 2
+    with pytest.raises(ValueError, match="length=2 is shorter than response 0"):
+        pad_rows(batch, [2, 0], length=2)
 
 
 def test_pad_rows_explicit_num_rows_and_length():
