@@ -74,6 +74,12 @@ class LossConfig:
             raise bad("tis_cap", "only means something with --off-policy-correction tis; add that or drop the flag")
         if is_set(self, "kl_estimator") and self.kl_coef == 0:
             raise bad("kl_estimator", "only means something with --kl-coef > 0; add that or drop the flag")
+        if self.loss == "grpo":  # PACS's own settings would be ignored
+            for name in ("pacs_beta", "pacs_score", "pacs_advantage", "pacs_weights"):
+                if is_set(self, name):
+                    raise bad(name, "only applies to --loss pacs; it has no meaning for --loss grpo: drop it")
+        if self.loss == "pacs" and is_set(self, "clip_ratio"):
+            raise bad("clip_ratio", "is GRPO's PPO clip; PACS has no clipped ratio: use --loss grpo or drop it")
         if self.pacs_score_reference == "ref" and self.loss != "pacs":
             raise bad("pacs_score_reference", "anchors the PACS score; it has no meaning for --loss grpo")
         if self.pacs_score_reference == "ref" and self.pacs_score != "log_ratio":

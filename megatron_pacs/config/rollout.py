@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pacs.config.base import bad
+from megatron_pacs.config.base import bad, is_set
 
 __all__ = ["RolloutConfig"]
 
@@ -73,6 +73,10 @@ class RolloutConfig:
             raise bad("temperature", "training rollouts must be sampled: use a temperature > 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must lie in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", f"{self.top_k}: use -1 (off) or a number of tokens >= 1")
+        if self.ray_address and is_set(self, "ray_object_store_gb"):
+            raise bad("ray_object_store_gb", "sizes a locally started Ray; --ray-address uses the cluster's own")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must lie in (0, 1]")
         if self.weight_sync not in WEIGHT_SYNC:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_pacs.config.base import bad
+from megatron_pacs.config.base import bad, is_set
 
 __all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "RewardConfig", "RunConfig"]
 
@@ -24,9 +24,15 @@ class CheckpointConfig:
     """Checkpoints: model, optimizer, RNG and data position, resharded on load."""
 
     save: str | None = None
-    """Checkpoint directory."""
+    """Checkpoint directory. One that already holds checkpoints needs --load pointing at it (or at one of its
+    checkpoints): a fresh run would overwrite checkpoints of the same step."""
     load: str | None = None
-    """Resume from the latest complete checkpoint here."""
+    """Resume from the checkpoint written last here (latest_checkpointed_iteration.txt), or from this checkpoint
+    folder. A directory without a checkpoint is refused (a mistyped path would train from scratch) unless it is
+    --save's own directory (a requeued job's first start) or --load-optional is given."""
+    load_optional: bool = False
+    """With --load: a directory that does not exist or holds no checkpoint yet starts from --hf-model instead of
+    being refused."""
     save_interval: int = 0
     """Steps between checkpoints (0: only at the end when --save is set)."""
     keep_last: int = 2
@@ -39,6 +45,12 @@ class CheckpointConfig:
             raise bad("keep_last", "keep at least one checkpoint")
         if self.save_interval < 0:
             raise bad("save_interval", "must be >= 0")
+        if self.save is None:  # nothing is saved: these would be ignored
+            for name in ("save_interval", "keep_last", "save_hf"):
+                if is_set(self, name):
+                    raise bad(name, "only applies with --save DIR; add it or drop this flag")
+        if self.load_optional and self.load is None:
+            raise bad("load_optional", "only applies with --load DIR; add it or drop this flag")
 
 
 @dataclass(kw_only=True)
@@ -55,6 +67,10 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.eval_interval < 0:
             raise bad("eval_interval", "must be >= 0")
+        if not self.eval_interval:  # validation is off: these would be ignored
+            for name in ("val_temperature", "val_n"):
+                if is_set(self, name):
+                    raise bad(name, "only applies with --eval-interval N (validation is off); add it or drop this flag")
         if self.val_n < 1 or (self.val_n > 1 and self.val_temperature == 0):
             raise bad("val_n", "use 1 for greedy validation, or set --val-temperature > 0 to sample several")
 
@@ -67,12 +83,17 @@ class RewardConfig:
     """math-verify worker processes."""
     reward_timeout: float = 10.0
     """Seconds per response before it scores 0."""
+    reward_max_chars: int = 100_000
+    """Responses longer than this many characters score 0 unparsed and are counted (reward/num_too_long); 0: no
+    cap. The default is far above any 4,096-token response and stops megabyte inputs early."""
 
     def __post_init__(self) -> None:
         if self.reward_workers < 1:
             raise bad("reward_workers", "must be >= 1")
         if not self.reward_timeout > 0:
             raise bad("reward_timeout", "must be > 0")
+        if self.reward_max_chars < 0:
+            raise bad("reward_max_chars", "must be >= 0 (0: no cap)")
 
 
 @dataclass(kw_only=True)
@@ -99,3 +120,7 @@ class RunConfig:
             raise bad("train_iters", "must be >= 1")
         if self.world_size is not None and self.world_size < 1:
             raise bad("world_size", "must be >= 1")
+        if self.world_size is not None and not self.dry_run:
+            raise bad("world_size", "only applies with --dry-run (a launch's world size is its own); drop it")
+        if self.wandb_exp_name is not None and self.wandb_project is None:
+            raise bad("wandb_exp_name", "only applies with --wandb-project; add it or drop this flag")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
+import re
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -100,6 +102,8 @@ class TrainConfig:
             )
         if self.model.fp8_format and not _importable("transformer_engine"):
             raise bad("fp8_format", "needs Transformer Engine (pip install .[gpu] on a CUDA machine)")
+        if self.data.val_data and not self.eval.eval_interval:
+            raise bad("val_data", "validation is off without --eval-interval N; add it or drop the validation files")
         if not need_files:
             return dp
         if self.model.fp8_format and self.model.fp8_recipe == "mxfp8" and _cuda_capability() < (10, 0):
@@ -132,6 +136,8 @@ class TrainConfig:
             raise bad("ref_load", f"{ref.ref_load!r} has no config.json; pass a Hugging Face model directory")
         if not self.model.hf_model or not os.path.isfile(os.path.join(self.model.hf_model, "config.json")):
             raise bad("hf_model", f"{self.model.hf_model!r} has no config.json; pass a Hugging Face model directory")
+        self._check_positions()
+        self._check_checkpoint_dirs()
         if not self.data.train_data:
             raise bad("train_data", "give at least one prepared training file (tools/prepare_data.py)")
         for name in ("train_data", "val_data"):
@@ -141,6 +147,37 @@ class TrainConfig:
         if self.eval.eval_interval and not self.data.val_data:
             raise bad("eval_interval", "validation needs --val-data files")
         return dp
+
+    def _check_positions(self) -> None:
+        """--seq-length within the model's position embeddings (read from config.json; no model is loaded)."""
+        with open(os.path.join(self.model.hf_model, "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings")
+        seq = self.batch.seq_length
+        if isinstance(positions, int) and seq is not None and seq > positions:
+            raise bad(
+                "seq_length",
+                f"{seq} (prompt + response) exceeds the model's max_position_embeddings {positions}; lower "
+                "--max-prompt-length / --max-response-length (or --seq-length)",
+            )
+
+    def _check_checkpoint_dirs(self) -> None:
+        """A mistyped --load must not train from scratch, and a fresh run must not overwrite --save's checkpoints."""
+        ck = self.checkpoint
+        same = ck.load is not None and ck.save is not None and _same_path(ck.load, ck.save)
+        if ck.load is not None and not (ck.load_optional or same) and not _holds_checkpoint(ck.load):
+            raise bad(
+                "load",
+                f"{ck.load!r} holds no complete checkpoint (mistyped?); pass a checkpoint directory, or add "
+                "--load-optional to start from --hf-model when it holds none yet",
+            )
+        if ck.save is not None and _holds_checkpoint(ck.save):
+            inside = ck.load is not None and (same or _same_path(os.path.dirname(os.path.abspath(ck.load)), ck.save))
+            if not inside:
+                raise bad(
+                    "save",
+                    f"{ck.save!r} already holds checkpoints, which this run would overwrite step by step; resume "
+                    f"with --load {ck.save} (or one of its iter_* folders), or save to a new directory",
+                )
 
     @property
     def score_fp8(self) -> bool:
@@ -153,6 +190,23 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for checkpoints and metric sinks)."""
         return dataclasses.asdict(self)
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _holds_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a complete training checkpoint or a directory holding one (the file names of
+    ``mcore/train_checkpoint.py``; that module imports Megatron, which configuration must not)."""
+    if os.path.isfile(os.path.join(path, "megatron_pacs.json")):
+        return True
+    if not os.path.isdir(path):
+        return False
+    return any(
+        re.fullmatch(r"iter_\d{7}", name) and os.path.isfile(os.path.join(path, name, "megatron_pacs.json"))
+        for name in os.listdir(path)
+    )
 
 
 @cache

@@ -64,6 +64,23 @@ def test_help_documents_every_flag():
         (["--tis-cap", "3"], "--tis-cap"),
         (["--kl-estimator", "k1"], "--kl-estimator"),
         (["--pacs-score-reference", "ref", "--no-ref-reset-optimizer"], "--no-ref-reset-optimizer"),
+        # issue 24.5/24.6: more flags a parsed config would ignore, and bad values, refused
+        (["--save-interval", "5"], "--save-interval"),
+        (["--keep-last", "3"], "--keep-last"),
+        (["--save-hf"], "--save-hf"),
+        (["--load-optional"], "--load-optional"),
+        (["--val-temperature", "0.6"], "--val-temperature"),
+        (["--val-n", "4", "--val-temperature", "0.6"], "--val-n"),
+        (["--loss", "grpo", "--pacs-beta", "2"], "--pacs-beta"),
+        (["--loss", "grpo", "--pacs-score", "mean_logp"], "--pacs-score"),
+        (["--loss", "grpo", "--pacs-advantage", "grpo"], "--pacs-advantage"),
+        (["--loss", "grpo", "--pacs-weights", "none"], "--pacs-weights"),
+        (["--clip-ratio", "0.3"], "--clip-ratio"),
+        (["--world-size", "8"], "--world-size"),
+        (["--wandb-exp-name", "x"], "--wandb-exp-name"),
+        (["--ray-address", "auto", "--ray-object-store-gb", "2"], "--ray-object-store-gb"),
+        (["--top-k", "-2"], "--top-k"),
+        (["--reward-max-chars", "-1"], "--reward-max-chars"),
     ],
 )
 def test_bad_flags_exit_with_the_flag_named(argv, flag, capsys):
@@ -117,6 +134,63 @@ def test_cross_section_refusals_before_anything_starts():
     reset = ["--pacs-score-reference", "ref", "--ref-reset-interval", "5", "--no-ref-reset-optimizer"]
     assert parse_config(reset).reference.ref_reset_optimizer is False
     parse_config(["--lr", "0"]).validate(1, need_files=False)  # a frozen-policy measurement run
+
+
+def test_flags_that_apply_are_accepted():
+    """The counterparts of the refusals above: each flag with the switch it needs."""
+    parse_config(["--save", "c", "--save-interval", "5", "--keep-last", "3", "--save-hf"])
+    parse_config(["--load", "c", "--load-optional"])
+    parse_config(["--eval-interval", "5", "--val-temperature", "0.6", "--val-n", "4"])
+    parse_config(["--loss", "grpo", "--clip-ratio", "0.3"])
+    parse_config(["--pacs-beta", "2", "--pacs-weights", "none"])
+    parse_config(["--dry-run", "--world-size", "8"])
+    parse_config(["--wandb-project", "p", "--wandb-exp-name", "x", "--top-k", "20", "--reward-max-chars", "0"])
+    with pytest.raises(ValueError, match=r"--val-data: validation is off without --eval-interval"):
+        parse_config(["--val-data", "v.jsonl"]).validate(1, need_files=False)
+
+
+def _ckpt(root, step):
+    folder = root / f"iter_{step:07d}"
+    folder.mkdir(parents=True)
+    (folder / "megatron_pacs.json").write_text("{}")
+    return folder
+
+
+def test_checkpoint_directories_checked_before_anything_starts(tmp_path):
+    """Issue 24.5: a mistyped --load is refused (not a silent fresh start) unless --load-optional or it is --save's
+    own directory (a requeued job's first start); --save over existing checkpoints needs --load pointing there."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
+    (tmp_path / "train.jsonl").write_text("")
+    files = ["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl")]
+    run, typo = tmp_path / "run", str(tmp_path / "rnu")
+
+    def check(*argv):
+        parse_config([*files, *argv]).validate(1)
+
+    with pytest.raises(ValueError, match=r"--load: .*rnu' holds no complete checkpoint \(mistyped\?\)"):
+        check("--load", typo)
+    check("--load", typo, "--load-optional")
+    check("--save", str(run), "--load", str(run))  # first start: nothing to resume yet
+    _ckpt(run, 20)
+    with pytest.raises(ValueError, match=r"--save: .*already holds checkpoints"):
+        check("--save", str(run))
+    with pytest.raises(ValueError, match=r"--save: .*already holds checkpoints"):
+        check("--save", str(run), "--load", typo, "--load-optional")
+    check("--save", str(run), "--load", str(run))
+    check("--save", str(run), "--load", str(run / "iter_0000020"))  # a rollback
+    check("--save", str(tmp_path / "other"), "--load", str(run / "iter_0000020"))  # a branch elsewhere
+    with pytest.raises(ValueError, match=r"--load: .*holds no complete checkpoint"):
+        check("--load", str(tmp_path))  # a directory, but no checkpoint in it
+
+
+def test_seq_length_beyond_the_models_positions_is_refused_before_any_model_loads(tmp_path):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 512}')
+    (tmp_path / "train.jsonl").write_text("")
+    files = ["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl")]
+    parse_config([*files, "--max-prompt-length", "256", "--max-response-length", "256"]).validate(1)
+    cfg = parse_config([*files, "--max-prompt-length", "256", "--max-response-length", "512"])
+    with pytest.raises(ValueError, match=r"--seq-length: 768 .*exceeds the model's max_position_embeddings 512"):
+        cfg.validate(1)
 
 
 def test_fp8_score_precision_auto_is_bf16_for_two_phase_pacs_and_fp8_where_a_term_comes_from_training():
