@@ -34,6 +34,7 @@ from megatron_pacs.algo.kl import kl_estimate
 from megatron_pacs.algo.metrics import pacs_metrics
 from megatron_pacs.algo.pacs import (
     compute_scores,
+    degenerate_std_metrics,
     group_advantages,
     group_weights,
     pacs_loss,
@@ -125,8 +126,9 @@ class Objective(ABC):
     ref_logprobs: Level | None = None
     #: Micro-batches must hold whole groups.
     whole_groups: bool = False
-    #: The level of the off-policy importance weights it takes (``--off-policy-correction tis``), or None.
-    correction: Level | None = None
+    #: The level of the off-policy importance weights it takes (``--off-policy-correction tis``): ``token``,
+    #: ``geometric`` or ``sequence`` (``--tis-level``), or None.
+    correction: str | None = None
 
     @property
     def loss_keys(self) -> tuple[str, ...]:
@@ -181,7 +183,7 @@ class _Pacs(Objective):
         self.ref_anchor = log_ratio and cfg.pacs_score_reference == "ref"
         self.old_logprobs = "sequence" if log_ratio and not self.ref_anchor else None
         self.ref_logprobs = "sequence" if self.ref_anchor else None
-        self.correction = "sequence" if cfg.off_policy_correction == "tis" else None
+        self.correction = cfg.tis_ratio_level
 
     @staticmethod
     def _sample_weights(mb: MiniBatch, idx: torch.Tensor) -> torch.Tensor | None:
@@ -263,6 +265,7 @@ class PacsTwoPhase(_Pacs):
             w = w * sample_weights.to(w)
         loss_sum = F.binary_cross_entropy_with_logits(adv, rewards, weight=w, reduction="sum")
         m = pacs_metrics(scores, adv, rewards, w, group_size=n)
+        m.update(degenerate_std_metrics(scores, group_size=n, advantage=self.advantage))
         m["pacs/loss"] = torch.stack([loss_sum, loss_sum.new_tensor(float(scores.numel()))])
         return m
 
@@ -307,7 +310,7 @@ class GrpoObjective(Objective):
 
     def __init__(self, cfg: LossConfig, max_response_length: int) -> None:
         self.clip_ratio, self.max_response_length = cfg.clip_ratio, max_response_length
-        self.correction = "token" if cfg.off_policy_correction == "tis" else None
+        self.correction = cfg.tis_ratio_level
 
     def prepare(self, mb: MiniBatch) -> Prepared:
         old_tokens = None if mb.old is None else mb.old.tokens

@@ -14,6 +14,7 @@ CHOICES = {
     "pacs_score_reference": ("old", "ref"),
     "kl_estimator": ("k1", "k2", "k3", "k3+"),
     "off_policy_correction": ("none", "tis"),
+    "tis_level": ("auto", "token", "geometric", "sequence"),
     "pacs_advantage": ("rloo", "grpo", "grpo_no_std", "naive"),
     "pacs_weights": ("balanced", "none", "only_positive", "only_negative"),
 }
@@ -52,6 +53,22 @@ class LossConfig:
     behaviour being the engines' log-probs (docs/algorithm.md §5.1)."""
     tis_cap: float = 2.0
     """Truncation of the importance ratio with --off-policy-correction tis."""
+    tis_level: str = "auto"
+    """What one --off-policy-correction tis ratio covers: token (GRPO; Yao et al.), geometric (PACS: the response's
+    per-token geometric mean, exp(mean_t log ratio_t), whose bias from engine/trainer numerics does not grow with
+    the length) or sequence (PACS: the product over the response's tokens, the exact importance weight, but a
+    0.5-1 nat bf16 gap over 4k tokens scales a response by 0.37-2.7 with no lag); auto: token for grpo, geometric
+    for pacs (docs/algorithm.md §5.1)."""
+
+    @property
+    def tis_ratio_level(self) -> str | None:
+        """The level of the importance ratios with --off-policy-correction tis (``--tis-level`` resolved), else
+        None."""
+        if self.off_policy_correction != "tis":
+            return None
+        if self.tis_level != "auto":
+            return self.tis_level
+        return "token" if self.loss == "grpo" else "geometric"
 
     @property
     def needs_reference(self) -> bool:
@@ -72,6 +89,12 @@ class LossConfig:
             raise bad("tis_cap", f"{self.tis_cap} must be > 1 (the ratio is truncated from above at this value)")
         if is_set(self, "tis_cap") and self.off_policy_correction != "tis":
             raise bad("tis_cap", "only means something with --off-policy-correction tis; add that or drop the flag")
+        if is_set(self, "tis_level") and self.off_policy_correction != "tis":
+            raise bad("tis_level", "only means something with --off-policy-correction tis; add that or drop the flag")
+        if self.loss == "pacs" and self.tis_level == "token":
+            raise bad("tis_level", "token: a PACS score and loss are per response; use geometric or sequence")
+        if self.loss == "grpo" and self.tis_level in ("geometric", "sequence"):
+            raise bad("tis_level", f"{self.tis_level}: GRPO weights its tokens by token-level ratios; use token")
         if is_set(self, "kl_estimator") and self.kl_coef == 0:
             raise bad("kl_estimator", "only means something with --kl-coef > 0; add that or drop the flag")
         if self.loss == "grpo":  # PACS's own settings would be ignored

@@ -94,11 +94,19 @@ class TrainConfig:
                 "pass's log-likelihoods (direct mode scores in the training pass); use --fp8-score-precision fp8, "
                 "or drop --keep-groups-in-microbatch (the two-phase gradient takes every score from bf16 passes)",
             )
-        if self.loss.off_policy_correction == "tis" and self.loss.loss == "pacs" and self.score_fp8:
+        if self.loss.tis_ratio_level == "sequence" and self.loss.loss == "pacs" and self.score_fp8:
             raise bad(
                 "off_policy_correction",
                 "a sequence-level ratio against FP8 score passes turns FP8's per-token bias into a factor of "
-                "exp(bias x length) (docs/algorithm.md §5.1); use --fp8-score-precision bf16 or drop the correction",
+                "exp(bias x length) (docs/algorithm.md §5.1); use --tis-level geometric, --fp8-score-precision "
+                "bf16, or drop the correction",
+            )
+        if r.offload_optimizer_during_rollout and not self.model.bf16:
+            raise bad(
+                "offload_optimizer_during_rollout",
+                "without --bf16 Megatron's fp32 optimizer holds the model's parameters themselves, so offloading it "
+                "would move the weights to the host before the weight sync; add --bf16 (the optimizer then keeps "
+                "fp32 copies of its own) or drop the flag",
             )
         if self.model.fp8_format and not _importable("transformer_engine"):
             raise bad("fp8_format", "needs Transformer Engine (pip install .[gpu] on a CUDA machine)")

@@ -166,3 +166,13 @@ def test_registry_builds_the_configured_objective_and_names_the_choices():
         OBJECTIVES.get("ppo")
     assert build_objective(*_config()).loss_key == "pacs/loss"
     assert build_objective(*_config(loss="grpo")).loss_key == "grpo/loss"
+
+
+def test_tis_level_defaults_to_bounded_bias_per_loss_and_keeps_the_product_selectable():
+    """PACS's default ratio is the per-token geometric mean (its numerics bias does not grow with the length);
+    GRPO's is per token; the exact sequence product stays selectable (docs/algorithm.md §5.1)."""
+    tis = {"off_policy_correction": "tis"}
+    assert build_objective(LossConfig(**tis), BatchConfig()).correction == "geometric"
+    assert build_objective(LossConfig(**tis, tis_level="sequence"), BatchConfig()).correction == "sequence"
+    assert build_objective(LossConfig(loss="grpo", **tis), BatchConfig()).correction == "token"
+    assert build_objective(LossConfig(), BatchConfig()).correction is None

@@ -52,6 +52,9 @@ def test_help_documents_every_flag():
         (["--offload-optimizer-during-rollout"], "--offload-optimizer-during-rollout"),
         (["--off-policy-correction", "is"], "--off-policy-correction"),
         (["--tis-cap", "1"], "--tis-cap"),
+        (["--off-policy-correction", "tis", "--tis-level", "token"], "--tis-level"),
+        (["--loss", "grpo", "--off-policy-correction", "tis", "--tis-level", "geometric"], "--tis-level"),
+        (["--tis-level", "sequence"], "--tis-level"),
         (["--max-logprob-diff", "0"], "--max-logprob-diff"),
         (["--lr", "-1e-6"], "--lr"),
         (["--fp8-score-precision", "fp16"], "--fp8-score-precision"),
@@ -123,7 +126,13 @@ def test_cross_section_refusals_before_anything_starts():
     ]
     tis = ["--off-policy-correction", "tis"]
     cases.append(
-        ([*tis, "--bf16", "--fp8-format", "hybrid", "--fp8-score-precision", "fp8"], "--off-policy-correction: a seq")
+        (
+            [*tis, "--tis-level", "sequence", "--bf16", "--fp8-format", "hybrid", "--fp8-score-precision", "fp8"],
+            "--off-policy-correction: a seq",
+        )
+    )
+    cases.append(
+        (["--colocate", "--offload-optimizer-during-rollout"], "--offload-optimizer-during-rollout: without --bf16")
     )
     for argv, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -288,6 +297,11 @@ def test_gpu_only_refusals_with_a_gpu_simulated(tmp_path, monkeypatch):
     colocated = parse_config([*files, "--colocate", "--global-batch-size", "16", "--ppo-mini-batch-size", "16"])
     colocated.validate(8)
     assert colocated.rollout.engine_memory_fraction == 0.5  # engines beside the trainer's state
+    # fp32: the optimizer holds the parameters themselves, so offloading it would take the weights off the GPU
+    offload = ["--colocate", "--offload-optimizer-during-rollout", "--global-batch-size", "16"]
+    with pytest.raises(ValueError, match=r"--offload-optimizer-during-rollout: without --bf16"):
+        parse_config([*files, *offload, "--ppo-mini-batch-size", "16"]).validate(8)
+    parse_config([*files, *offload, "--ppo-mini-batch-size", "16", "--bf16"]).validate(8)
     with pytest.raises(ValueError, match=r"--colocate: weights reach the engines by CUDA IPC"):
         colocated.validate(16)
     ipc = parse_config([*files, "--weight-sync", "ipc", "--global-batch-size", "16", "--ppo-mini-batch-size", "16"])
