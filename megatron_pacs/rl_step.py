@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_pacs.algo.metrics import reduce_metrics
 from megatron_pacs.algo.objectives import Logprobs, MicroBatchLoss, MiniBatch, Objective
+from megatron_pacs.algo.pacs import warn_degenerate_std
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, TrainConfig
 from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_shares, pack_rows, pad_rows
@@ -264,7 +265,9 @@ def train_on_batch(
     if correct:
         assert old is not None and objective.correction is not None
         importance, report = truncated_importance(old, batch, objective.correction, cap=tis_cap)
-        parts.append(report)
+        # token ratios exist on the last pipeline stage only (elsewhere the store is all zeros: 1 / p_engine)
+        if objective.correction != "token" or groups.is_last_stage:
+            parts.append(report)
     results: list[StepResult] = []
     padding = processed = 0
     for epoch in range(cfg.ppo_epochs):
@@ -304,6 +307,7 @@ def train_on_batch(
             processed += sum(mb.tokens.numel() for mb in mbs)
     parts.append({"train/padding_fraction": torch.tensor([float(padding), float(processed)])})
     metrics = _step_metrics(parts, results, objective.loss_keys)
+    warn_degenerate_std(metrics)
     real_tokens = sum(layout.lengths) * cfg.ppo_epochs
     metrics["train/tokens_per_second"] = real_tokens / (time.perf_counter() - started)
     return metrics
@@ -316,8 +320,10 @@ def truncated_importance(
 
     The behaviour policy is the engines' (their log-probs of the sampled tokens); the anchor is the policy at the
     start of the step. Sequence level (a PACS score and loss are per response): the ratio of the responses'
-    likelihoods; token level (GRPO): per token. What the engines gave no log-prob for counts as on-policy (ratio 1):
-    the token at token level, the whole response at sequence level.
+    likelihoods; geometric (PACS's default): its per-token geometric mean ``exp((l_anchor - l_engine) / R_i)``,
+    whose bias from engine/trainer numerics does not grow with the length; token level (GRPO): per token. What the
+    engines gave no log-prob for counts as on-policy (ratio 1): the token at token level, the whole response at
+    the response levels.
 
     Returns:
         ``Logprobs`` holding the ratios (``seq`` ``[S]`` or ``tokens``; 1 where this rank holds no response), and
@@ -326,13 +332,16 @@ def truncated_importance(
     assert batch.engine_logprobs is not None
     held = batch.held.nonzero().flatten().tolist()
     engine = batch.engine_logprobs.double()
-    if level == "sequence":
+    if level in ("sequence", "geometric"):
         device = anchor.seq.device
         per_response = (batch.engine_offsets[1:] - batch.engine_offsets[:-1]).to(device)
         engine = engine.to(device)
         behaviour = torch.segment_reduce(torch.nan_to_num(engine, nan=0.0), "sum", lengths=per_response, unsafe=True)
         missing = torch.segment_reduce(engine.isnan().double(), "sum", lengths=per_response, unsafe=True) > 0
-        raw = torch.where(missing, 1.0, torch.exp(anchor.seq.double() - behaviour))[held]
+        log_ratio = anchor.seq.double() - behaviour
+        if level == "geometric":
+            log_ratio = log_ratio / per_response.clamp(min=1).double()
+        raw = torch.where(missing, 1.0, torch.exp(log_ratio))[held]
         ratios = torch.ones(batch.num_responses, dtype=torch.float64, device=device)
         ratios[held] = raw.clamp(max=cap)
         out = Logprobs(ratios)

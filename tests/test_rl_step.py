@@ -130,6 +130,10 @@ def test_truncated_importance_ratios_at_sequence_and_token_level():
     assert seq.seq.tolist() == pytest.approx([1.0, 1.0, 2.0])
     assert report["offpolicy/is_truncated"].tolist() == [1.0, 2.0]
     assert report["offpolicy/is_ratio_mean"].tolist() == pytest.approx([1.0 + math.exp(1.4), 2.0])
+    # geometric: the per-token geometric mean, exp(1.4 / 3) for response 2's three tokens (below the cap)
+    geo, report = truncated_importance(anchor, batch, "geometric", cap=2.0)
+    assert geo.seq.tolist() == pytest.approx([1.0, 1.0, math.exp(1.4 / 3)])
+    assert report["offpolicy/is_truncated"].tolist() == [0.0, 2.0]
     tok, _ = truncated_importance(anchor, batch, "token", cap=2.0)
     assert tok.tokens is not None
     # response 0's tokens vs engine [-1, NaN]; response 1 is not held (1); response 2's vs engine [-1, -3, -0.7]
