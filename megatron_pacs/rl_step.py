@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_pacs.algo.metrics import reduce_metrics
 from megatron_pacs.algo.objectives import Logprobs, MicroBatchLoss, MiniBatch, Objective
+from megatron_pacs.algo.pacs import warn_degenerate_std
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, TrainConfig
 from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_shares, pack_rows, pad_rows
@@ -306,6 +307,7 @@ def train_on_batch(
             processed += sum(mb.tokens.numel() for mb in mbs)
     parts.append({"train/padding_fraction": torch.tensor([float(padding), float(processed)])})
     metrics = _step_metrics(parts, results, objective.loss_keys)
+    warn_degenerate_std(metrics)
     real_tokens = sum(layout.lengths) * cfg.ppo_epochs
     metrics["train/tokens_per_second"] = real_tokens / (time.perf_counter() - started)
     return metrics

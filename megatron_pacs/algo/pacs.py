@@ -33,25 +33,34 @@ from megatron_pacs.algo.common import (
     check_finite,
     check_groups,
     check_rewards,
+    mean_entry,
 )
 from megatron_pacs.algo.metrics import pacs_metrics
 from megatron_pacs.algo.registry import Registry
+from megatron_pacs.utils.logging import get_logger
 
 __all__ = [
     "ADVANTAGES",
+    "DEGENERATE_STD",
     "GRPO_EPS",
     "SCORES",
     "WEIGHTS",
     "compute_scores",
+    "degenerate_std_metrics",
     "group_advantages",
     "group_weights",
     "pacs_loss",
     "pacs_score_grads",
     "pacs_surrogate",
+    "warn_degenerate_std",
 ]
 
 SCORES = ("log_ratio", "mean_logp")
 GRPO_EPS = 1e-6
+DEGENERATE_STD = 1e-4
+"""A group whose score std is below this, under an estimator dividing by it, has its noise amplified toward 1/eps."""
+_STD_DIVIDING = ("grpo",)
+_warned_degenerate_std = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,43 @@ ADVANTAGES.register("rloo")(AdvantageEstimator(_rloo, _rloo_vjp, needs_pairs=Tru
 ADVANTAGES.register("grpo")(AdvantageEstimator(_grpo, _grpo_vjp, needs_pairs=True))
 ADVANTAGES.register("grpo_no_std")(AdvantageEstimator(_centre, lambda s, e: _centre(e), needs_pairs=True))
 ADVANTAGES.register("naive")(AdvantageEstimator(lambda s: s, lambda s, e: e, needs_pairs=False))
+
+
+def degenerate_std_metrics(scores: torch.Tensor, *, group_size: int, advantage: str) -> dict[str, torch.Tensor]:
+    """``pacs/degenerate_std_groups``: the share of groups whose score std is below ``DEGENERATE_STD`` (1e-4), for
+    an estimator that divides by it (``grpo``; docs/algorithm.md §3.2); no device sync.
+
+    Args:
+        scores: ``[S]`` scores, groups of ``group_size`` contiguous.
+        group_size: N.
+        advantage: The estimator; others than ``grpo`` return ``{}``.
+
+    Returns:
+        ``{"pacs/degenerate_std_groups": [count, groups]}`` or ``{}``.
+    """
+    if advantage not in _STD_DIVIDING:
+        return {}
+    with torch.no_grad():
+        sd = scores.detach().view(-1, group_size).std(-1)
+        return {"pacs/degenerate_std_groups": mean_entry((sd < DEGENERATE_STD).sum().float(), sd.numel(), scores)}
+
+
+def warn_degenerate_std(metrics: dict[str, float]) -> None:
+    """Warn once per process when a step's reduced metrics count groups with a degenerate score std."""
+    global _warned_degenerate_std
+    share = metrics.get("pacs/degenerate_std_groups", 0.0)
+    if share > 0 and not _warned_degenerate_std:
+        _warned_degenerate_std = True
+        get_logger(__name__).warning(
+            "pacs/degenerate_std_groups=%.3g: groups with a score std below %g under --pacs-advantage grpo; their "
+            "logits and gradients are divided by std + %g, amplifying rounding noise up to 1/%g-fold (always on "
+            "the first mini-batch of a log_ratio step, where pi == pi_old). Use --clip-grad, or --pacs-advantage "
+            "rloo / grpo_no_std (warned once)",
+            share,
+            DEGENERATE_STD,
+            GRPO_EPS,
+            GRPO_EPS,
+        )
 
 
 @WEIGHTS.register("balanced")
@@ -265,6 +311,7 @@ def pacs_loss(
         w = w * sample_weights.to(w)
     loss_sum = F.binary_cross_entropy_with_logits(adv, rewards.to(dt), weight=w.to(dt), reduction="sum")
     metrics = pacs_metrics(s, adv, rewards, w, group_size=group_size)
+    metrics.update(degenerate_std_metrics(s, group_size=group_size, advantage=advantage))
     metrics["pacs/loss"] = torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(s.numel()))])
     return LossOutput(loss_sum=loss_sum, count=int(s.numel()), metrics=metrics)
 
