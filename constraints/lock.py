@@ -11,6 +11,11 @@ Used by `make lock` and `make lock-gpu`; not part of the package.
       the pins of NAME ... from a constraints file (the CPU-tested versions the GPU resolve reuses)
   lock.py stub-wheel DIR NAME VERSION [REQUIREMENT ...]
       a metadata-only wheel standing in for a source-only package during a cross-platform resolve
+  lock.py without CONSTRAINTS NAME ...
+      a constraints file's pins minus NAME ... (`make test-compat`: the CPU pins around another vLLM)
+  lock.py wheel-requires WHEEL [--drop NAME ...] [--pin NAME]
+      a wheel's unconditional Requires-Dist lines (no extras) minus NAME ...; with --pin, only the version that
+      its `NAME==X` requirement pins (local label dropped: `torch==2.11.0+cpu` -> 2.11.0)
 
 OUT keeps its leading comment block (hand-written documentation); only its `# Resolved:` line and the pins are
 rewritten, and only when a pin changed. Names are normalised (PEP 503), local version labels (`+cpu`) are dropped
@@ -150,6 +155,36 @@ def cmd_stub_wheel(args) -> None:
     print(target)
 
 
+def cmd_without(args) -> None:
+    """Print a constraints file's pins minus NAMES (what stays fixed when one package moves)."""
+    gone = {canonical(n) for n in args.names}
+    pins = parse_pins(Path(args.constraints).read_text(encoding="utf-8").splitlines())
+    print("\n".join(f"{n}=={v}" for n, v in sorted(pins.items()) if n not in gone))
+
+
+def wheel_requires(wheel: str) -> list[str]:
+    """The Requires-Dist lines of a wheel's METADATA that no extra gates."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        lines = zf.read(meta).decode("utf-8").splitlines()
+    reqs = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+    return [r for r in reqs if not re.search(r"\bextra\s*==", r)]
+
+
+def cmd_wheel_requires(args) -> None:
+    reqs = wheel_requires(args.wheel)
+    name_of = {r: canonical(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r).group(0)) for r in reqs}  # type: ignore[union-attr]
+    if args.pin:
+        for r in reqs:
+            m = re.match(r"[A-Za-z0-9._-]+\s*===?\s*([^\s;,]+)", r)
+            if name_of[r] == canonical(args.pin) and m:
+                print(m.group(1).split("+", 1)[0])
+                return
+        sys.exit(f"lock.py: {args.wheel} pins no version of {args.pin}")
+    gone = {canonical(n) for n in args.drop}
+    print("\n".join(r for r in reqs if name_of[r] not in gone))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -174,6 +209,15 @@ def main() -> None:
     s.add_argument("version")
     s.add_argument("requires", nargs="*")
     s.set_defaults(fn=cmd_stub_wheel)
+    w = sub.add_parser("without")
+    w.add_argument("constraints")
+    w.add_argument("names", nargs="+")
+    w.set_defaults(fn=cmd_without)
+    q = sub.add_parser("wheel-requires")
+    q.add_argument("wheel")
+    q.add_argument("--drop", nargs="*", default=[])
+    q.add_argument("--pin", default="")
+    q.set_defaults(fn=cmd_wheel_requires)
     args = ap.parse_args()
     args.fn(args)
 

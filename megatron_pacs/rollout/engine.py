@@ -16,7 +16,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +36,7 @@ from megatron_pacs.utils.logging import get_logger
 if TYPE_CHECKING:
     from vllm import LLM
 
-__all__ = ["VLLMEngine", "WeightSyncExtension"]
+__all__ = ["VLLMEngine", "WeightSyncExtension", "deferred_attention_check", "vllm_features"]
 
 log = get_logger("rollout.engine")
 
@@ -117,6 +117,40 @@ class WeightSyncExtension:
         return len(self._mp_loaded)
 
 
+def deferred_attention_check() -> Callable[[torch.nn.Module], bool]:
+    """The predicate for layers that vLLM's layer-wise reload processes last (attention-like layers).
+
+    Feature-detected, not version-branched: newer vLLM (0.32.0 and 0.33.0 checked) exports
+    ``is_deferred_attention_layer`` beside the attention classes; 0.26.0 has no such function and its reload tests
+    ``isinstance(layer, (Attention, MLAAttention))`` itself, which is then used here too (docs/architecture.md,
+    "vLLM versions").
+    """
+    import vllm.model_executor.layers.attention as attention
+
+    predicate = getattr(attention, "is_deferred_attention_layer", None)
+    if callable(predicate):
+        return predicate
+    deferred = (attention.Attention, attention.MLAAttention)
+    return lambda layer: isinstance(layer, deferred)
+
+
+def vllm_features() -> dict[str, str]:
+    """What this module detected in the installed vLLM (for reports: ``tools/gpu_check.py``, ``make test-compat``).
+
+    Returns:
+        ``{"vllm": version, "deferred_attention": "is_deferred_attention_layer" | "isinstance(Attention,
+        MLAAttention)"}``.
+    """
+    import vllm
+    import vllm.model_executor.layers.attention as attention
+
+    native = callable(getattr(attention, "is_deferred_attention_layer", None))
+    return {
+        "vllm": str(vllm.__version__),
+        "deferred_attention": "is_deferred_attention_layer" if native else "isinstance(Attention, MLAAttention)",
+    }
+
+
 def _reload_derived_buffers(model: torch.nn.Module) -> int:
     """Hand the layer-wise reload the values of buffers that no checkpoint holds, so every layer completes.
 
@@ -130,9 +164,9 @@ def _reload_derived_buffers(model: torch.nn.Module) -> int:
     Returns:
         The number of buffers fed.
     """
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
+    is_deferred_attention_layer = deferred_attention_check()
     fed = 0
     for layer in model.modules():
         info = get_layerwise_info(layer)
