@@ -34,6 +34,7 @@ from megatron_pacs.overlap import Generated, RolloutProducer, overlap_metrics
 from megatron_pacs.rl_step import StepRollouts, collect_rollouts, train_on_batch
 from megatron_pacs.rollout.colocate import Colocation
 from megatron_pacs.transport import distribute_rollouts
+from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer
 
@@ -68,6 +69,9 @@ class Trainer:
         self.pending_step: int | None = None  # a step whose rollouts are generated ahead (every rank knows)
         if self.driver:
             self._start_driver()
+        self.exit_signal: ExitSignal | None = None
+        if cfg.run.exit_signal_handler:  # after the fleet: ray.init installs a SIGTERM handler that this replaces
+            self.exit_signal = ExitSignal(cfg.run.exit_signal_grace_seconds)
         self.colocation: Colocation | None = None
         if cfg.rollout.colocate:
             offload = self.actor if cfg.rollout.offload_optimizer_during_rollout else None
@@ -145,8 +149,14 @@ class Trainer:
                 history.append(metrics)
                 last = step == cfg.run.train_iters
                 ck = cfg.checkpoint
-                if ck.save and ((ck.save_interval and step % ck.save_interval == 0) or last):
+                saved = ck.save and ((ck.save_interval and step % ck.save_interval == 0) or last)
+                if saved:
                     self.save(step, loader)
+                if self.exit_signal is not None and not last and self.exit_signal.should_stop():
+                    log.warning("exit signal: every rank stops after step %d", step)
+                    if ck.save and not saved:
+                        self.save(step, loader)
+                    break
                 if self.driver:
                     bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', float('nan')):.3f}")
         bar.close()
@@ -398,6 +408,8 @@ class Trainer:
     # -- teardown ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self.exit_signal is not None:
+            self.exit_signal.finish()
         if self.producer is not None:
             self.producer.close()
         if self.writer is not None:

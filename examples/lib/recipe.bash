@@ -68,6 +68,10 @@ launch() {
         exec "$PYTHON" -m megatron_pacs.train "$@" --dry-run --world-size $((NNODES * GPUS_PER_NODE))
     fi
     export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron's TP/SP communication overlap relies on in-order kernel launches
+    export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"  # the rollout cluster's token authentication (lib/ray_cluster.sh)
+    # torchrun passes SIGTERM on to the ranks, then SIGKILLs them after this long: leave --exit-signal-handler's
+    # grace period (60 s) room to finish the step and save.
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-90}"
     exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
         --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m megatron_pacs.train "$@"
 }

@@ -26,8 +26,13 @@ class ParallelConfig:
     """Overlap pipeline sends/receives with compute; required (with --no-batch-p2p-comm) when interleaved."""
     batch_p2p_comm: bool = True
     """Batch pipeline sends/receives into one call; must be off with --overlap-p2p-comm."""
+    distributed_timeout_minutes: int = 10
+    """Timeout of the training process groups' collectives (Megatron-LM's default): a rank whose peer is lost
+    without closing its connections stops with an error after this long instead of hanging."""
 
     def __post_init__(self) -> None:
+        if self.distributed_timeout_minutes < 1:
+            raise bad("distributed_timeout_minutes", f"{self.distributed_timeout_minutes} must be >= 1")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if getattr(self, name) < 1:
                 raise bad(name, f"{getattr(self, name)} must be >= 1")

@@ -42,6 +42,11 @@ class RolloutConfig:
     weight_sync: str = "auto"
     """How new weights reach the engines: object_store, broadcast (NCCL side group) or ipc (CUDA IPC, colocated);
     auto: object_store on CPU, ipc when colocated, else broadcast."""
+    weight_sync_address: str | None = None
+    """With --weight-sync broadcast: the trainer rank 0 address (IP or host name) the engines connect to for the
+    side group. Default: the source address of this host's route towards the engines' nodes (as the engines report
+    them), which is right both when the trainer is a Ray cluster member and through Ray Client (ray://); set it
+    when the engines must use another interface or name."""
     weight_sync_bucket_mb: int = 256
     """Weight-sync bucket size in MiB."""
     keep_weights_for_restart: bool = True
@@ -81,6 +86,8 @@ class RolloutConfig:
             raise bad("gpu_memory_utilization", "must lie in (0, 1]")
         if self.weight_sync not in WEIGHT_SYNC:
             raise bad("weight_sync", f"{self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
+        if self.weight_sync_address is not None and self.weight_sync in ("object_store", "ipc"):
+            raise bad("weight_sync_address", f"only applies to --weight-sync broadcast, not {self.weight_sync!r}")
         if self.off_policy_steps not in (0, 1):
             raise bad("off_policy_steps", f"{self.off_policy_steps}: use 0 (synchronous) or 1 (one step off)")
         if self.colocate and self.off_policy_steps:

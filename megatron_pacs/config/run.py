@@ -114,10 +114,21 @@ class RunConfig:
     """Validate the configuration, print the layout and memory plan, and exit (no GPUs needed)."""
     world_size: int | None = None
     """With --dry-run: the world size to plan for (default: this launch's)."""
+    exit_signal_handler: bool = False
+    """On SIGTERM (a scheduler's preemption notice), every rank stops at the next step boundary, saves a checkpoint
+    when --save is set and exits 0, as Megatron-LM's flag does; a step that would not finish within
+    --exit-signal-grace-seconds is abandoned (the run then resumes from the previous checkpoint)."""
+    exit_signal_grace_seconds: float = 60.0
+    """With --exit-signal-handler: seconds from SIGTERM to exit (the step in progress, then the checkpoint); set it
+    below the scheduler's kill delay (Slurm's KillWait)."""
 
     def __post_init__(self) -> None:
         if self.train_iters < 1:
             raise bad("train_iters", "must be >= 1")
+        if not self.exit_signal_grace_seconds > 0:
+            raise bad("exit_signal_grace_seconds", "must be > 0")
+        if is_set(self, "exit_signal_grace_seconds") and not self.exit_signal_handler:
+            raise bad("exit_signal_grace_seconds", "only applies with --exit-signal-handler; add it or drop this flag")
         if self.world_size is not None and self.world_size < 1:
             raise bad("world_size", "must be >= 1")
         if self.world_size is not None and not self.dry_run:

@@ -83,7 +83,7 @@ def _init_process_group(backend: str | None, timeout_minutes: int) -> None:
 
 
 def init_parallel(
-    config: ParallelConfig, *, seed: int = 1234, backend: str | None = None, timeout_minutes: int = 30
+    config: ParallelConfig, *, seed: int = 1234, backend: str | None = None, timeout_minutes: int | None = None
 ) -> ParallelGroups:
     """Initialise torch.distributed (if needed) and Megatron's TP / PP / DP groups.
 
@@ -94,12 +94,15 @@ def init_parallel(
         config: The layout.
         seed: Base seed for Megatron's model-parallel RNG streams.
         backend: Override the process-group backend.
-        timeout_minutes: Collective timeout.
+        timeout_minutes: Collective timeout; default ``config.distributed_timeout_minutes``
+            (``--distributed-timeout-minutes``).
 
     Returns:
         The groups and ranks of this process.
     """
     apply_cpu_support()
+    if timeout_minutes is None:
+        timeout_minutes = config.distributed_timeout_minutes
     _init_process_group(backend, timeout_minutes)
     world = dist.get_world_size()
     dp_size = config.data_parallel_size(world)

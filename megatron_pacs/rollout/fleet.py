@@ -50,6 +50,9 @@ class EngineActor:
     def ready(self) -> int:
         return os.getpid()
 
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.engine, method)(*args, **kwargs)
 
@@ -162,7 +165,9 @@ class RolloutFleet:
             # Ray sets OMP threads to the actor's CPU share; with vLLM's own thread binding that oversubscribes
             # the cores (about 4x slower on 2 cores).
             env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-            options: dict[str, Any] = dict(num_cpus=max(0.01, (os.cpu_count() or 1) / cfg.num_engines / 2))
+            # SPREAD: one engine per node where there are several (a multi-node rollout cluster).
+            num_cpus = max(0.01, (os.cpu_count() or 1) / cfg.num_engines / 2)
+            options: dict[str, Any] = dict(num_cpus=num_cpus, scheduling_strategy="SPREAD")
         else:
             from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -304,12 +309,25 @@ class RolloutFleet:
         work.wait()
         ray.get(pending)
 
+    def _sync_address(self) -> str:
+        """Where the engines reach trainer rank 0 for the broadcast side group: ``--weight-sync-address``, else
+        this host's source address towards the engines' nodes. (Through Ray Client, Ray's own node address of
+        the driver is 127.0.0.1, which engines on other hosts cannot reach.)"""
+        if self.config.weight_sync_address:
+            return self.config.weight_sync_address
+        from megatron_pacs.utils.launch import source_address
+
+        nodes = ray.get([e.node_ip.remote() for e in self.engines])
+        host = source_address(nodes)
+        log.info("fleet: weight sync rendezvous at %s (engines on %s)", host, ", ".join(sorted(set(nodes))))
+        return host
+
     def _ensure_group(self) -> SideGroup:
         if self._group is not None:
             return self._group
         from megatron_pacs.utils.launch import free_port
 
-        host, port = ray.util.get_node_ip_address(), free_port()
+        host, port = self._sync_address(), free_port()
         world = 1 + len(self.engines) * self.config.rollout_tensor_parallel_size
         backend = "nccl" if self.on_gpu else "gloo"
         pending = [

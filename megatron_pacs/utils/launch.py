@@ -18,6 +18,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def source_address(destinations: list[str]) -> str:
+    """The address this host sends from towards ``destinations`` (the kernel's route; no packet is sent): where
+    peers on those hosts can reach this one. Prefers a non-loopback answer, since peers on this host reach that too.
+    """
+    found = []
+    for dest in dict.fromkeys(destinations):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((dest, 9))  # UDP connect only picks the route
+            found.append(s.getsockname()[0])
+    outside = [a for a in found if not a.startswith("127.")]
+    return (outside or found or ["127.0.0.1"])[0]
+
+
 def ensure_world(world_size: int, argv: list[str] | None = None) -> int | None:
     """Start ``world_size`` local ranks of this script when needed.
 

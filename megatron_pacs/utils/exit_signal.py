@@ -1,0 +1,87 @@
+"""``--exit-signal-handler``: stop every rank at the same step boundary after SIGTERM (a scheduler's preemption).
+
+Each rank records the signal; at every step boundary the ranks agree (a MAX all-reduce of that flag over the
+training group passed in), so all stop after the same step, save, and exit 0. A watchdog thread ends the process
+when the grace period runs out first (the step in progress is abandoned; the run resumes from the previous
+checkpoint). Ray's ``ray.init`` installs a SIGTERM handler of its own in the driver that exits at once; install
+this one after the fleet has started so it replaces Ray's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_pacs.utils.logging import get_logger
+
+__all__ = ["ExitSignal"]
+
+log = get_logger("exit_signal")
+
+
+class ExitSignal:
+    """A SIGTERM latch with a grace-period watchdog (see the module docstring).
+
+    Args:
+        grace_seconds: Seconds from the signal to the end of the process, whatever happens.
+        signum: The signal to handle.
+    """
+
+    def __init__(
+        self,
+        grace_seconds: float,
+        signum: int = signal.SIGTERM,
+    ) -> None:
+        self.grace_seconds, self.signum = grace_seconds, signum
+        self.received_at: float | None = None
+        self._event = threading.Event()
+        self._done = threading.Event()
+        signal.signal(signum, self._handle)
+        self._watchdog = threading.Thread(target=self._watch, name="exit-signal-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+            log.warning(
+                "exit signal: got %s; stopping after the step in progress (grace period %.0fs)",
+                signal.Signals(signum).name,
+                self.grace_seconds,
+            )
+            self._event.set()
+
+    def _watch(self) -> None:
+        self._event.wait()
+        if self._done.wait(self.grace_seconds):
+            return
+        log.error(
+            "exit signal: the grace period of %.0fs ran out before the step boundary; abandoning the step in "
+            "progress (a restart resumes from the previous checkpoint)",
+            self.grace_seconds,
+        )
+        os._exit(1)  # the driver's Ray Client session ends with it, and Ray releases the job's actors
+
+    def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Collective over ``group``: whether any rank got the signal (every rank gets the same answer)."""
+        flag = torch.tensor([1 if self.received_at is not None else 0], dtype=torch.int32)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            if dist.get_backend(group) == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def seconds_left(self) -> float:
+        """Seconds of the grace period left (the full period before any signal)."""
+        if self.received_at is None:
+            return self.grace_seconds
+        return self.grace_seconds - (time.monotonic() - self.received_at)
+
+    def finish(self) -> None:
+        """The process is exiting on its own: stop the watchdog (the handler stays: a second signal only logs)."""
+        self._done.set()
+        self._event.set()

@@ -1,0 +1,157 @@
+"""The documented deployment (examples/README.md §1 and §3) on a :class:`~netns.VirtualCluster`.
+
+Hosts ``train0``/``train1`` run ``examples/tiny_cluster.sh`` (torchrun, 1 rank each, gloo across the bridge);
+``rollout-head``/``rollout1`` run ``examples/lib/ray_cluster.sh head|worker`` (one vLLM engine each); the trainer
+reaches the rollout cluster through Ray Client (``RAY_ADDRESS=ray://rollout-head:10001``). The exact commands are
+in :data:`COMMANDS` (examples/README.md's "tested as" paragraph quotes them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from netns import VirtualCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+TRAIN_HOSTS = ["train0", "train1"]
+ROLLOUT_HOSTS = ["rollout-head", "rollout1"]
+HOSTS = TRAIN_HOSTS + ROLLOUT_HOSTS
+
+#: What runs on each host (besides the environment set in :meth:`Deployment.env`).
+COMMANDS = {
+    "rollout-head": "bash examples/lib/ray_cluster.sh head --block --num-cpus 2 --include-dashboard=false",
+    "rollout1": "bash examples/lib/ray_cluster.sh worker rollout-head:6379 --block --num-cpus 2",
+    "train": "NODE_RANK=<i> MASTER_ADDR=train0 RAY_ADDRESS=ray://rollout-head:10001 bash examples/tiny_cluster.sh",
+}
+#: The CPU pins of the single-host tests (tests/conftest.py), for comparable float results.
+PINNED_CPU_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+
+
+class Deployment:
+    """The 2 + 2 host deployment under ``workdir`` (the shared filesystem: model, data, checkpoints, logs)."""
+
+    def __init__(self, cluster: VirtualCluster, workdir: Path, setup: Path) -> None:
+        self.cluster, self.workdir, self.setup = cluster, workdir, setup
+        self.token = workdir / "ray_auth_token"
+        self.trainers: dict[str, subprocess.Popen] = {}
+        # Ray's session folders hold Unix sockets (107-byte paths): a short folder per rollout host.
+        self.ray_tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"mpc{cluster.id}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        drop = ("RAY_ADDRESS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+        env = {k: v for k, v in os.environ.items() if k not in drop}
+        env.update(PINNED_CPU_ENV)
+        env.update(
+            PATH=f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}",
+            PYTHON=sys.executable,
+            GLOO_SOCKET_IFNAME="eth0",  # every host's interface on the bridge (README: set it to yours)
+            RAY_AUTH_TOKEN_PATH=str(self.token),
+            NUM_GPUS="0",
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(extra)
+        return env
+
+    # -- the rollout cluster ----------------------------------------------------------------------------------
+
+    def start_rollout_cluster(self, timeout: float = 120.0) -> None:
+        """``ray_cluster.sh head`` and ``worker``, then wait until Ray sees both nodes."""
+        self.ray_tmp.mkdir(parents=True, exist_ok=True)
+        for host in ROLLOUT_HOSTS:
+            cmd = COMMANDS[host].split() + ["--temp-dir", str(self.ray_tmp / host), "--object-store-memory", str(2**28)]
+            self.cluster.spawn(host, cmd, env=self.env(), log=self.log(host), cwd=ROOT)
+            if host == "rollout-head":
+                self._wait_nodes(1, timeout)
+        self._wait_nodes(2, timeout)
+
+    def _wait_nodes(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        status = ""
+        while time.monotonic() < deadline:
+            out = self.cluster_run("rollout-head", ["ray", "status", "--address", "rollout-head:6379"], timeout=60)
+            status = out.stdout + out.stderr
+            active = status.split("Active:")[-1].split("Pending:")[0] if "Active:" in status else ""
+            if len(re.findall(r"\bnode_[0-9a-f]+", active)) >= n:
+                return
+            time.sleep(2)
+        raise TimeoutError(f"the rollout cluster did not reach {n} node(s) in {timeout:.0f}s:\n{status[-3000:]}")
+
+    def cluster_run(self, host: str, cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run a short command on ``host`` and wait for it (bounded)."""
+        h = self.cluster.hosts[host]
+        return subprocess.run(
+            ["ip", "netns", "exec", h.netns, *cmd],
+            env=self.env(RAY_AUTH_MODE="token"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
+
+    def engine_pids(self) -> dict[str, list[int]]:
+        """Processes of the job's engine actors (``ray::EngineActor...``) per rollout host, read from /proc."""
+        found = {}
+        for host in ROLLOUT_HOSTS:
+            found[host] = [p for p in self.cluster.pids(host) if _cmdline(p).startswith("ray::EngineActor")]
+        return found
+
+    # -- the trainers -----------------------------------------------------------------------------------------
+
+    def start_trainers(self, name: str, *extra: str, **env: str) -> None:
+        """``tiny_cluster.sh`` on both training hosts, logs and checkpoints under ``workdir/name``."""
+        run = self.workdir / name
+        for i, host in enumerate(TRAIN_HOSTS):
+            e = self.env(
+                NODE_RANK=str(i),
+                MASTER_ADDR="train0",
+                RAY_ADDRESS="ray://rollout-head:10001",
+                HF_MODEL=str(self.setup / "model"),
+                TRAIN_DATA=str(self.setup / "train.jsonl"),
+                SAVE_DIR=str(self.workdir / f"{name}-ckpt"),
+                LOG_DIR=str(run),
+                **env,
+            )
+            cmd = ["bash", "examples/tiny_cluster.sh", *extra]
+            self.trainers[host] = self.cluster.spawn(host, cmd, env=e, log=self.log(f"{name}-{host}"), cwd=ROOT)
+
+    def wait_trainers(self, timeout: float) -> dict[str, int | None]:
+        """Exit codes of both trainers (None for one still running at the deadline)."""
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int | None] = {}
+        for host, proc in self.trainers.items():
+            try:
+                codes[host] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[host] = None
+        return codes
+
+    def log(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
+
+    def tail(self, name: str, chars: int = 4000) -> str:
+        path = self.log(name)
+        return f"--- {name} ---\n" + (path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)")
+
+    def metrics(self, name: str) -> list[dict]:
+        path = self.workdir / name / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
