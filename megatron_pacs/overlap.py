@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from megatron_pacs.data.prompts import PromptRow
@@ -84,8 +84,20 @@ class RolloutProducer:
         self.done = None
         return done
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the background thread (idempotent).
+
+        Args:
+            timeout: Seconds to wait for a generation in flight; None waits as long as it takes. One still running
+                after it is left to end on its own (stopping the fleet makes it fail at once).
+
+        Returns:
+            Whether no generation was left running.
+        """
+        future = self._future
+        finished = future is None or timeout is None or not wait([future], timeout=timeout).not_done
+        self._pool.shutdown(wait=finished, cancel_futures=True)
+        return finished
 
 
 def overlap_metrics(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,6 +42,9 @@ from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer
 __all__ = ["Trainer"]
 
 log = get_logger("trainer")
+
+CLOSE_WAIT_S = 30.0
+"""How long :meth:`Trainer.close` waits for a generation in flight before stopping the fleet under it."""
 
 
 class Trainer:
@@ -85,7 +89,10 @@ class Trainer:
         r, cfg = self.cfg.rollout, self.cfg
         # vLLM's "auto" runs fp32 checkpoints in half precision; default to the trainer's own dtype instead.
         dtype = r.rollout_dtype if r.rollout_dtype != "auto" else ("bfloat16" if cfg.model.bf16 else "float32")
-        self.scorer = RewardScorer(num_workers=cfg.reward.reward_workers, timeout_s=cfg.reward.reward_timeout)
+        rw = cfg.reward
+        self.scorer = RewardScorer(
+            num_workers=rw.reward_workers, timeout_s=rw.reward_timeout, max_chars=rw.reward_max_chars or None
+        )
         self.fleet = RolloutFleet(
             r,
             model=cfg.model.hf_model,
@@ -322,6 +329,8 @@ class Trainer:
         return out
 
     def _dump(self, rollouts: StepRollouts, step: int) -> None:
+        if not self.cfg.run.dump_rollouts:
+            return
         folder = self.log_dir / "rollouts"
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
@@ -410,15 +419,26 @@ class Trainer:
     def close(self) -> None:
         if self.exit_signal is not None:
             self.exit_signal.finish()
-        if self.producer is not None:
-            self.producer.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.fleet is not None:
-            self.fleet.shutdown()
-        if self.scorer is not None:
-            self.scorer.close()
-        destroy_parallel()
+        # Bounded and exhaustive: a generation stuck in flight is waited for CLOSE_WAIT_S at most (stopping the
+        # fleet then ends it), and a step that fails is logged without skipping the ones after it.
+        producer, writer, fleet, scorer = self.producer, self.writer, self.fleet, self.scorer
+        steps: list[tuple[str, Callable[[], object]]] = []
+        if producer is not None:
+            steps.append(("wait for the generation in flight", lambda: producer.close(timeout=CLOSE_WAIT_S)))
+        if writer is not None:
+            steps.append(("close the metric sinks", writer.close))
+        if fleet is not None:
+            steps.append(("shut the fleet down", fleet.shutdown))
+        if producer is not None:
+            steps.append(("stop the generation thread", lambda: producer.close(timeout=0.0)))
+        if scorer is not None:
+            steps.append(("stop the reward pool", scorer.close))
+        steps.append(("destroy the process groups", destroy_parallel))
+        for what, step in steps:
+            try:
+                step()
+            except Exception:
+                log.exception("close: could not %s; going on with the rest of the shutdown", what)
 
     def __enter__(self) -> Trainer:
         return self

@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             run_dir=args.out,
         )
     try:
-        with RewardScorer(num_workers=args.rewards.reward_workers, timeout_s=args.rewards.reward_timeout) as scorer:
+        rw = args.rewards
+        with RewardScorer(
+            num_workers=rw.reward_workers, timeout_s=rw.reward_timeout, max_chars=rw.reward_max_chars or None
+        ) as scorer:
             metrics = evaluate(
                 fleet,
                 tokenizer,
