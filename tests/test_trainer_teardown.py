@@ -1,0 +1,58 @@
+"""The driver's teardown and dumps (issue 24.8). ``Trainer.close`` neither hangs nor stops half-way: the real
+close on a real rollout producer with a generation stuck in flight and a real reward pool, beside a fleet whose
+shutdown fails (a fault injected in place of the Ray fleet, which this test does not start; the other tests close
+real fleets)."""
+
+import logging
+import threading
+import time
+
+from megatron_pacs import trainer as trainer_module
+from megatron_pacs.overlap import RolloutProducer
+from megatron_pacs.rewards import RewardScorer
+
+
+class FleetWhoseShutdownFails:
+    """Stopping the engines ends a generation stuck on them (``release``), then the shutdown itself fails."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def shutdown(self) -> None:
+        self.release.set()
+        raise RuntimeError("lost the connection to the Ray head")
+
+
+def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkeypatch, caplog):
+    monkeypatch.setattr(trainer_module, "CLOSE_WAIT_S", 1.0)
+    release = threading.Event()
+    producer = RolloutProducer(lambda rows, step: release.wait(120))  # a generation that never returns by itself
+    producer.submit([], 2, 1)
+    scorer = RewardScorer(num_workers=1, timeout_s=5.0)
+    assert scorer.score(["\\boxed{1}"], ["1"]).scores == [1.0]  # the pool's worker is running
+    trainer = trainer_module.Trainer.__new__(trainer_module.Trainer)  # the teardown's state only, no models
+    trainer.producer, trainer.writer, trainer.scorer = producer, None, scorer
+    trainer.fleet = FleetWhoseShutdownFails(release)
+    trainer.exit_signal = None
+    t0 = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="megatron_pacs"):
+        trainer.close()
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10, f"close took {elapsed:.1f}s with a 1 s bound"
+    assert "could not shut the fleet down" in caplog.text and "lost the connection" in caplog.text
+    assert scorer._workers == []  # the reward pool was still stopped after the fleet's failure
+    assert release.is_set() and producer.close(timeout=5.0)  # the stuck generation ended once the fleet stopped
+
+
+def test_rollout_dumps_follow_the_flag(tmp_path):
+    """Issue 24.8: ``--no-dump-rollouts`` skips the per-step dump (about 45 MB per step at recipe scale)."""
+    from megatron_pacs.config import parse_config
+    from megatron_pacs.rl_step import StepRollouts
+
+    rollouts = StepRollouts(None, [{"prompt": "p", "response": "r", "reward": 1.0}], {})  # type: ignore[arg-type]
+    for argv, expected in (([], ["step_000003.jsonl"]), (["--no-dump-rollouts"], [])):
+        trainer = trainer_module.Trainer.__new__(trainer_module.Trainer)
+        trainer.cfg, trainer.log_dir = parse_config(argv), tmp_path / str(len(argv))
+        trainer._dump(rollouts, 3)
+        folder = trainer.log_dir / "rollouts"
+        assert (sorted(p.name for p in folder.iterdir()) if folder.exists() else []) == expected
