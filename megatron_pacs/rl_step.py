@@ -270,12 +270,15 @@ def train_on_batch(
             parts.append(report)
     results: list[StepResult] = []
     padding = processed = 0
+    # the parameters are the reference's exactly until this step's first update (step 1, or right after a reset)
+    equal_to_reference = reference is not None and reference.equals_actor
     for epoch in range(cfg.ppo_epochs):
         for k in minis:
             fresh = epoch == 0 and k == 0  # no optimizer step yet: theta == theta_old
+            at_reference = fresh and equal_to_reference
             mbs = layout.micro_batches([k])
             current = None
-            if objective.needs_current(fresh):
+            if objective.needs_current(fresh, at_reference):
                 with timer.phase("phase1"):
                     current = logprobs(mbs).seq
             prepared = objective.prepare(
@@ -289,6 +292,7 @@ def train_on_batch(
                     current=current,
                     ref=ref,
                     importance=importance,
+                    at_reference=at_reference,
                 )
             )
             check = fresh and same_weights and batch.engine_logprobs is not None
@@ -303,6 +307,8 @@ def train_on_batch(
                 result = actor.train(mbs, loss, temperature=temperature, raw_logprobs=check)
             parts.extend(r for r in (prepared.metrics, *result.reports) if r)
             results.append(result)
+            if reference is not None and not result.skipped:
+                reference.equals_actor = False
             padding += sum(mb.num_padding for mb in mbs)
             processed += sum(mb.tokens.numel() for mb in mbs)
     parts.append({"train/padding_fraction": torch.tensor([float(padding), float(processed)])})

@@ -89,6 +89,8 @@ def test_at_the_reference_kl_and_scores_are_exactly_zero_and_the_loss_is_v1s(run
         assert m["pacs/score/max"] == 0.0 and m["pacs/score/min"] == 0.0
         assert m["pacs/loss"] == v1[0]["pacs/loss"]  # the s = 0 loss v1 has at its first mini-batch
     assert v2[1]["ref/kl"] > 0.0 and v2[1]["pacs/score/max"] > 0.0  # in between, the anchor has drifted
+    # s = 0 is known there, so no phase-1 pass runs (it would only add the rounding of another cut of the batch)
+    assert "perf/time/phase1" not in v2[0] and "perf/time/phase1" not in v2[2] and "perf/time/phase1" in v2[1]
     # At theta = theta_ref the KL gradient is exactly zero and both anchors give s = 0: the same first update.
     assert v2[0]["train/grad_norm"] == v1[0]["train/grad_norm"]
     assert v2[1]["rollout/reward_mean"] == v1[1]["rollout/reward_mean"]

@@ -63,6 +63,7 @@ def pacs_metrics(
     weights: torch.Tensor,
     *,
     group_size: int,
+    sample_weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The implicit critic's calibration and the batch's group statistics.
 
@@ -74,8 +75,10 @@ def pacs_metrics(
         scores: ``[S]`` scores s.
         logits: ``[S]`` group-centred logits A.
         rewards: ``[S]`` rewards in [0, 1]; > 0.5 counts as correct.
-        weights: ``[S]`` BCE weights.
+        weights: ``[S]`` class weights w (``pacs/weight``; under ``balanced`` their mean is 1).
         group_size: N (whole groups, contiguous).
+        sample_weights: ``[S]`` truncated importance ratios multiplying w in the loss (``pacs/tis_weight``), or
+            None.
 
     Returns:
         Metric dict in the ``[value, weight]`` convention.
@@ -99,4 +102,6 @@ def pacs_metrics(
         m.update(stat_entries("pacs/score", scores))
         m.update(stat_entries("pacs/logit", logits))
         m.update(stat_entries("pacs/weight", weights))
+        if sample_weights is not None:
+            m.update(stat_entries("pacs/tis_weight", sample_weights))
     return m

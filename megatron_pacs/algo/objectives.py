@@ -94,6 +94,9 @@ class MiniBatch:
         ref: The reference policy's log-probs, when the objective needs them.
         importance: Truncated importance ratios pi_anchor / pi_behaviour of the rollouts (``seq`` ``[S]`` or
             ``tokens``, at the objective's ``correction`` level), when ``--off-policy-correction tis``.
+        at_reference: ``fresh`` and the current parameters are the reference's exactly (step 1 from the reference's
+            weights, or the first mini-batch after a reset): a reference-anchored score and the KL are then 0
+            exactly, whatever rounding separate passes would give (docs/algorithm.md §2.2).
     """
 
     rows: torch.Tensor
@@ -105,6 +108,7 @@ class MiniBatch:
     current: torch.Tensor | None = None
     ref: Logprobs | None = None
     importance: Logprobs | None = None
+    at_reference: bool = False
 
 
 @dataclass
@@ -135,9 +139,10 @@ class Objective(ABC):
         """The metrics whose sum is ``train/loss`` (the objective's own loss plus any added term)."""
         return (self.loss_key,)
 
-    def needs_current(self, fresh: bool) -> bool:
-        """Whether ``prepare`` needs the current policy's sequence log-probs (a forward pass before the backward)."""
-        del fresh
+    def needs_current(self, fresh: bool, at_reference: bool = False) -> bool:
+        """Whether ``prepare`` needs the current policy's sequence log-probs (a forward pass before the backward);
+        ``fresh`` and ``at_reference`` as in :class:`MiniBatch`."""
+        del fresh, at_reference
         return False
 
     @abstractmethod
@@ -213,15 +218,15 @@ class PacsTwoPhase(_Pacs):
     phase-1 loss.
     """
 
-    def needs_current(self, fresh: bool) -> bool:
-        # Free only when anchored at pi_old with no update yet (s = 0 exactly); a reference anchor always moves.
-        return not (fresh and self.score == "log_ratio" and not self.ref_anchor)
+    def needs_current(self, fresh: bool, at_reference: bool = False) -> bool:
+        # Free (s = 0 exactly) when the parameters equal the anchor: pi_old with no update yet, or the reference.
+        return not (fresh and self.score == "log_ratio" and (at_reference or not self.ref_anchor))
 
     def prepare(self, mb: MiniBatch) -> Prepared:
         idx, num = mb.rows, mb.rewards.shape[0]
         log_ratio = self.score == "log_ratio"
         anchor = self._anchor(mb)
-        if mb.current is None:
+        if mb.current is None:  # theta == theta_anchor exactly (needs_current): s = 0
             scores = torch.zeros(len(idx), dtype=torch.float64)
         else:
             old = anchor[idx].cpu() if log_ratio and anchor is not None else None
@@ -261,10 +266,9 @@ class PacsTwoPhase(_Pacs):
         adv = group_advantages(scores, group_size=n, advantage=self.advantage)
         w = group_weights(rewards, group_size=n, weights=self.weights)
         sample_weights = self._sample_weights(mb, idx)
-        if sample_weights is not None:
-            w = w * sample_weights.to(w)
-        loss_sum = F.binary_cross_entropy_with_logits(adv, rewards, weight=w, reduction="sum")
-        m = pacs_metrics(scores, adv, rewards, w, group_size=n)
+        loss_w = w if sample_weights is None else w * sample_weights.to(w)
+        loss_sum = F.binary_cross_entropy_with_logits(adv, rewards, weight=loss_w, reduction="sum")
+        m = pacs_metrics(scores, adv, rewards, w, group_size=n, sample_weights=sample_weights)
         m.update(degenerate_std_metrics(scores, group_size=n, advantage=self.advantage))
         m["pacs/loss"] = torch.stack([loss_sum, loss_sum.new_tensor(float(scores.numel()))])
         return m
@@ -283,8 +287,9 @@ class PacsDirect(_Pacs):
         def loss(tokens: TokenLogprobs):
             seq = tokens.sequence_sums()
             t, idx = step.on(seq.device), tokens.index
-            # No old log-probs means the parameters have not moved since the rollout: l_old = l, exactly.
-            old = seq.detach() if anchor is None else t["anchor"][idx]
+            # No old log-probs means the parameters have not moved since the rollout: l_old = l, exactly; likewise
+            # l_ref = l exactly while the parameters are the reference's.
+            old = seq.detach() if anchor is None or mb.at_reference else t["anchor"][idx]
             out = pacs_loss(
                 seq,
                 old,
@@ -356,8 +361,8 @@ class KLRegularized(Objective):
     def loss_keys(self) -> tuple[str, ...]:
         return (*self.inner.loss_keys, "ref/kl_loss") if self.coef > 0 else self.inner.loss_keys
 
-    def needs_current(self, fresh: bool) -> bool:
-        return self.inner.needs_current(fresh)
+    def needs_current(self, fresh: bool, at_reference: bool = False) -> bool:
+        return self.inner.needs_current(fresh, at_reference)
 
     def prepare(self, mb: MiniBatch) -> Prepared:
         prepared = self.inner.prepare(mb)
@@ -366,7 +371,9 @@ class KLRegularized(Objective):
 
         def loss(tokens: TokenLogprobs):
             loss_sum, count, report = prepared.loss(tokens)
-            value, surrogate = kl_estimate(tokens.logp, ref_tokens.gather(tokens), self.estimator)
+            # at the reference exactly the KL and its gradient are 0, not the rounding of two differently cut passes
+            ref_logp = tokens.logp.detach() if mb.at_reference else ref_tokens.gather(tokens)
+            value, surrogate = kl_estimate(tokens.logp, ref_logp, self.estimator)
             report = {**report, "ref/kl": torch.stack([value.sum(), value.new_tensor(float(value.numel()))])}
             if self.coef > 0:
                 term = self.coef * surrogate.sum() / self.max_response_length

@@ -306,11 +306,11 @@ def pacs_loss(
         response_lens=response_lens,
     )
     adv = group_advantages(s, group_size=group_size, advantage=advantage)
-    w = group_weights(rewards, group_size=group_size, weights=weights)
+    class_w = w = group_weights(rewards, group_size=group_size, weights=weights)
     if sample_weights is not None:
         w = w * sample_weights.to(w)
     loss_sum = F.binary_cross_entropy_with_logits(adv, rewards.to(dt), weight=w.to(dt), reduction="sum")
-    metrics = pacs_metrics(s, adv, rewards, w, group_size=group_size)
+    metrics = pacs_metrics(s, adv, rewards, class_w, group_size=group_size, sample_weights=sample_weights)
     metrics.update(degenerate_std_metrics(s, group_size=group_size, advantage=advantage))
     metrics["pacs/loss"] = torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(s.numel()))])
     return LossOutput(loss_sum=loss_sum, count=int(s.numel()), metrics=metrics)

@@ -42,6 +42,10 @@ class ReferencePolicy:
         self.policy = Actor(replace(model, hf_model=load or model.hf_model), groups, None)
         self.offload = offload
         self.resets = 0
+        #: The reference's weights are the actor's exactly (built from the same weights, or reset and no update
+        #: since): the step then takes the first mini-batch's reference-anchored scores and KL as 0 exactly. The
+        #: step clears it on its first update; a resume restores it from the checkpoint.
+        self.equals_actor = load is None or load == model.hf_model
         self.seconds_onload = 0.0
         self._host: list[torch.Tensor] = []
         if offload:
@@ -121,3 +125,4 @@ class ReferencePolicy:
         for dst, src in zip(ours, theirs, strict=True):
             dst.data.copy_(src.data)  # pinned host copies when offloaded (dst.data is the host tensor then)
         self.resets += 1
+        self.equals_actor = True

@@ -157,6 +157,56 @@ def test_at_the_reference_the_v2_loss_equals_the_old_anchored_one_and_uniform_gr
     assert c[8:].abs().min().item() > 0.0
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_at_the_reference_with_four_mini_batches_scores_and_kl_are_exactly_zero_without_a_phase_1_pass(direct):
+    """With several mini-batches the reference pass and the training pass cut the responses differently, so their
+    log-probs differ by rounding (1e-6 here); where the parameters are the reference's (the first mini-batch at
+    step 1 or after a reset: ``at_reference``) the score and the KL are set to 0 exactly, with no phase-1 pass and
+    no KL gradient, whatever the reference pass's rounding; the later mini-batches compute them."""
+    gen = torch.Generator().manual_seed(7)
+    theta = (-torch.rand(S, T, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    lens = torch.randint(1, T + 1, (S,), generator=gen)
+    mask = torch.arange(T)[None] < lens[:, None]
+    rewards = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.float32)
+    ref_tokens = theta.detach() + 1e-6 * torch.randn(S, T, generator=gen, dtype=torch.float64)  # rounding only
+    offsets = torch.zeros(S + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lens, 0)
+    ref = Logprobs(torch.where(mask, ref_tokens, 0.0).sum(-1), TokenStore(ref_tokens[mask].float(), offsets))
+    loss_cfg = LossConfig(pacs_score_reference="ref", kl_coef=0.3)
+    batch_cfg = BatchConfig(
+        global_batch_size=4,
+        group_size=N,
+        ppo_mini_batch_size=1,
+        max_response_length=T,
+        keep_groups_in_microbatch=direct,
+    )
+    obj = build_objective(loss_cfg, batch_cfg)
+    assert not obj.needs_current(fresh=True, at_reference=True)
+    if not direct:  # direct mode scores in the training pass: never a phase 1
+        assert obj.needs_current(fresh=True) and obj.needs_current(fresh=False)
+    for k in range(4):  # four mini-batches of one group each; only the first is at the reference
+        rows = list(range(k * N, (k + 1) * N))
+        at_reference = k == 0
+        current = None if direct or at_reference else torch.where(mask, theta.detach(), 0.0).sum(-1)
+        mb = MiniBatch(torch.tensor(rows), rewards, lens, N, fresh=k == 0, ref=ref, current=current)
+        mb.at_reference = at_reference
+        prepared = obj.prepare(mb)
+        loss_sum, _, report = prepared.loss(_tokens(theta, mask, rows))
+        metrics = {**prepared.metrics, **report}
+        if at_reference:
+            assert report["ref/kl"][0].item() == 0.0 and report["ref/kl_loss"][0].item() == 0.0
+            assert metrics["pacs/score/max"][0].item() == 0.0 and metrics["pacs/score/min"][0].item() == 0.0
+            # the gradient is the PACS gradient at s = 0 alone: the same as with the KL term removed
+            (g,) = torch.autograd.grad(loss_sum, theta)
+            inner = build_objective(LossConfig(), batch_cfg)  # the pi_old anchor: s = 0 exactly when fresh
+            plain = inner.prepare(MiniBatch(torch.tensor(rows), rewards, lens, N, fresh=True))
+            (g_plain,) = torch.autograd.grad(plain.loss(_tokens(theta, mask, rows))[0], theta)
+            assert torch.equal(g, g_plain)
+        else:
+            assert report["ref/kl"][0].item() > 0.0  # computed: the rounding shows
+            assert metrics["pacs/score/max"][0].item() != 0.0
+
+
 def test_a_single_class_group_gets_no_gradient_at_equal_scores_and_only_a_zero_sum_one_otherwise():
     """All-equal rewards: c = 0 whenever the group's scores are equal (theta = theta_anchor, or any common shift,
     since the rloo logits centre it away); with unequal scores (the v2 anchor between resets) c sums to 0 over the

@@ -14,6 +14,8 @@ from megatron_pacs.algo import (
     pacs_loss,
     reduce_metrics,
 )
+from megatron_pacs.algo.objectives import Logprobs, MiniBatch, PacsTwoPhase
+from megatron_pacs.config import LossConfig
 
 
 def softplus(x: float) -> float:
@@ -172,6 +174,23 @@ def test_critic_metrics():
     assert m["pacs/critic_p_wrong"] == pytest.approx(1 / (1 + math.exp(3)))
     assert m["pacs/critic_acc"] == 1.0
     assert m["pacs/score/max"] == 3.0 and m["pacs/score/min"] == 0.0
+
+
+def test_class_weights_and_importance_ratios_are_reported_apart():
+    """pacs/weight is the class weight w (mean 1 under balanced, whatever the ratios); the truncated importance
+    ratios multiplying it in the loss are pacs/tis_weight, in both the direct and the two-phase path."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    ratios = torch.tensor([2.0, 0.5, 1.0, 1.5, 0.3, 1.0, 2.0, 0.9], dtype=torch.float64)
+    seq = torch.tensor([-3.0, -2.0, -4.0, -1.0, -2.5, -0.5, -1.5, -2.0], dtype=torch.float64)
+    direct = reduce_metrics([pacs_loss(seq, seq - 0.1, rewards, group_size=4, sample_weights=ratios).metrics])
+    cfg = LossConfig(off_policy_correction="tis")
+    mb = MiniBatch(torch.arange(8), rewards, torch.full((8,), 3), 4, fresh=True, importance=Logprobs(ratios))
+    two_phase = reduce_metrics([PacsTwoPhase(cfg).prepare(mb).metrics])
+    for m in (direct, two_phase):
+        assert m["pacs/weight/mean"] == pytest.approx(1.0)
+        assert m["pacs/tis_weight/mean"] == pytest.approx(float(ratios.mean()))
+        assert m["pacs/tis_weight/max"] == 2.0 and m["pacs/tis_weight/min"] == pytest.approx(0.3)
+    assert "pacs/tis_weight/mean" not in reduce_metrics([pacs_loss(seq, seq, rewards, group_size=4).metrics])
 
 
 def test_masked_sequence_sum_ignores_padding_values():
