@@ -220,8 +220,12 @@ class Trainer:
         with self.timer.phase("sync"):
             sync = self.colocation.after_train(self.sync_weights) if self.colocation else self.sync_weights()
         self.engine_version = step
-        if step == 1 or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0):
-            sync["sync/max_logprob_diff"] = self.check_sync(batch)
+        # with --max-logprob-diff every sync is probed and compared (the consistency check above sees only steps
+        # whose rollouts came from the current weights: not those generated one step off or before a resume)
+        bound = cfg.rollout.max_logprob_diff
+        if bound is not None or step == 1 or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0):
+            sync["sync/max_logprob_diff"] = self._agreed(self.check_sync(batch))
+            self._check_consistency(sync, step)
         metrics.update(sync)
         metrics.update(self.timer.collect())
         if self.driver:
@@ -246,15 +250,29 @@ class Trainer:
 
     def _check_consistency(self, metrics: dict[str, float], step: int) -> None:
         """``--max-logprob-diff``: stop (on every rank alike: the metrics are global) when the engines' and the
-        trainer's log-probs of the same tokens disagree by more than the bound."""
+        trainer's log-probs of the same tokens disagree by more than the bound: the rollouts' tokens
+        (``consistency/logprob_abs_diff_max``) or the probe right after a weight sync (``sync/max_logprob_diff``)."""
         bound = self.cfg.rollout.max_logprob_diff
-        worst = metrics.get("consistency/logprob_abs_diff_max")
-        if bound is not None and worst is not None and worst > bound:
-            raise RuntimeError(
-                f"step {step}: the engines' and the trainer's token log-probs differ by up to {worst:.3g} > "
-                f"--max-logprob-diff {bound:g}: weights not synced, a different tokenizer or dtype "
-                "(docs/algorithm.md §7.1 lists the expected values)"
-            )
+        for key, what in (
+            ("consistency/logprob_abs_diff_max", "the rollouts' tokens"),
+            ("sync/max_logprob_diff", "the sync probe's tokens, right after the weight sync"),
+        ):
+            worst = metrics.get(key)
+            if bound is not None and worst is not None and worst > bound:
+                raise RuntimeError(
+                    f"step {step}: the engines' and the trainer's token log-probs ({what}) differ by up to "
+                    f"{worst:.3g} > --max-logprob-diff {bound:g}: weights not synced, a different tokenizer or "
+                    "dtype (docs/algorithm.md §7.1 lists the expected values)"
+                )
+
+    @staticmethod
+    def _agreed(value: float) -> float:
+        """The driver's ``value`` on every rank (the sync probe is compared on the driver only)."""
+        if dist.get_world_size() == 1:
+            return value
+        out = [value]
+        dist.broadcast_object_list(out, src=0)
+        return float(out[0])
 
     def _maybe_reset_reference(self, step: int) -> dict[str, float]:
         """At the end of every ``--ref-reset-interval``-th step: reference <- current policy (and Adam reset)."""
@@ -360,7 +378,7 @@ class Trainer:
                 driver_objects["pending_rollouts"] = self.producer.done
             extra = {}
             if self.reference is not None:
-                meta["reference"] = {"resets": self.reference.resets}
+                meta["reference"] = {"resets": self.reference.resets, "equals_actor": self.reference.equals_actor}
                 if self.reference.resets:  # the weights differ from --ref-load only after a reset
                     extra["reference"] = self.reference.models
             assert ck.save is not None
@@ -406,6 +424,7 @@ class Trainer:
             self.producer.done = torch.load(ckpt / "pending_rollouts.pt", weights_only=False)
         if self.reference is not None:
             self.reference.resets = resets
+            self.reference.equals_actor = bool(meta.get("reference", {}).get("equals_actor", False))
         self.sync_weights()
         self.engine_version = int(meta["step"])
         return int(meta["step"])
