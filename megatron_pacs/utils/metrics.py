@@ -27,6 +27,8 @@ __all__ = ["CONSOLE_FIELDS", "METRICS_FILE", "MetricsWriter", "PhaseTimer", "rea
 logger = get_logger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id.txt"
+"""The W&B run of a log dir: a resumed run (``start_step > 0``) continues it instead of starting another."""
 
 # The console line: (candidate keys, template). The first candidate present in a log() call is shown;
 # ``{key}`` is the key that matched, ``{value}`` its formatted value.
@@ -168,7 +170,7 @@ class MetricsWriter:
             if tensorboard:
                 self._open_tensorboard(config, start_step)
         if wandb_project:
-            self._open_wandb(wandb_project, wandb_name, config)
+            self._open_wandb(wandb_project, wandb_name, config, start_step)
 
     @property
     def jsonl_path(self) -> Path | None:
@@ -199,7 +201,7 @@ class MetricsWriter:
         if config:
             self._tb.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", start_step)
 
-    def _open_wandb(self, project: str, name: str | None, config: dict | None) -> None:
+    def _open_wandb(self, project: str, name: str | None, config: dict | None, start_step: int) -> None:
         import wandb
 
         mode = os.environ.get("WANDB_MODE")
@@ -208,13 +210,22 @@ class MetricsWriter:
             if mode == "offline":
                 logger.info("W&B: no WANDB_API_KEY and no WANDB_MODE set; logging offline (upload with `wandb sync`)")
         self.wandb_mode = mode
+        id_file = self.log_dir / WANDB_ID_FILE if self.log_dir is not None else None
+        run_id = None
+        if id_file is not None and start_step > 0 and id_file.is_file():
+            run_id = id_file.read_text().strip() or None  # a resumed run continues its W&B run
+            logger.info("W&B: resuming run %s at step %d", run_id, start_step)
         self._wandb = wandb.init(
             project=project,
             name=name,
             dir=str(self.log_dir) if self.log_dir is not None else None,
             config=config,
             mode=cast(Literal["online", "offline", "disabled", "shared"], mode),  # wandb validates WANDB_MODE itself
+            id=run_id,
+            resume="allow" if run_id else None,
         )
+        if id_file is not None and self._wandb is not None:
+            id_file.write_text(self._wandb.id + "\n")
 
     def log(self, step: int, metrics: Mapping[str, float | int | torch.Tensor]) -> None:
         """Record ``metrics`` at ``step`` everywhere and print one console line.

@@ -144,6 +144,24 @@ def test_wandb_without_account_runs_offline(tmp_path, monkeypatch, env_mode):
     assert [r["rollout/reward_mean"] for r in read_metrics(run)] == [0.5, 0.75]
 
 
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """Issue 24.7: the W&B run id is kept in the log dir; a writer resumed at step > 0 continues that run, a fresh
+    start (step 0) opens a new one."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("DIR", "CONFIG_DIR", "CACHE_DIR"):
+        monkeypatch.setenv(f"WANDB_{name}", str(tmp_path / f"wandb_{name.lower()}"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    ids = []
+    for start in (0, 2, 0):
+        with MetricsWriter(run, tensorboard=False, wandb_project="pacs-test", start_step=start) as w:
+            w.log(start + 1, {"rollout/reward_mean": 0.5})
+            ids.append(w._wandb.id)
+        assert (run / "wandb_run_id.txt").read_text().strip() == ids[-1]
+    assert ids[1] == ids[0] and ids[2] != ids[0]
+
+
 def test_phase_timer_sums_nested_phases_and_resets():
     now = [0.0]
     timer = PhaseTimer(clock=lambda: now[0])
