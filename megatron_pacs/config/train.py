@@ -187,6 +187,21 @@ class TrainConfig:
                     f"with --load {ck.save} (or one of its iter_* folders), or save to a new directory",
                 )
 
+    def warnings(self) -> list[str]:
+        """Settings that work but that a user should know about (the trainer logs them at start)."""
+        out = []
+        if (
+            self.loss.loss == "pacs"
+            and self.loss.pacs_score_reference == "ref"
+            and not self.reference.ref_reset_interval
+        ):
+            out.append(
+                "--pacs-score-reference ref without --ref-reset-interval: the score beta * (l - l_ref) measures the "
+                "whole drift since the start and can grow without bound, saturating the sigmoid; its range is "
+                "logged every step (pacs/score/{min,max}); consider --ref-reset-interval N (docs/algorithm.md §2.2)"
+            )
+        return out
+
     @property
     def score_fp8(self) -> bool:
         """Whether the score passes (old, phase-1 current, reference) run in FP8 (``--fp8-score-precision``)."""

@@ -69,26 +69,47 @@ __all__ = [
 
 @dataclass
 class LRSchedule:
-    """Linear warm-up, then constant (or a linear decay); counts the optimizer steps taken (checkpoint it)."""
+    """Linear warm-up, then constant (or a linear decay); counts the optimizer steps taken (checkpoint it).
+
+    After an optimizer reset with a re-warm-up (:func:`reset_optimizer_state`), the next ``rewarm_steps`` taken
+    steps scale the schedule's rate by ``k / rewarm_steps``, k = 1, 2, ... (``since_reset`` counts them).
+    """
 
     lr: float
     warmup_steps: int
     decay_steps: int = 0
     num_steps: int = 0
+    rewarm_steps: int = 0
+    since_reset: int | None = None
 
     def current_lr(self) -> float:
         """The learning rate of the next optimizer step."""
         if self.num_steps < self.warmup_steps:
-            return self.lr * (self.num_steps + 1) / self.warmup_steps
-        if self.decay_steps:
-            return self.lr * max(0.0, 1.0 - (self.num_steps - self.warmup_steps) / self.decay_steps)
-        return self.lr
+            lr = self.lr * (self.num_steps + 1) / self.warmup_steps
+        elif self.decay_steps:
+            lr = self.lr * max(0.0, 1.0 - (self.num_steps - self.warmup_steps) / self.decay_steps)
+        else:
+            lr = self.lr
+        if self.since_reset is not None and self.rewarm_steps:
+            lr *= min(1.0, (self.since_reset + 1) / self.rewarm_steps)
+        return lr
 
-    def state_dict(self) -> dict[str, int]:
-        return {"num_steps": self.num_steps}
+    def step_taken(self) -> None:
+        """Count a taken optimizer step (skipped ones do not advance the schedule)."""
+        self.num_steps += 1
+        if self.since_reset is not None:
+            self.since_reset += 1
+            if self.since_reset >= self.rewarm_steps:
+                self.since_reset = None
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.num_steps = int(state["num_steps"])
+    def state_dict(self) -> dict[str, int | None]:
+        return {"num_steps": self.num_steps, "rewarm_steps": self.rewarm_steps, "since_reset": self.since_reset}
+
+    def load_state_dict(self, state: dict[str, int | None]) -> None:
+        self.num_steps = int(state["num_steps"] or 0)
+        self.rewarm_steps = int(state.get("rewarm_steps") or 0)
+        since = state.get("since_reset")
+        self.since_reset = None if since is None else int(since)
 
 
 @dataclass
@@ -320,13 +341,15 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_fn: L
     if not ok:
         _zero_grads(ddp_models, optimizer)
         return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)
-    schedule.num_steps += 1
+    schedule.step_taken()
     return StepResult(skipped=False, grad_norm=grad_norm, reports=reports, lr=lr)
 
 
-def reset_optimizer_state(trainable: Trainable) -> None:
+def reset_optimizer_state(trainable: Trainable, rewarm_steps: int = 0) -> None:
     """Forget Adam's moments and step counters at the next optimizer step (PACS v2's reset with the reference,
-    following ProRL): that step is a first Adam step again. The learning-rate schedule continues.
+    following ProRL): that step is a first Adam step again, close to ``lr * sign(g)`` per element whatever the
+    gradient's scale. The learning-rate schedule continues; with ``rewarm_steps`` > 0 the next ``rewarm_steps``
+    taken steps ramp it back linearly from ``lr / rewarm_steps`` (``--ref-reset-lr-warmup-steps``).
 
     The reset is applied just before the next update that is taken (a step skipped on a non-finite gradient
     leaves it pending and Adam's state intact) rather than now: until then the state stays valid, so a
@@ -335,6 +358,8 @@ def reset_optimizer_state(trainable: Trainable) -> None:
     freshly zeroed counters would not reload).
     """
     trainable.reset_pending = True
+    if rewarm_steps:
+        trainable.schedule.rewarm_steps, trainable.schedule.since_reset = rewarm_steps, 0
 
 
 def _apply_pending_reset(trainable: Trainable) -> None:

@@ -67,6 +67,8 @@ def test_help_documents_every_flag():
         (["--tis-cap", "3"], "--tis-cap"),
         (["--kl-estimator", "k1"], "--kl-estimator"),
         (["--pacs-score-reference", "ref", "--no-ref-reset-optimizer"], "--no-ref-reset-optimizer"),
+        (["--pacs-score-reference", "ref", "--ref-reset-lr-warmup-steps", "4"], "--ref-reset-lr-warmup-steps"),
+        (["--ref-reset-lr-warmup-steps", "-1"], "--ref-reset-lr-warmup-steps"),
         # issue 24.5/24.6: more flags a parsed config would ignore, and bad values, refused
         (["--save-interval", "5"], "--save-interval"),
         (["--keep-last", "3"], "--keep-last"),
@@ -308,3 +310,14 @@ def test_gpu_only_refusals_with_a_gpu_simulated(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"--weight-sync: weights reach the engines by CUDA IPC"):
         ipc.validate(16)
     assert ipc.rollout.engine_memory_fraction == 0.85  # engines on GPUs of their own
+
+
+def test_a_reference_anchor_never_reset_is_warned_about():
+    """--pacs-score-reference ref without --ref-reset-interval works, but the score measures all drift since the
+    start and can grow without bound: a warning the trainer logs at start (its range is then logged every step)."""
+    (warning,) = parse_config(["--pacs-score-reference", "ref"]).warnings()
+    assert "--ref-reset-interval" in warning and "without bound" in warning
+    assert parse_config(["--pacs-score-reference", "ref", "--ref-reset-interval", "5"]).warnings() == []
+    assert parse_config([]).warnings() == []
+    rewarm = ["--pacs-score-reference", "ref", "--ref-reset-interval", "5", "--ref-reset-lr-warmup-steps", "4"]
+    assert parse_config(rewarm).reference.ref_reset_lr_warmup_steps == 4

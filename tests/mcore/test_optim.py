@@ -407,3 +407,34 @@ def test_a_skipped_step_keeps_a_pending_reset_and_a_checkpoint_then_resumes(env,
     result = _step(env, trainable, micro_batch_size=3)  # taken: now the reset applies
     assert not result.skipped and not trainable.reset_pending
     assert all(float(s["step"]) == 1.0 for o in inner for s in o.state.values())
+
+
+def test_lr_re_warm_up_after_an_optimizer_reset_ramps_over_taken_steps_and_checkpoints():
+    """--ref-reset-lr-warmup-steps N: after a reset the next N taken steps run at lr k / N (the first Adam step after
+    a reset is sign-like, so at the full rate it moves every weight by about lr); a skipped step does not advance
+    the ramp, and the ramp's position survives a checkpoint."""
+    from types import SimpleNamespace
+
+    from megatron_pacs.mcore.optim import LRSchedule, reset_optimizer_state
+
+    schedule = LRSchedule(lr=1.0, warmup_steps=0)
+    trainable = SimpleNamespace(schedule=schedule, reset_pending=False)  # what reset_optimizer_state touches
+    schedule.step_taken()
+    reset_optimizer_state(trainable, rewarm_steps=4)  # type: ignore[arg-type]
+    assert trainable.reset_pending
+    lrs = []
+    for k in range(6):
+        lrs.append(schedule.current_lr())
+        if k == 1:  # a skipped step: the schedule does not advance
+            continue
+        schedule.step_taken()
+    assert lrs == [0.25, 0.5, 0.5, 0.75, 1.0, 1.0]
+    again = LRSchedule(lr=1.0, warmup_steps=0)
+    reset_optimizer_state(SimpleNamespace(schedule=schedule, reset_pending=False), rewarm_steps=4)  # type: ignore[arg-type]
+    schedule.step_taken()
+    again.load_state_dict(schedule.state_dict())
+    assert again.current_lr() == schedule.current_lr() == 0.5
+    assert LRSchedule(lr=1.0, warmup_steps=0).state_dict()["since_reset"] is None
+    old = LRSchedule(lr=1.0, warmup_steps=0)
+    old.load_state_dict({"num_steps": 3})  # a checkpoint from before the re-warm-up existed
+    assert old.num_steps == 3 and old.current_lr() == 1.0
