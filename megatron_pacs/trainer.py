@@ -64,6 +64,8 @@ class Trainer:
             ref = cfg.reference
             self.reference = ReferencePolicy(cfg.model, self.groups, load=ref.ref_load, offload=ref.ref_offload)
         self.objective = build_objective(cfg.loss, cfg.batch)
+        for warning in cfg.warnings() if self.rank == 0 else ():
+            log.warning(warning)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
         self.log_dir = Path(cfg.run.log_dir)
         self.timer = PhaseTimer(cuda_sync=torch.cuda.is_available())
@@ -212,7 +214,7 @@ class Trainer:
         train = (train_started, time.perf_counter())
         self._check_consistency(metrics, step)
         if self.reference is not None:
-            metrics.update(self._maybe_reset_reference(step))
+            metrics.update(self._maybe_reset_reference(step, metrics))
         if self.driver and self.producer is not None and self.producer.in_flight:
             t0 = time.perf_counter()
             ran.append(self.producer.wait())
@@ -274,15 +276,18 @@ class Trainer:
         dist.broadcast_object_list(out, src=0)
         return float(out[0])
 
-    def _maybe_reset_reference(self, step: int) -> dict[str, float]:
+    def _maybe_reset_reference(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """At the end of every ``--ref-reset-interval``-th step: reference <- current policy (and Adam reset)."""
         assert self.reference is not None
         every = self.cfg.reference.ref_reset_interval
         if every and step % every == 0:
             self.reference.reset_from(self.actor)
             if self.cfg.reference.ref_reset_optimizer:
-                reset_optimizer_state(self._trainable())
+                reset_optimizer_state(self._trainable(), self.cfg.reference.ref_reset_lr_warmup_steps)
             log.info("step %d: reference reset to the current policy (reset #%d)", step, self.reference.resets)
+        elif self.driver and not every and self.cfg.loss.pacs_score_reference == "ref" and "pacs/score/max" in metrics:
+            # never reset: the score's range is the drift since the start (cfg.warnings)
+            log.info("step %d: pacs/score in [%.3g, %.3g]", step, metrics["pacs/score/min"], metrics["pacs/score/max"])
         out = {"ref/resets": float(self.reference.resets)}
         if self.reference.offload:
             out["perf/time/ref_onload"], self.reference.seconds_onload = self.reference.seconds_onload, 0.0
