@@ -406,6 +406,7 @@ class Trainer:
     def resume(self, loader: PromptLoader) -> int:
         """Load the newest complete checkpoint under ``--load`` (resharded to this layout) and push its weights
         into the fleet; returns its step (0 when there is none yet: a fresh start from ``--hf-model``)."""
+        from megatron_pacs.config.resume import resume_changes
         from megatron_pacs.mcore.checkpoint import META_FILE
         from megatron_pacs.mcore.checkpoint import read_checkpoint_metadata as meta_of
         from megatron_pacs.mcore.train_checkpoint import find_latest_checkpoint, load_training_checkpoint
@@ -416,6 +417,13 @@ class Trainer:
         if ckpt is None:
             log.info("--load %s holds no complete checkpoint yet: starting from --hf-model", root)
             return 0
+        saved = meta_of(ckpt)
+        if "config" in saved:  # refuses a change that breaks the saved state, reports the others
+            pending = saved.get("pending_step") is not None
+            changes = resume_changes(saved["config"], self.cfg.to_dict(), pending_rollouts=pending)
+            if changes and self.driver:
+                log.warning("resuming %s with changed settings: %s", ckpt, "; ".join(changes))
+        loader.load_state_dict(saved["loader"])  # a position saved for other data is refused before any load
         trainable = self._trainable()
         resets = int(meta_of(ckpt).get("reference", {}).get("resets", 0))
         extra = {"reference": self.reference.models} if self.reference is not None and resets else {}

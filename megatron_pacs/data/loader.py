@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -32,6 +33,7 @@ class PromptLoader(Generic[T]):
         self.items, self.batch_size, self.seed = items, batch_size, seed
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
+        self.fingerprint = _fingerprint(items)
 
     def _permutation(self, epoch: int) -> list[int]:
         rng = np.random.default_rng(seed_sequence(self.seed, LOADER_STREAM, epoch))
@@ -46,8 +48,36 @@ class PromptLoader(Generic[T]):
         return [self.items[i] for i in idx]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position}
+        """The position, with the data set's size and fingerprint (a position only means something for them)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_items": len(self.items),
+            "fingerprint": self.fingerprint,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved for the same items in the same order (checked when the state records them).
+
+        Raises:
+            ValueError: naming --train-data, when the saved position belongs to other data.
+        """
+        saved = state.get("fingerprint")
+        if saved is not None and saved != self.fingerprint:
+            raise ValueError(
+                f"--train-data: the checkpoint's data position belongs to another data set "
+                f"({state.get('num_items')} prompts, fingerprint {saved[:12]}) than this one ({len(self.items)} "
+                f"prompts, {self.fingerprint[:12]}): resuming would skip some prompts and repeat others; pass the "
+                "same prepared files in the same order, or start a new run"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation(self.epoch)
+
+
+def _fingerprint(items: Sequence[Any]) -> str:
+    """SHA-256 of the items' identities in order: ``(data_source, id)`` for prompt rows, else their ``repr``."""
+    h = hashlib.sha256()
+    for item in items:
+        key = (getattr(item, "data_source", None), item.id) if hasattr(item, "id") else item
+        h.update(repr(key).encode("utf-8") + b"\n")
+    return h.hexdigest()

@@ -74,15 +74,35 @@ def test_partial_epochs_drop_the_tail(n, batch_size):
     assert (loader.epoch, loader.position) == (3, batch_size)
 
 
+def position(loader):
+    state = loader.state_dict()
+    return {"epoch": state["epoch"], "position": state["position"]}
+
+
 def test_epoch_and_position_counters():
     loader = PromptLoader(ITEMS, 4, seed=0)
-    assert loader.state_dict() == {"epoch": 0, "position": 0}
+    assert position(loader) == {"epoch": 0, "position": 0}
     loader.next_batch()
-    assert loader.state_dict() == {"epoch": 0, "position": 4}
+    assert position(loader) == {"epoch": 0, "position": 4}
     loader.next_batch()
-    assert loader.state_dict() == {"epoch": 0, "position": 8}
+    assert position(loader) == {"epoch": 0, "position": 8}
     loader.next_batch()  # only 2 items left: a new epoch
-    assert loader.state_dict() == {"epoch": 1, "position": 4}
+    assert position(loader) == {"epoch": 1, "position": 4}
+    assert loader.state_dict()["num_items"] == 10
+
+
+def test_a_position_saved_for_other_data_is_refused():
+    """Issue 24.7: the saved position carries the data set's fingerprint (items and order); another data set, or
+    the same prompts in another order, is refused instead of silently skipping and repeating prompts."""
+    saved = PromptLoader(ITEMS, 4, seed=0)
+    saved.next_batch()
+    state = saved.state_dict()
+    PromptLoader(list(ITEMS), 4, seed=0).load_state_dict(state)  # the same data: fine
+    for other in (ITEMS[:-1], [*ITEMS, "q10"], list(reversed(ITEMS))):
+        with pytest.raises(ValueError, match="--train-data: the checkpoint's data position belongs to another"):
+            PromptLoader(other, 4, seed=0).load_state_dict(state)
+    legacy = {"epoch": 0, "position": 4}  # checkpoints written before the fingerprint: position only
+    PromptLoader(ITEMS[:-1], 4, seed=0).load_state_dict(legacy)
 
 
 def test_items_are_returned_not_indices():
@@ -136,13 +156,14 @@ def test_resume_across_an_epoch_boundary():
     loader = PromptLoader(ITEMS, 4, seed=2)
     take(loader, 2)  # the end of epoch 0's usable items (8 of 10)
     state = loader.state_dict()
-    assert state == {"epoch": 0, "position": 8}
+    assert position(loader) == {"epoch": 0, "position": 8}
     expected = take(loader, 3)  # epoch 1 begins
     resumed = PromptLoader(ITEMS, 4, seed=2)
     resumed.load_state_dict(state)
     assert take(resumed, 3) == expected
     # Epoch 1 held two batches (positions 4 and 8), the third batch opened epoch 2.
-    assert resumed.state_dict() == loader.state_dict() == {"epoch": 2, "position": 4}
+    assert resumed.state_dict() == loader.state_dict()
+    assert position(resumed) == {"epoch": 2, "position": 4}
 
 
 def test_load_state_dict_accepts_serialized_values():
@@ -161,4 +182,4 @@ def test_state_dict_is_a_copy():
     loader = PromptLoader(ITEMS, 2, seed=0)
     state = loader.state_dict()
     loader.next_batch()
-    assert state == {"epoch": 0, "position": 0}
+    assert {k: state[k] for k in ("epoch", "position")} == {"epoch": 0, "position": 0}
