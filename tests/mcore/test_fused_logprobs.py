@@ -115,3 +115,23 @@ def test_fused_kernels_compiled_on_gpu_match_float64():
     from fused_checks import check
 
     _assert_within(check(torch.device("cuda"), None, "gpu"), bf16_grad_tol=2**-8 * 1.01)
+
+
+def test_kernel_row_offsets_past_2_pow_31_elements_under_the_interpreter(tmp_path):
+    """T x V > 2**31 (T = 32,768 at V = 151,936: row 14,135 starts past 2**31): ``row * row_stride`` must be
+    computed in int64. The interpreter reproduces the int32 wrap (an int32 row index reads 2**32 elements before
+    the row, a segfault); three rows 2**30 + 4099 elements apart in an untouched buffer reach the same offsets
+    with about 0.3 GB resident (tests/mcore/fused_offset_checks.py)."""
+    path = _triton_path()
+    if path is None:
+        pytest.skip(f"Triton is not installed (`make install` puts it in {INTERPRETER_TRITON} for this test)")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
+    out = tmp_path / "offsets.json"
+    cmd = [sys.executable, str(HERE / "fused_offset_checks.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = json.loads(out.read_text())
+    assert results["logp"] < 1e-5 and results["entropy"] < 1e-5 and results["grad"] < 1e-5, results
+    assert results["max_rss_gb"] < 4, results  # the 4.3 GB buffers stayed virtual
