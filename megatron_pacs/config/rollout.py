@@ -65,8 +65,10 @@ class RolloutConfig:
     """With --colocate: move the optimizer state and gradient buffers to host memory while the engines generate
     (GPU only)."""
     max_logprob_diff: float | None = None
-    """Stop the run when a step's largest |engine - trainer| token log-prob exceeds this (weights not synced, a
-    wrong tokenizer or dtype); None: report only (docs/algorithm.md §7.1 gives the expected values)."""
+    """Stop the run when the largest |engine - trainer| token log-prob exceeds this (weights not synced, a wrong
+    tokenizer or dtype), on the step's rollouts when they came from the current weights and on a probe after every
+    weight sync, in every mode (synchronous, one step off, resumed); None: report only (docs/algorithm.md §7.1
+    gives the expected values)."""
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "rollout_tensor_parallel_size", "weight_sync_bucket_mb", "chunks_per_engine"):
