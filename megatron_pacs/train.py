@@ -38,7 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_pacs.trainer import Trainer
 
     with Trainer(cfg, val_rows) as trainer:
-        trainer.fit(loader)
+        try:
+            trainer.fit(loader)
+        except Exception as exc:
+            from megatron_pacs.mcore.parallel import lost_rank
+
+            rank = lost_rank(trainer.groups, exc)
+            if rank is None:
+                raise
+            host = trainer.groups.rank_addresses[rank]
+            raise RuntimeError(f"lost training rank {rank} (host {host}): a collective with it failed: {exc}") from exc
     return 0
 
 

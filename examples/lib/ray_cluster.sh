@@ -54,7 +54,7 @@ head)
     fi
     NODE_IP="${NODE_IP:-$(node_ip)}"
     echo "ray_cluster.sh: head node address $NODE_IP" >&2
-    exec "$RAY" start --head --port "$RAY_PORT" --num-gpus "$NUM_GPUS" --dashboard-host 0.0.0.0 \
+    exec "$RAY" start --head --port "$RAY_PORT" --num-gpus "$NUM_GPUS" --dashboard-host "$NODE_IP" \
         --ray-client-server-port "$RAY_CLIENT_PORT" --node-ip-address "$NODE_IP" "$@"
     ;;
 worker)

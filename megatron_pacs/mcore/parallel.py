@@ -7,6 +7,8 @@ layout itself is :class:`megatron_pacs.config.ParallelConfig`.
 from __future__ import annotations
 
 import os
+import re
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
@@ -20,7 +22,7 @@ from megatron_pacs.mcore.cpu_support import apply_cpu_support
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-__all__ = ["ParallelGroups", "destroy_parallel", "init_parallel"]
+__all__ = ["ParallelGroups", "destroy_parallel", "init_parallel", "lost_rank"]
 
 
 @dataclass
@@ -42,6 +44,8 @@ class ParallelGroups:
     dp_leaders: tuple[int, ...] = ()
     """For each data-parallel rank, the global rank of its model-parallel group's first member (receives that
     rank's rollouts and passes them on)."""
+    rank_addresses: tuple[str, ...] = ()
+    """Every global rank's network address (names the rank behind a failed collective: :func:`lost_rank`)."""
 
     @property
     def tp_size(self) -> int:
@@ -134,6 +138,7 @@ def init_parallel(
         mp_group=cast(dist.ProcessGroup, ps.get_model_parallel_group()),
     )
     groups.dp_leaders = _dp_leaders(groups)
+    groups.rank_addresses = _rank_addresses()
     return groups
 
 
@@ -147,6 +152,31 @@ def _dp_leaders(groups: ParallelGroups) -> tuple[int, ...]:
     dist.all_gather(every, mine)
     leaders = {int(t[0]): int(t[1]) for t in every}
     return tuple(leaders[r] for r in range(groups.dp_size))
+
+
+def _rank_addresses() -> tuple[str, ...]:
+    """Every rank's network address (its route's source address towards ``MASTER_ADDR``), gathered once so that a
+    failed collective's peer address can be named as a rank (:func:`lost_rank`)."""
+    from megatron_pacs.utils.launch import source_address
+
+    try:
+        mine = source_address([socket.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1"))])
+    except OSError:
+        mine = "127.0.0.1"
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return tuple(str(a) for a in every)
+
+
+def lost_rank(groups: ParallelGroups, error: BaseException) -> int | None:
+    """The rank a failed collective's error points at: a peer whose address (gloo and c10d name the peer's
+    ``[ip]:port``) appears in the message; None when the error names no other host."""
+    text = str(error)
+    me = dist.get_rank() if dist.is_initialized() else -1
+    for rank, address in enumerate(groups.rank_addresses):
+        if rank != me and address != groups.rank_addresses[me] and re.search(rf"\b{re.escape(address)}\b", text):
+            return rank
+    return None
 
 
 def destroy_parallel() -> None:

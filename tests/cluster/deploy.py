@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import PINNED_CPU_ENV  # tests/conftest.py: the CPU pins of the single-host runs
 from netns import VirtualCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,13 +30,6 @@ COMMANDS = {
     "rollout-head": "bash examples/lib/ray_cluster.sh head --block --num-cpus 2 --include-dashboard=false",
     "rollout1": "bash examples/lib/ray_cluster.sh worker rollout-head:6379 --block --num-cpus 2",
     "train": "NODE_RANK=<i> MASTER_ADDR=train0 RAY_ADDRESS=ray://rollout-head:10001 bash examples/tiny_cluster.sh",
-}
-#: The CPU pins of the single-host tests (tests/conftest.py), for comparable float results.
-PINNED_CPU_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "ATEN_CPU_CAPABILITY": "avx2",
-    "MKL_CBWR": "COMPATIBLE",
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
 
 
@@ -70,7 +64,8 @@ class Deployment:
         """``ray_cluster.sh head`` and ``worker``, then wait until Ray sees both nodes."""
         self.ray_tmp.mkdir(parents=True, exist_ok=True)
         for host in ROLLOUT_HOSTS:
-            cmd = COMMANDS[host].split() + ["--temp-dir", str(self.ray_tmp / host), "--object-store-memory", str(2**28)]
+            ray_tmp = str(self.ray_tmp / host)
+            cmd = [*COMMANDS[host].split(), "--temp-dir", ray_tmp, "--object-store-memory", str(2**28)]
             self.cluster.spawn(host, cmd, env=self.env(), log=self.log(host), cwd=ROOT)
             if host == "rollout-head":
                 self._wait_nodes(1, timeout)

@@ -104,7 +104,11 @@ class VirtualCluster:
     def _create(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("link", "set", self.bridge, "up")
-        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in self.hosts.values())
+        # Both spellings of each address: c10d's TCP store listens on a dual-stack socket and looks its IPv4 peers
+        # up as IPv4-mapped IPv6 (::ffff:a.b.c.d), which glibc does not match against an IPv4 line.
+        hosts_file = "127.0.0.1 localhost\n" + "".join(
+            f"{h.address} {h.name}\n::ffff:{h.address} {h.name}\n" for h in self.hosts.values()
+        )
         for i, h in enumerate(self.hosts.values()):
             etc = Path("/etc/netns") / h.netns
             etc.mkdir(parents=True, exist_ok=True)
