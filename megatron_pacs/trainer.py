@@ -112,6 +112,8 @@ class Trainer:
         whenever they were generated."""
         timer = PhaseTimer()
         rollouts = collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, timer)
+        assert self.fleet is not None, "the driver owns the fleet"
+        rollouts.metrics["rollout/engine_failures"] = float(self.fleet.num_restarts)  # engines lost in this run
         rollouts.metrics.update(timer.collect())
         return rollouts
 
@@ -165,6 +167,7 @@ class Trainer:
                     log.warning("exit signal: every rank stops after step %d", step)
                     if ck.save and not saved:
                         self.save(step, loader)
+                    log.warning("exit signal: stopped after step %d (checkpoint: %s); exiting 0", step, ck.save)
                     break
                 if self.driver:
                     bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', float('nan')):.3f}")

@@ -172,9 +172,10 @@ def lost_rank(groups: ParallelGroups, error: BaseException) -> int | None:
     """The rank a failed collective's error points at: a peer whose address (gloo and c10d name the peer's
     ``[ip]:port``) appears in the message; None when the error names no other host."""
     text = str(error)
-    me = dist.get_rank() if dist.is_initialized() else -1
+    me = dist.get_rank() if dist.is_initialized() else None
+    mine = groups.rank_addresses[me] if me is not None and me < len(groups.rank_addresses) else None
     for rank, address in enumerate(groups.rank_addresses):
-        if rank != me and address != groups.rank_addresses[me] and re.search(rf"\b{re.escape(address)}\b", text):
+        if rank != me and address != mine and re.search(rf"(?<![\d.]){re.escape(address)}(?![\d.])", text):
             return rank
     return None
 

@@ -195,6 +195,7 @@ class RolloutFleet:
             pass
         engine = self._spawn(index)
         ray.get(engine.ready.remote())
+        self._group = None  # the broadcast side group had the dead engine as a member: the next update builds anew
         if self._latest:
             self._replay(engine)
             log.info("fleet: engine %d re-synced to the latest weights (%d buckets)", index, len(self._latest))

@@ -86,6 +86,11 @@ def test_help_documents_every_flag():
         (["--ray-address", "auto", "--ray-object-store-gb", "2"], "--ray-object-store-gb"),
         (["--top-k", "-2"], "--top-k"),
         (["--reward-max-chars", "-1"], "--reward-max-chars"),
+        # issue 19: multi-host flags
+        (["--weight-sync", "object_store", "--weight-sync-address", "10.0.0.1"], "--weight-sync-address"),
+        (["--exit-signal-grace-seconds", "30"], "--exit-signal-grace-seconds"),
+        (["--exit-signal-handler", "--exit-signal-grace-seconds", "0"], "--exit-signal-grace-seconds"),
+        (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes"),
     ],
 )
 def test_bad_flags_exit_with_the_flag_named(argv, flag, capsys):

@@ -1,0 +1,130 @@
+"""Faults across hosts on the virtual cluster (issue 19): a preempted job (SIGTERM to every training process), a
+training host that dies mid-step, a rollout host that dies mid-generation. Each resumed or continued run is
+compared with the uninterrupted one (the ``continuous`` fixture), metric for metric, as tests/test_resume.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+from cluster_fixtures import *  # noqa: F403 - the fixtures
+from cluster_fixtures import wait_engines_gone
+from deploy import TRAIN_HOSTS
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm")
+
+
+def _wait_checkpoint(d, name: str, step: int, timeout: float) -> bool:
+    """Whether ``name``'s checkpoint of ``step`` is complete within ``timeout`` (False early when a trainer ends)."""
+    meta = d.workdir / f"{name}-ckpt" / f"iter_{step:07d}" / "megatron_pacs.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if meta.exists():
+            return True
+        if any(p.poll() is not None for p in d.trainers.values()):
+            return False
+        time.sleep(0.5)
+    return False
+
+
+def _same_as_continuous(rows: list[dict], continuous) -> None:
+    by_step = {r["step"]: r for r in continuous.rows}
+    assert rows, "the resumed run logged no step"
+    for r in rows:
+        assert {k: r[k] for k in KEYS} == {k: by_step[r["step"]][k] for k in KEYS}, r["step"]
+
+
+def _logs(d, *names: str) -> str:
+    return "\n".join(d.tail(n, 6000) for n in names)
+
+
+def test_preemption_stops_every_rank_at_a_step_boundary_saves_exits_0_and_resumes(deployment, continuous):
+    """SIGTERM to every process on both training hosts (as Slurm sends before it kills) during step 2, with
+    checkpoints only at the end (--save-interval 3): every rank stops after the same step, saves it, exits 0 within
+    the grace period, the engines are released; the same command then resumes and matches the continuous run."""
+    d = deployment
+    d.start_rollout_cluster()
+    d.start_trainers("pre", SAVE_INTERVAL="3")
+    assert _wait_checkpoint(d, "pre", 1, 600) or (d.workdir / "pre" / "metrics.jsonl").exists(), _logs(
+        d, "pre-train0", "pre-train1"
+    )
+    # Step 1 is logged (save-interval 3: no checkpoint yet); wait for it, then preempt during step 2.
+    deadline = time.monotonic() + 600
+    while not any(r.get("step") == 1 for r in d.metrics("pre")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    sent = time.monotonic()
+    for host in TRAIN_HOSTS:
+        d.cluster.signal_host(host, signal.SIGTERM)
+    codes = d.wait_trainers(timeout=90)
+    took = time.monotonic() - sent
+    logs = _logs(d, "pre-train0", "pre-train1")
+    assert codes == {"train0": 0, "train1": 0}, logs
+    assert took < 60, f"exited {took:.0f}s after SIGTERM (grace period 60s)"
+    assert all(not d.cluster.pids(h) for h in TRAIN_HOSTS), d.cluster.leftovers()
+    stopped = max(r["step"] for r in d.metrics("pre"))
+    assert stopped < 3 and f"exit signal: every rank stops after step {stopped}" in logs, logs
+    meta = json.loads((d.workdir / "pre-ckpt" / f"iter_{stopped:07d}" / "megatron_pacs.json").read_text())
+    assert meta["step"] == stopped
+    assert not list((d.workdir / "pre-ckpt").glob(".iter_*.tmp-*"))
+    assert wait_engines_gone(d) == {}
+
+    d.start_trainers("pre", SAVE_INTERVAL="3")  # the same command: resumes from the step it stopped at
+    codes = d.wait_trainers(timeout=600)
+    assert codes == {"train0": 0, "train1": 0}, _logs(d, "pre-train0", "pre-train1")
+    _same_as_continuous([r for r in d.metrics("pre") if r.get("step", 0) > stopped], continuous)
+
+
+def test_lost_training_host_stops_the_survivor_quickly_and_the_rerun_resumes(deployment, continuous):
+    """Every process on train1 SIGKILLed during step 2: train0 exits non-zero within 120 s naming the lost rank,
+    its engine actors are released; the same command on both hosts resumes from the step-1 checkpoint."""
+    d = deployment
+    d.start_rollout_cluster()
+    d.start_trainers("lost", "--distributed-timeout-minutes", "1")
+    assert _wait_checkpoint(d, "lost", 1, 600), _logs(d, "lost-train0", "lost-train1")
+    killed = time.monotonic()
+    d.cluster.kill_host("train1")
+    try:
+        code = d.trainers["train0"].wait(timeout=150)
+    except Exception:  # noqa: BLE001 - reported below
+        code = None
+    took = time.monotonic() - killed
+    logs = _logs(d, "lost-train0")
+    assert code not in (0, None), logs
+    assert took <= 120, f"train0 noticed the lost host after {took:.0f}s"
+    assert "lost training rank 1" in logs, logs
+    assert wait_engines_gone(d) == {}
+    print(f"lost training host: the survivor exited {took:.1f}s after the kill")
+
+    resumed_from = max(int(p.name[5:]) for p in (d.workdir / "lost-ckpt").glob("iter_*"))
+    d.start_trainers("lost", "--distributed-timeout-minutes", "1")
+    codes = d.wait_trainers(timeout=600)
+    assert codes == {"train0": 0, "train1": 0}, _logs(d, "lost-train0", "lost-train1")
+    _same_as_continuous([r for r in d.metrics("lost") if r.get("step", 0) > resumed_from], continuous)
+
+
+def test_lost_rollout_host_regenerates_on_the_survivor_and_training_continues(deployment, continuous):
+    """Every process on rollout1 (its Ray worker and its engine) SIGKILLed during step 2's generation: the fleet
+    notices, restarts the engine on the surviving host, re-syncs it, regenerates the lost prompts; every step then
+    equals the continuous run's (per-request sampling seeds: a prompt lost or scored twice would change them)."""
+    d = deployment
+    d.start_rollout_cluster()
+    d.start_trainers("lostro", "--max-logprob-diff", "1e-5")  # probes every sync, the restarted engine included
+    assert _wait_checkpoint(d, "lostro", 1, 600), _logs(d, "lostro-train0", "lostro-train1")
+    killed = time.monotonic()
+    d.cluster.kill_host("rollout1")
+    recovered = _wait_checkpoint(d, "lostro", 2, 600)
+    took = time.monotonic() - killed
+    codes = d.wait_trainers(timeout=600)
+    logs = _logs(d, "lostro-train0", "lostro-train1")
+    assert recovered and codes == {"train0": 0, "train1": 0}, logs
+    rows = [r for r in d.metrics("lostro") if r.get("step", 0) >= 1]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["rollout/engine_failures"] >= 1, rows[-1]
+    assert all(r["sync/max_logprob_diff"] <= 1e-5 for r in rows)
+    _same_as_continuous(rows, continuous)
+    print(f"lost rollout host: step 2 checkpointed {took:.1f}s after the kill")
