@@ -112,6 +112,8 @@ class RolloutFleet:
         self._own_ray, self._temp_dir, self._remove_temp = False, None, False
         self._start_ray()
         self._latest: list[Any] = []  # object refs of the last update's packed buckets
+        self._updated = False  # the engines hold pushed weights, not their start-up ones
+        self._stale: set[int] = set()  # restarted without the latest weights: they sit out until the next update
         self._group: SideGroup | None = None
         self._placement_groups: list[Any] = []
         self._response_len = None  # running mean of response lengths, for load balancing
@@ -199,6 +201,9 @@ class RolloutFleet:
         if self._latest:
             self._replay(engine)
             log.info("fleet: engine %d re-synced to the latest weights (%d buckets)", index, len(self._latest))
+        elif self._updated:  # --no-keep-weights-for-restart: its start-up weights are not the policy's
+            self._stale.add(index)
+            log.warning("fleet: engine %d holds its start-up weights; it generates again after the next update", index)
         self.engines[index] = engine
 
     def _replay(self, engine: Any) -> None:
@@ -223,7 +228,7 @@ class RolloutFleet:
         todo = deque(balance_chunks(costs, len(self.engines) * self.config.chunks_per_engine))
         results: list[RolloutGroup | None] = [None] * len(prompts)
         running: dict[Any, tuple[int, list[int]]] = {}
-        idle = deque(range(len(self.engines)))
+        idle = deque(i for i in range(len(self.engines)) if i not in self._stale)
         restarts = 0
         bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not self.progress, leave=False)
         with bar:
@@ -244,7 +249,13 @@ class RolloutFleet:
                         raise RuntimeError(msg) from exc
                     todo.appendleft(chunk)  # its prompts run again, on the restarted engine or another one
                     self._restart(index)
-                    idle.append(index)
+                    if index not in self._stale:
+                        idle.append(index)
+                    elif not idle and not running:
+                        raise RuntimeError(
+                            "fleet: no engine holds the latest weights (a restarted engine kept its start-up weights "
+                            "under --no-keep-weights-for-restart); keep the weights for restarts, or run more engines"
+                        ) from exc
                     continue
                 for i, g in zip(chunk, groups, strict=True):
                     results[i] = g
@@ -294,6 +305,7 @@ class RolloutFleet:
         ray.get(futures)
         ray.get([e.call.remote("finish_weight_update") for e in self.engines])
         self._latest = latest if self.config.keep_weights_for_restart or self.transport == "object_store" else []
+        self._updated, self._stale = True, set()
         seconds = time.perf_counter() - started
         return {"sync/seconds": seconds, "sync/megabytes": total / 2**20, "sync/num_buckets": float(num)}
 

@@ -236,6 +236,46 @@ def test_killed_engine_is_restarted_resynced_and_its_prompts_rerun(fleet, models
     _check_matches(got[:2], _hf(paths["b"]))  # the restarted engine holds B, not its start-up weights A
 
 
+def test_without_kept_weights_a_restarted_engine_never_generates_with_its_start_up_weights(fleet, models):
+    """Issue 24.7: --no-keep-weights-for-restart with a transport that keeps no copy (broadcast; on gloo here): an
+    engine restarted after an update to B holds its start-up weights A, so it sits out until the next update. With
+    this fleet's single engine the call fails instead of returning A's responses; the next update brings it back."""
+    import dataclasses
+
+    import ray
+
+    from megatron_pacs.rollout.types import SamplingConfig
+
+    paths, tok = models
+    prompts = _prompts(tok, 24)
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=48, seed=11, ignore_eos=True)
+    config = fleet.config
+    fleet.config = dataclasses.replace(config, keep_weights_for_restart=False)
+    try:
+        fleet.transport = "broadcast"
+        try:
+            fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+        finally:
+            fleet.transport = "object_store"
+
+        def kill_when_busy():
+            deadline = time.time() + 60
+            while fleet.num_in_flight == 0 and time.time() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            ray.kill(fleet.engines[0])
+
+        killer = threading.Thread(target=kill_when_busy)
+        killer.start()
+        with pytest.raises(RuntimeError, match="no engine holds the latest weights"):
+            fleet.generate(prompts, sampling)
+        killer.join()
+        fleet.update_weights(_state(paths["b"], drop_lm_head=False))  # the next update: the engine rejoins
+        _check_matches(fleet.generate(prompts[:2], sampling), _hf(paths["b"]))
+    finally:
+        fleet.config = config
+
+
 def test_engine_killed_during_an_overlapped_generation_reruns_on_the_weights_it_started_with(fleet, models):
     """One step off (megatron_pacs.overlap): the next step's rollouts are generated in a background thread while
     the trainer trains; an engine dies mid-generation. The restarted engine is re-synced to the weights the
