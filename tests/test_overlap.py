@@ -9,38 +9,53 @@ what happened.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RUN_FLAGS, run_train
+from conftest import PINNED_CPU_ENV, TINY_RUN_FLAGS, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 GOLDEN = Path(__file__).parent / "golden"
 FROZEN = ["--lr", "0", "--train-iters", "3", "--micro-batch-size", "3"]
+TIS = ["--off-policy-correction", "tis"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 RUNS = {
     "sync": [*FROZEN],
-    "off": [*FROZEN, "--off-policy-steps", "1"],
+    "off": [*FROZEN, "--off-policy-steps", "1", "--save", "CKPT", "--save-interval", "1", "--keep-last", "3"],
     "sync_tis": [*FROZEN, "--off-policy-correction", "tis"],
     "off_tis": [*FROZEN, "--off-policy-steps", "1", "--off-policy-correction", "tis"],
+    "grpo_tis_pp2": [*FROZEN[:2], "--train-iters", "1", "--micro-batch-size", "3", "--loss", "grpo", *TIS, *PP2],
 }
+WORLD = {"grpo_tis_pp2": 2}
 KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm", "pacs/loss")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def launched(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     root = tmp_path_factory.mktemp("overlap")
     shutil.copytree(GOLDEN / "model", root / "model")
     shutil.copy(GOLDEN / "train.jsonl", root / "train.jsonl")
     base = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
 
     def launch(name: str) -> list[dict]:
-        return [m for m in run_train([*base, *RUNS[name]], log_dir=root / name, cwd=root) if "train/loss" in m]
+        flags = [str(root / f"{name}_ckpt") if a == "CKPT" else a for a in RUNS[name]]
+        history = run_train([*base, *flags], log_dir=root / name, cwd=root, world=WORLD.get(name, 1))
+        return [m for m in history if "train/loss" in m]
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(RUNS, pool.map(launch, RUNS), strict=True))
+        out = dict(zip(RUNS, pool.map(launch, RUNS), strict=True))
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def runs(launched) -> dict[str, list[dict]]:
+    return launched[1]
 
 
 @pytest.mark.parametrize(("sync", "off"), [("sync", "off"), ("sync_tis", "off_tis")])
@@ -62,3 +77,35 @@ def test_lag_and_timing_metrics(runs):
     assert all(m["perf/time/overlap_hidden"] == 0.0 for m in runs["sync"])  # nothing overlaps when synchronous
     assert runs["off"][1]["perf/time/overlap_hidden"] > 0.0  # step 3's rollouts generated during step 2's update
     assert runs["off_tis"][0]["offpolicy/is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # engine vs trainer only
+
+
+def test_token_level_tis_metrics_under_pipeline_parallelism_come_from_the_last_stage(runs):
+    """GRPO's token ratios exist on the last pipeline stage only; the other stages' all-zero store would give
+    1 / p_engine per token. Frozen and in sync, the ratio is 1 up to rounding, at PP=2 as at PP=1."""
+    (m,) = runs["grpo_tis_pp2"]
+    assert m["offpolicy/is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["offpolicy/is_truncated"] == 0.0
+
+
+def test_max_logprob_diff_is_enforced_one_step_off_after_a_resume(launched):
+    """--max-logprob-diff compares the probe after every weight sync, in every mode: resumed one step off, the
+    first step trains on the checkpoint's pending rollouts (generated before the resume, so no consistency check
+    applies), yet engines now in bf16 beside the fp32 trainer (~1e-2 per token) stop the run at that step's sync
+    (fresh runs: tests/test_reference.py; in sync, the same bound passes: ``t07`` there)."""
+    root, _ = launched
+    mid = root / "off_ckpt" / "iter_0000001"
+    assert (mid / "pending_rollouts.pt").is_file()
+    flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
+    flags += [*FROZEN[:2], "--micro-batch-size", "3", "--off-policy-steps", "1", "--train-iters", "3"]
+    flags += ["--load", str(mid), "--rollout-dtype", "bfloat16", "--max-logprob-diff", "1e-3"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_pacs.train", *flags, "--log-dir", str(root / "bound_resumed")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+        env=dict(os.environ, **PINNED_CPU_ENV),
+    )
+    assert proc.returncode != 0
+    assert "step 2: the engines' and the trainer's token log-probs (the sync probe" in proc.stderr, proc.stderr[-3000:]
+    assert "--max-logprob-diff 0.001" in proc.stderr
