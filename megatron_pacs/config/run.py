@@ -128,6 +128,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.train_iters < 1:
             raise bad("train_iters", "must be >= 1")
+        if self.seed < 0:
+            raise bad("seed", "must be >= 0 (every random stream is derived from it by numpy's SeedSequence)")
         if not self.exit_signal_grace_seconds > 0:
             raise bad("exit_signal_grace_seconds", "must be > 0")
         if is_set(self, "exit_signal_grace_seconds") and not self.exit_signal_handler:

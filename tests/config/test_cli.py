@@ -91,6 +91,8 @@ def test_help_documents_every_flag():
         (["--exit-signal-grace-seconds", "30"], "--exit-signal-grace-seconds"),
         (["--exit-signal-handler", "--exit-signal-grace-seconds", "0"], "--exit-signal-grace-seconds"),
         (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes"),
+        # issue 21.1: seeds derive independent streams (numpy SeedSequence), which take non-negative entropy
+        (["--seed", "-1"], "--seed"),
     ],
 )
 def test_bad_flags_exit_with_the_flag_named(argv, flag, capsys):
