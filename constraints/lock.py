@@ -11,6 +11,20 @@ Used by `make lock` and `make lock-gpu`; not part of the package.
       the pins of NAME ... from a constraints file (the CPU-tested versions the GPU resolve reuses)
   lock.py stub-wheel DIR NAME VERSION [REQUIREMENT ...]
       a metadata-only wheel standing in for a source-only package during a cross-platform resolve
+  lock.py stub-env DIR REPORT.json ROOT ...
+      metadata-only wheels of ROOT ... and everything they need (from a --report): an environment's preinstalled
+      packages (a container's torch) to install into a throwaway venv, so that a dry run sees them as installed
+  lock.py closure REPORT.json ROOT ...
+      the names of ROOT ... and everything they need in a --report, one a line
+  lock.py check-plan PLAN.json NAME ...
+      exits 1, naming them, when a `pip install --dry-run --report` plan would install any of NAME ...
+  lock.py fetch PLAN.json DEST [--head]
+      download every file a dry-run plan installs into DEST (sha256 checked; local files copied; the project
+      itself and metadata-only stand-ins skipped); with --head only ask each file's size, download nothing
+  lock.py sdist NAME VERSION DEST
+      download NAME's source distribution from PyPI's simple index (what must be built on the target machine)
+  lock.py manifest DEST
+      write DEST/manifest.json and DEST/manifest.tsv (file, name, version, sha256, bytes) for a wheelhouse
   lock.py without CONSTRAINTS NAME ...
       a constraints file's pins minus NAME ... (`make test-compat`: the CPU pins around another vLLM)
   lock.py wheel-requires WHEEL [--drop NAME ...] [--pin NAME]
@@ -130,12 +144,17 @@ def cmd_subset(args) -> None:
 def cmd_stub_wheel(args) -> None:
     """A wheel with METADATA only: lets the resolver see a source-only package's declared dependencies without
     building it (a CUDA extension cannot be built here). Nothing from it is ever installed."""
-    dist = f"{args.name.replace('-', '_')}-{args.version}"
+    print(stub_wheel(Path(args.dir), args.name, args.version, args.requires))
+
+
+def stub_wheel(directory: Path, name: str, version: str, requires, extras=()) -> Path:
+    dist = f"{re.sub(r'[-.]+', '_', name)}-{version}"
     meta = [
         "Metadata-Version: 2.1",
-        f"Name: {args.name}",
-        f"Version: {args.version}",
-        *(f"Requires-Dist: {req}" for req in args.requires),
+        f"Name: {name}",
+        f"Version: {version}",
+        *(f"Provides-Extra: {extra}" for extra in extras),
+        *(f"Requires-Dist: {req}" for req in requires),
     ]
     files = {
         f"{dist}.dist-info/METADATA": "\n".join(meta) + "\n",
@@ -147,12 +166,195 @@ def cmd_stub_wheel(args) -> None:
         record.append(f"{path},sha256={digest},{len(text.encode())}")
     record.append(f"{dist}.dist-info/RECORD,,")
     files[f"{dist}.dist-info/RECORD"] = "\n".join(record) + "\n"
-    target = Path(args.dir) / f"{dist}-py3-none-any.whl"
+    target = directory / f"{dist}-py3-none-any.whl"
     target.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(target, "w") as zf:
         for path, text in files.items():
             zf.writestr(path, text)
-    print(target)
+    return target
+
+
+def _requirement_class():
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # a bare interpreter: pip's vendored copy
+        from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
+    return Requirement
+
+
+def closure(report: dict, roots) -> list[dict]:
+    """The install items of ROOTS and, transitively, of what they require on the report's platform (markers
+    evaluated against the report's environment, extras followed where requested)."""
+    requirement = _requirement_class()
+    env = dict(report.get("environment", {}))
+    items = {canonical(i["metadata"]["name"]): i for i in report["install"]}
+    todo = [(canonical(r), "") for r in roots]
+    seen: dict[str, set[str]] = {}
+    while todo:
+        name, extra = todo.pop()
+        if name not in items or extra in seen.get(name, set()):
+            continue
+        seen.setdefault(name, set()).add(extra)
+        for raw in items[name]["metadata"].get("requires_dist", []) or []:
+            req = requirement(raw)
+            if req.marker is not None and not req.marker.evaluate({**env, "extra": extra}):
+                continue
+            todo.append((canonical(req.name), ""))
+            todo.extend((canonical(req.name), e) for e in req.extras)
+    return [items[n] for n in sorted(seen)]
+
+
+def cmd_closure(args) -> None:
+    report = json.loads(Path(args.report).read_text(encoding="utf-8"))
+    print("\n".join(canonical(i["metadata"]["name"]) for i in closure(report, args.roots)))
+
+
+def cmd_stub_env(args) -> None:
+    report = json.loads(Path(args.report).read_text(encoding="utf-8"))
+    for item in closure(report, args.roots):
+        m = item["metadata"]
+        stub_wheel(
+            Path(args.dir), m["name"], m["version"], m.get("requires_dist", []) or [], m.get("provides_extra", []) or []
+        )
+        print(f"{canonical(m['name'])}=={m['version']}")
+
+
+def check_plan(plan: dict, forbidden) -> list[str]:
+    """The ``name==version`` entries of a dry-run plan whose names are in FORBIDDEN (canonical names)."""
+    gone = {canonical(n) for n in forbidden}
+    return sorted(
+        f"{canonical(i['metadata']['name'])}=={i['metadata']['version']}"
+        for i in plan["install"]
+        if canonical(i["metadata"]["name"]) in gone
+    )
+
+
+def cmd_check_plan(args) -> None:
+    plan = json.loads(Path(args.plan).read_text(encoding="utf-8"))
+    names = [canonical(n) for n in args.names]
+    if len(names) == 1 and Path(args.names[0]).is_file():  # a file of names, one a line
+        names = [canonical(n) for n in Path(args.names[0]).read_text(encoding="utf-8").split()]
+    bad = check_plan(plan, names)
+    print(f"{args.plan}: the plan installs {len(plan['install'])} packages; {len(bad)} of the {len(names)} forbidden")
+    if bad:
+        sys.exit("lock.py: the install would replace the environment's " + " ".join(bad))
+
+
+def _file_of(item: dict) -> tuple[str, str] | None:
+    """(url, sha256) of a plan item's file, or None for a directory (the project) or a stand-in."""
+    info = item.get("download_info", {})
+    url = info.get("url", "")
+    if "dir_info" in info or not url:
+        return None
+    digest = info.get("archive_info", {}).get("hashes", {}).get("sha256", "")
+    if url.startswith("file:") and "lockstub" in url:
+        return None
+    return url, digest
+
+
+def cmd_fetch(args) -> None:
+    import shutil
+    import urllib.parse
+    import urllib.request
+
+    plan = json.loads(Path(args.plan).read_text(encoding="utf-8"))
+    dest = Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    total, count = 0, 0
+    for item in plan["install"]:
+        found = _file_of(item)
+        if found is None:
+            continue
+        url, digest = found
+        name = urllib.parse.unquote(Path(urllib.parse.urlparse(url).path).name)
+        target = dest / name
+        if args.head:
+            if url.startswith("file:"):
+                size = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)).stat().st_size
+            else:
+                with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as r:
+                    size = int(r.headers["Content-Length"])
+            total, count = total + size, count + 1
+            print(f"{name}\t{size}")
+            continue
+        if not (target.exists() and (not digest or _sha256(target) == digest)):
+            if url.startswith("file:"):
+                shutil.copyfile(urllib.parse.unquote(urllib.parse.urlparse(url).path), target)
+            else:
+                with urllib.request.urlopen(url, timeout=600) as r, open(target, "wb") as f:
+                    shutil.copyfileobj(r, f, 1 << 20)
+            if digest and _sha256(target) != digest:
+                target.unlink()
+                sys.exit(f"lock.py: sha256 mismatch for {url}")
+        total, count = total + target.stat().st_size, count + 1
+    print(
+        f"{args.dest}: {count} files, {total / 2**30:.2f} GiB"
+        + (" (sizes only, nothing downloaded)" if args.head else "")
+    )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def parse_filename(filename: str) -> tuple[str, str]:
+    """(canonical name, version) of a wheel or sdist file name."""
+    if filename.endswith(".whl"):
+        name, version = filename.split("-")[:2]
+    else:
+        stem = re.sub(r"\.(tar\.gz|zip|tar\.bz2)$", "", filename)
+        name, version = stem.rsplit("-", 1)
+    return canonical(name), version
+
+
+def cmd_sdist(args) -> None:
+    import shutil
+    import urllib.request
+
+    index = f"https://pypi.org/simple/{canonical(args.name)}/"
+    req = urllib.request.Request(index, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.load(r)["files"]
+    for f in files:
+        if f["filename"].endswith(".tar.gz") and parse_filename(f["filename"]) == (canonical(args.name), args.version):
+            target = Path(args.dest) / f["filename"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with urllib.request.urlopen(f["url"], timeout=600) as r, open(target, "wb") as out:
+                shutil.copyfileobj(r, out)
+            if _sha256(target) != f["hashes"]["sha256"]:
+                target.unlink()
+                sys.exit(f"lock.py: sha256 mismatch for {f['url']}")
+            print(target)
+            return
+    sys.exit(f"lock.py: no sdist of {args.name} {args.version} on {index}")
+
+
+def cmd_manifest(args) -> None:
+    dest = Path(args.dest)
+    rows = []
+    for path in sorted(dest.iterdir()):
+        if path.name.startswith("manifest.") or not path.name.endswith((".whl", ".tar.gz", ".zip")):
+            continue
+        name, version = parse_filename(path.name)
+        rows.append(
+            {"file": path.name, "name": name, "version": version, "sha256": _sha256(path), "bytes": path.stat().st_size}
+        )
+    extra = {}
+    target = dest / "TARGET"
+    if target.exists():
+        extra["target"] = target.read_text(encoding="utf-8").strip()
+    total = sum(r["bytes"] for r in rows)
+    (dest / "manifest.json").write_text(json.dumps({**extra, "files": rows, "bytes": total}, indent=1) + "\n")
+    lines = [
+        "file\tname\tversion\tsha256\tbytes",
+        *(f"{r['file']}\t{r['name']}\t{r['version']}\t{r['sha256']}\t{r['bytes']}" for r in rows),
+    ]
+    (dest / "manifest.tsv").write_text("\n".join(lines) + "\n")
+    print(f"{dest}: manifest of {len(rows)} files, {total / 2**30:.2f} GiB")
 
 
 def cmd_without(args) -> None:
@@ -209,6 +411,32 @@ def main() -> None:
     s.add_argument("version")
     s.add_argument("requires", nargs="*")
     s.set_defaults(fn=cmd_stub_wheel)
+    e = sub.add_parser("stub-env")
+    e.add_argument("dir")
+    e.add_argument("report")
+    e.add_argument("roots", nargs="+")
+    e.set_defaults(fn=cmd_stub_env)
+    k = sub.add_parser("closure")
+    k.add_argument("report")
+    k.add_argument("roots", nargs="+")
+    k.set_defaults(fn=cmd_closure)
+    p = sub.add_parser("check-plan")
+    p.add_argument("plan")
+    p.add_argument("names", nargs="+")
+    p.set_defaults(fn=cmd_check_plan)
+    g = sub.add_parser("fetch")
+    g.add_argument("plan")
+    g.add_argument("dest")
+    g.add_argument("--head", action="store_true")
+    g.set_defaults(fn=cmd_fetch)
+    d = sub.add_parser("sdist")
+    d.add_argument("name")
+    d.add_argument("version")
+    d.add_argument("dest")
+    d.set_defaults(fn=cmd_sdist)
+    m = sub.add_parser("manifest")
+    m.add_argument("dest")
+    m.set_defaults(fn=cmd_manifest)
     w = sub.add_parser("without")
     w.add_argument("constraints")
     w.add_argument("names", nargs="+")

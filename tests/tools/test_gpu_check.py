@@ -1,0 +1,165 @@
+"""tools/gpu_check.py and its report writer tools/gpu_report.py, without a GPU: the report from recorded results
+(tests/tools/data/gpu_check_results.json, in the benchmarks' and pytest's own output formats), the benchmark table
+format the report reads, pytest's JUnit results per test, and the refusal on a machine without CUDA."""
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = Path(__file__).resolve().parent / "data" / "gpu_check_results.json"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _load("gpu_report", ROOT / "tools" / "gpu_report.py")
+
+
+@pytest.fixture
+def results():
+    return json.loads(RECORDED.read_text())
+
+
+def _by_name(figures):
+    return {f["name"]: f for f in figures}
+
+
+def test_recorded_results_give_every_figure_beside_its_target(report, results, tmp_path):
+    md_path, json_path = report.write_report(results, tmp_path)
+    figs = _by_name(json.loads(json_path.read_text())["figures"])
+
+    assert figs["fused log-probs: time vs naive"]["value"] == pytest.approx(0.46)
+    assert figs["fused log-probs: time vs naive"]["ok"] is True
+    assert figs["fused log-probs: peak memory vs naive"]["ok"] is True  # 0.17x <= 0.25x
+    # Without TE the full step's MFU (packed, 18.3%) is below HF's fwd+bwd MFU (33.5%): a failed target.
+    no_te = figs["1.5B train step MFU, no TE"]
+    assert no_te["value"] == pytest.approx(0.183) and no_te["ok"] is False and "33.5%" in no_te["target"]
+    assert figs["1.5B train step MFU, TE bf16"]["ok"] is False  # 20.7% < 45%
+    assert figs["1.5B packed vs padded tokens/s, TE"]["value"] == pytest.approx(1.93)
+    assert figs["1.5B packed vs padded tokens/s, TE"]["ok"] is True
+    assert figs["7B FP8 delayed vs bf16 fwd+bwd (padded)"]["ok"] is True  # 1.24x
+    assert figs["7B FP8 tensorwise vs bf16 fwd+bwd (padded)"]["ok"] is False  # 1.14x
+    blockwise = figs["7B FP8 blockwise vs bf16 fwd+bwd (padded)"]
+    assert blockwise["ok"] is None and "cuBLAS" in blockwise["note"]  # a failed row is a line with its reason
+    assert figs["auto (B) 4k score error, delayed"]["ok"] is True  # 0.9 <= 5.8
+    colocated = "RL colocated (ipc, sleep/wake, optimizer offload)"
+    assert figs[f"{colocated}: sync/max_logprob_diff"]["value"] == pytest.approx(0.25)
+    assert figs[f"{colocated}: sync/max_logprob_diff"]["ok"] is True  # bf16 bound 1.0
+    assert figs[f"{colocated}: GPU memory freed by drop 1"]["value"] == pytest.approx(38.5)
+    assert figs[f"{colocated}: perf/time/generate (last step)"]["value"] == pytest.approx(9.5)
+    assert figs["RL FP8 trainer: sync/max_logprob_diff"]["ok"] is False  # 2.6 > the FP8 bound 2.0
+
+    text = md_path.read_text()
+    assert "| torch | 2.11.0+cu130 |" in text and "| vllm | 0.26.0 |" in text
+    assert "2 passed, 1 failed, 1 skipped, 0 error" in text
+    assert "MXFP8 needs Blackwell" in text  # each skip with its reason
+    assert "| diag_te_fp32 | timeout | 90 | stopped after 90 s |" in text
+
+
+def test_whatever_could_not_run_is_a_line_with_its_reason(report, results, tmp_path):
+    steps = results["steps"]
+    for name in ("train_step_1.5b_te", "train_step_7b_fp8", "bench_fp8_drift"):
+        steps[name] = {"status": "skipped", "reason": "Transformer Engine is not installed", "seconds": 0.0}
+    del steps["bench_logprobs"]  # never reached (the budget ran out before it, say)
+    steps["rl_colocated"] = {"status": "failed", "reason": "exit 1: CUDA out of memory", "seconds": 12.0}
+    md_path, json_path = report.write_report(results, tmp_path)
+    figs = json.loads(json_path.read_text())["figures"]
+    unmeasured = {f["name"]: f["note"] for f in figs if f["value"] is None}
+
+    assert unmeasured["fused log-probs: time vs naive"] == "not run"
+    assert unmeasured["1.5B train step MFU, TE bf16"] == "skipped: Transformer Engine is not installed"
+    assert unmeasured["7B FP8 vs bf16 fwd+bwd"] == "skipped: Transformer Engine is not installed"
+    assert (
+        "CUDA out of memory" in unmeasured["RL colocated (ipc, sleep/wake, optimizer offload): sync/max_logprob_diff"]
+    )
+    assert "NCCL broadcast" in unmeasured["RL separate engines (NCCL broadcast): sync/max_logprob_diff"]
+    text = md_path.read_text()
+    assert text.count("not measured") == len(unmeasured)
+
+
+def test_baseline_gives_the_change_of_every_figure(report, results, tmp_path):
+    _, old_json = report.write_report(results, tmp_path / "old")
+    baseline = json.loads(old_json.read_text())
+    newer = copy.deepcopy(results)
+    newer["steps"]["bench_logprobs"]["stdout"] = newer["steps"]["bench_logprobs"]["stdout"].replace(
+        "| fused | 4.90 | 1190 | 0.46x | 0.17x |", "| fused | 5.90 | 1190 | 0.55x | 0.17x |"
+    )
+    md_path, json_path = report.write_report(newer, tmp_path / "new", baseline)
+    changes = _by_name(json.loads(json_path.read_text())["changes"])
+
+    numeric = [f for f in baseline["figures"] if isinstance(f["value"], (int, float))]
+    assert len(changes) == len(numeric) > 20
+    moved = changes["fused log-probs: time vs naive"]
+    assert (moved["old"], moved["new"]) == (pytest.approx(0.46), pytest.approx(0.55))
+    assert moved["change"] == pytest.approx(0.09 / 0.46)
+    assert changes["1.5B HF fwd+bwd MFU"]["change"] == 0
+    assert "| fused log-probs: time vs naive | 0.46 | 0.55 | +19.6% |" in md_path.read_text()
+
+
+def test_the_train_step_table_is_read_as_bench_train_step_prints_it(report, capsys):
+    """The parser against the benchmark's own printer (a format change there fails here)."""
+    import argparse
+
+    bench = _load("bench_train_step", ROOT / "benchmarks" / "bench_train_step.py")
+
+    def row(variant, layout, precision, seconds, mfu):
+        return dict(variant=variant, layout=layout, precision=precision, seconds=seconds, tokens_per_s=1e5 / seconds,
+                    tflops=400 * mfu, mfu=mfu, peak_gib=40.0, padding=0.1, device="NVIDIA H100")  # fmt: skip
+
+    rows = [row("hf", "padded", "bf16", 0.14, 0.335), row("train", "padded", "bf16", 0.30, 0.40),
+            row("train", "packed", "bf16", 0.15, 0.47)]  # fmt: skip
+    args = argparse.Namespace(shape="1.5b", prompts=8, group_size=8, scale=1, micro_batch_size=2, fp8=[])
+    bench.print_table(rows, args)
+    step = {"status": "ok", "stdout": capsys.readouterr().out}
+    figs = _by_name(report.train_step_figures(step, step))
+
+    assert figs["1.5B HF fwd+bwd MFU"]["value"] == pytest.approx(0.335)
+    assert figs["1.5B train step MFU, no TE"]["value"] == pytest.approx(0.47)
+    assert figs["1.5B train step MFU, TE bf16"]["ok"] is True
+    assert figs["1.5B packed vs padded tokens/s, TE"]["value"] == pytest.approx(2.0)
+
+
+def test_junit_results_give_each_test_its_status_and_reason(tmp_path):
+    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    assert True\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='needs CUDA')\ndef test_skipped():\n    pass\n"
+    )
+    xml = tmp_path / "out.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "test_sample.py"]
+    subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    tests = {t["id"].rsplit("::", 1)[1]: t for t in gpu_check.junit_results(xml)}
+
+    assert tests["test_ok"]["status"] == "passed"
+    assert tests["test_bad"]["status"] == "failed" and "one is not two" in tests["test_bad"]["reason"]
+    assert tests["test_skipped"] == {"id": tests["test_skipped"]["id"], "status": "skipped", "reason": "needs CUDA"}
+
+
+def test_without_cuda_it_says_so_and_exits_nonzero(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: make gpu-check would run")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "no CUDA GPU visible" in proc.stderr and "one or more CUDA GPUs" in proc.stderr
+    assert not (tmp_path / "r").exists()  # nothing half-written

@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""The report of ``make gpu-check`` (tools/gpu_check.py): ``report.md`` and ``report.json`` from recorded results.
+
+Pure and stdlib-only, so it is unit-tested on recorded results without a GPU (tests/tools/test_gpu_check.py) and can
+re-render a finished run: ``python tools/gpu_report.py gpu-report/results.json [--baseline old/report.json]``.
+
+The results (``results.json``, written step by step by gpu_check.py) hold:
+
+- ``environment``: GPU names, driver, torch/CUDA, TE, vLLM, Megatron-Core, mbridge versions (``None`` = absent);
+- ``steps``: ``{name: {"status": "ok" | "failed" | "skipped" | "timeout", "reason", "seconds", "cmd",
+  "stdout", ...}}`` for the gpu-marked tests (with ``tests``: one entry per test), each benchmark and each
+  end-to-end run (with ``metrics``: its ``metrics.jsonl`` rows and ``memory``: the GPU memory timeline).
+
+Figures are extracted from the benchmarks' markdown tables and the runs' metrics and set beside their targets
+(docs/architecture.md, "GPU check"); a figure that cannot be read is a line with the reason, never left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+BF16_SYNC_BOUND = 1.0  # docs/algorithm.md §7.1: engine vs trainer, bf16 on GPU
+FP8_SYNC_BOUND = 2.0  # the same, FP8 trainer vs bf16 engine
+
+
+def parse_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every markdown table in ``text`` as a list of rows keyed by the header cells."""
+    tables: list[list[dict[str, str]]] = []
+    lines = [line.strip() for line in (text or "").splitlines()]
+    i = 0
+    while i + 1 < len(lines):
+        if lines[i].startswith("|") and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[i + 1]):
+            header = [c.strip() for c in lines[i].strip("|").split("|")]
+            rows = []
+            i += 2
+            while i < len(lines) and lines[i].startswith("|"):
+                cells = [c.strip() for c in lines[i].strip("|").split("|")]
+                rows.append(dict(zip(header, cells + [""] * (len(header) - len(cells)), strict=False)))
+                i += 1
+            tables.append(rows)
+        else:
+            i += 1
+    return tables
+
+
+def _number(cell: str | None) -> float | None:
+    """``"12.5"``, ``"0.58x"``, ``"45.1%"`` -> 12.5, 0.58, 0.451; anything else -> None."""
+    if cell is None:
+        return None
+    m = re.fullmatch(r"\s*(-?[0-9.]+(?:e-?\d+)?)\s*(x|%)?\s*", cell)
+    if not m:
+        return None
+    value = float(m.group(1))
+    return value / 100 if m.group(2) == "%" else value
+
+
+def _figure(name: str, value: float | None, target: str, ok: bool | None, unit: str = "", note: str = "") -> dict:
+    return {"name": name, "value": value, "unit": unit, "target": target, "ok": ok, "note": note}
+
+
+def _missing(name: str, target: str, why: str) -> dict:
+    return _figure(name, None, target, None, note=why)
+
+
+def _step_problem(step: dict | None) -> str | None:
+    if step is None:
+        return "not run"
+    if step.get("status") != "ok":
+        return f"{step.get('status', '?')}: {step.get('reason', '')}".strip()
+    return None
+
+
+def _rows(step: dict | None) -> list[dict[str, str]]:
+    return [row for table in parse_tables((step or {}).get("stdout", "")) for row in table]
+
+
+def logprob_figures(step: dict | None) -> list[dict]:
+    name_t, name_m = "fused log-probs: time vs naive", "fused log-probs: peak memory vs naive"
+    problem = _step_problem(step)
+    if problem:
+        return [_missing(name_t, "<= 0.6x", problem), _missing(name_m, "<= 0.25x", problem)]
+    fused = next((r for r in _rows(step) if r.get("implementation") == "fused"), None)
+    if fused is None:
+        return [_missing(n, t, "no 'fused' row in the output") for n, t in ((name_t, "<= 0.6x"), (name_m, "<= 0.25x"))]
+    t, m = _number(fused.get("time ratio vs naive")), _number(fused.get("memory ratio vs naive"))
+    return [
+        _figure(name_t, t, "<= 0.6x", None if t is None else t <= 0.6, "x"),
+        _figure(name_m, m, "<= 0.25x", None if m is None else m <= 0.25, "x"),
+    ]
+
+
+def _pick(rows, variant: str, layout: str, precision: str = "bf16") -> dict | None:
+    return next(
+        (r for r in rows if (r.get("variant"), r.get("layout"), r.get("precision")) == (variant, layout, precision)),
+        None,
+    )
+
+
+def train_step_figures(no_te: dict | None, te: dict | None) -> list[dict]:
+    """1.5B: full-step MFU >= HF's fwd+bwd MFU without TE, >= 45% with TE; packed >= 1.8x padded tokens/s."""
+    out = []
+    problem = _step_problem(no_te)
+    if problem:
+        out.append(_missing("1.5B train step MFU, no TE (vs HF fwd+bwd MFU)", ">= HF", problem))
+    else:
+        rows = _rows(no_te)
+        hf, ours = _pick(rows, "hf", "padded"), _pick(rows, "train", "packed") or _pick(rows, "train", "padded")
+        hf_mfu, mfu = _number((hf or {}).get("MFU")), _number((ours or {}).get("MFU"))
+        if hf_mfu is None or mfu is None:
+            out.append(_missing("1.5B train step MFU, no TE (vs HF fwd+bwd MFU)", ">= HF", "hf or train row missing"))
+        else:
+            out.append(_figure("1.5B HF fwd+bwd MFU", hf_mfu, "baseline", None, "%"))
+            out.append(_figure("1.5B train step MFU, no TE", mfu, f">= {hf_mfu:.1%} (HF)", mfu >= hf_mfu, "%"))
+    problem = _step_problem(te)
+    if problem:
+        out.append(_missing("1.5B train step MFU, TE bf16", ">= 45%", problem))
+        out.append(_missing("1.5B packed vs padded tokens/s, TE", ">= 1.8x", problem))
+        return out
+    rows = _rows(te)
+    packed, padded = _pick(rows, "train", "packed"), _pick(rows, "train", "padded")
+    mfu = _number((packed or padded or {}).get("MFU"))
+    out.append(
+        _figure("1.5B train step MFU, TE bf16", mfu, ">= 45%", None if mfu is None else mfu >= 0.45, "%")
+        if mfu is not None
+        else _missing("1.5B train step MFU, TE bf16", ">= 45%", "no train row")
+    )
+    ratio = _number((packed or {}).get("vs padded"))
+    out.append(
+        _figure("1.5B packed vs padded tokens/s, TE", ratio, ">= 1.8x", ratio >= 1.8, "x")
+        if ratio is not None
+        else _missing("1.5B packed vs padded tokens/s, TE", ">= 1.8x", "no packed train row")
+    )
+    return out
+
+
+def fp8_figures(step: dict | None) -> list[dict]:
+    """7B fwd+bwd, TE: each FP8 recipe's tokens/s vs bf16 (>= 1.2x)."""
+    problem = _step_problem(step)
+    if problem:
+        return [_missing("7B FP8 vs bf16 fwd+bwd", ">= 1.2x", problem)]
+    rows = [r for r in _rows(step) if r.get("variant") == "fwd_bwd" and r.get("precision") not in ("bf16", None)]
+    out = []
+    for r in rows:
+        name = f"7B FP8 {r.get('precision')} vs bf16 fwd+bwd ({r.get('layout')})"
+        value = _number(r.get("vs bf16"))
+        out.append(
+            _figure(name, value, ">= 1.2x", value >= 1.2, "x")
+            if value is not None
+            else _missing(name, ">= 1.2x", r.get("ms/step", "no figure")[:120])
+        )
+    return out or [_missing("7B FP8 vs bf16 fwd+bwd", ">= 1.2x", "no FP8 rows in the output")]
+
+
+def drift_figures(step: dict | None) -> list[dict]:
+    """PACS score error vs fp32 per option at 1k and all (4k) tokens. ``--fp8-score-precision auto`` means option B
+    for PACS (FP8 training, bf16 score passes; bench_fp8_drift.py): it holds when, per recipe, B's 4k error is no
+    larger than A's (scores in FP8 too)."""
+    target = "B (auto) <= A per recipe"
+    problem = _step_problem(step)
+    if problem:
+        return [_missing("--fp8-score-precision auto holds", target, problem)]
+    out = []
+    errors: dict[tuple[str, str], float] = {}
+    for r in _rows(step):
+        option, recipe = r.get("option", "?"), r.get("recipe", "-")
+        for col, label in (("score err 1k mean / max", "1k"), ("score err all mean / max", "4k")):
+            mean = _number((r.get(col) or "").split("/")[0])
+            if mean is not None:
+                out.append(_figure(f"score error {option} {recipe} {label} (mean)", mean, "info", None, "nats"))
+                if label == "4k":
+                    errors[(option, recipe)] = mean
+    recipes = sorted({rec for opt, rec in errors if opt == "B" and (("A", rec) in errors)})
+    for rec in recipes:
+        b, a = errors[("B", rec)], errors[("A", rec)]
+        out.append(_figure(f"auto (B) 4k score error, {rec}", b, f"<= {a:.3g} (A)", b <= a, "nats"))
+    if not recipes:
+        out.append(_missing("--fp8-score-precision auto holds", target, "no recipe with both A and B rows"))
+    return out
+
+
+def e2e_figures(name: str, step: dict | None, bound: float) -> list[dict]:
+    problem = _step_problem(step)
+    if problem:
+        return [_missing(f"RL {name}: sync/max_logprob_diff", f"<= {bound}", problem)]
+    metrics = step.get("metrics", [])
+    if not metrics:
+        return [_missing(f"RL {name}: sync/max_logprob_diff", f"<= {bound}", "the run wrote no metrics")]
+    out = []
+    diffs = [m["sync/max_logprob_diff"] for m in metrics if "sync/max_logprob_diff" in m]
+    if diffs:
+        out.append(_figure(f"RL {name}: sync/max_logprob_diff", max(diffs), f"<= {bound}", max(diffs) <= bound))
+    else:
+        out.append(_missing(f"RL {name}: sync/max_logprob_diff", f"<= {bound}", "no sync probe in the metrics"))
+    rewards = [m.get("rollout/reward_mean") for m in metrics]
+    rewards = [r for r in rewards if r is not None]
+    if rewards:
+        out.append(_figure(f"RL {name}: reward mean (last step)", rewards[-1], "info", None))
+    last = metrics[-1]
+    for key in sorted(k for k in last if k.startswith("perf/time/")):
+        out.append(_figure(f"RL {name}: {key} (last step)", last[key], "info", None, "s"))
+    memory = step.get("memory") or {}
+    for phase, gib in memory.get("freed_gib", {}).items():
+        out.append(_figure(f"RL {name}: GPU memory freed by {phase}", gib, "info", None, "GiB", "nvidia-smi samples"))
+    return out
+
+
+def figures(results: dict) -> list[dict]:
+    """Every figure with its target (``ok``: True / False / None = informational or unmeasured)."""
+    steps = results.get("steps", {})
+    out = logprob_figures(steps.get("bench_logprobs"))
+    out += train_step_figures(steps.get("train_step_1.5b_no_te"), steps.get("train_step_1.5b_te"))
+    out += fp8_figures(steps.get("train_step_7b_fp8"))
+    out += drift_figures(steps.get("bench_fp8_drift"))
+    out += e2e_figures("colocated (ipc, sleep/wake, optimizer offload)", steps.get("rl_colocated"), BF16_SYNC_BOUND)
+    out += e2e_figures("separate engines (NCCL broadcast)", steps.get("rl_broadcast"), BF16_SYNC_BOUND)
+    out += e2e_figures("FP8 trainer", steps.get("rl_fp8"), FP8_SYNC_BOUND)
+    return out
+
+
+def changes(current: list[dict], baseline: list[dict]) -> list[dict]:
+    """Per figure present in both with a number: old, new and the relative change."""
+    old = {f["name"]: f["value"] for f in baseline if isinstance(f.get("value"), (int, float))}
+    out = []
+    for f in current:
+        if isinstance(f.get("value"), (int, float)) and f["name"] in old:
+            before = old[f["name"]]
+            rel = (f["value"] - before) / abs(before) if before else None
+            out.append({"name": f["name"], "old": before, "new": f["value"], "change": rel})
+    return out
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if unit == "%":
+        return f"{value:.1%}"
+    if isinstance(value, float):
+        return f"{value:.4g}{unit if unit == 'x' else ''}"
+    return str(value)
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")
+
+
+def render(results: dict, baseline: dict | None = None) -> tuple[str, dict]:
+    """``(report.md text, report.json object)``."""
+    figs = figures(results)
+    env = results.get("environment", {})
+    steps = results.get("steps", {})
+    md = ["# make gpu-check", ""]
+    md += [f"Run {results.get('started', '?')}, {results.get('seconds', 0):.0f} s in all.", "", "## Environment", ""]
+    md += ["| what | value |", "|---|---|"]
+    md += [f"| {k} | {_cell(v if v is not None else 'absent')} |" for k, v in env.items()]
+    md += ["", "## Targets", "", "| figure | value | target | verdict | note |", "|---|---|---|---|---|"]
+    for f in figs:
+        verdict = {True: "pass", False: "FAIL", None: "-" if f["value"] is not None else "not measured"}[f["ok"]]
+        md.append(f"| {f['name']} | {_fmt(f['value'], f['unit'])} | {f['target']} | {verdict} | {_cell(f['note'])} |")
+    tests = steps.get("gpu_tests", {}).get("tests", [])
+    md += ["", "## gpu-marked tests", ""]
+    problem = _step_problem(steps.get("gpu_tests"))
+    if not tests:
+        md.append(f"No per-test results: {problem or 'the run collected none'}.")
+    else:
+        counts = {s: sum(t["status"] == s for t in tests) for s in ("passed", "failed", "skipped", "error")}
+        md += [", ".join(f"{n} {s}" for s, n in counts.items()), "", "| test | status | reason |", "|---|---|---|"]
+        md += [f"| {t['id']} | {t['status']} | {_cell(t.get('reason', ''))[:200]} |" for t in tests]
+    md += ["", "## Steps", "", "| step | status | seconds | reason |", "|---|---|---|---|"]
+    for name, s in steps.items():
+        md.append(f"| {name} | {s.get('status')} | {s.get('seconds', 0):.0f} | {_cell(s.get('reason', ''))[:200]} |")
+    diff = changes(figs, baseline.get("figures", [])) if baseline else []
+    if baseline is not None:
+        md += ["", f"## Change vs baseline ({baseline.get('started', '?')})", ""]
+        md += ["| figure | old | new | change |", "|---|---|---|---|"]
+        for c in diff:
+            rel = "-" if c["change"] is None else f"{c['change']:+.1%}"
+            md.append(f"| {c['name']} | {c['old']:.4g} | {c['new']:.4g} | {rel} |")
+    md += ["", "## Benchmark output", ""]
+    for name, s in steps.items():
+        if s.get("stdout") and name != "gpu_tests":
+            md += [f"### {name}", "", "```", s["stdout"].strip()[-6000:], "```", ""]
+    report = {
+        "started": results.get("started"),
+        "seconds": results.get("seconds"),
+        "environment": env,
+        "figures": figs,
+        "tests": tests,
+        "steps": {k: {kk: vv for kk, vv in v.items() if kk not in ("stdout", "metrics")} for k, v in steps.items()},
+        "changes": diff,
+    }
+    return "\n".join(md) + "\n", report
+
+
+def write_report(results: dict, out_dir: Path, baseline: dict | None = None) -> tuple[Path, Path]:
+    """Write ``out_dir/report.md`` and ``out_dir/report.json``; returns their paths."""
+    text, report = render(results, baseline)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / "report.md", out_dir / "report.json"
+    md.write_text(text, encoding="utf-8")
+    js.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    return md, js
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", type=Path, help="results.json of a gpu_check.py run")
+    ap.add_argument("--out", type=Path, default=None, help="folder for report.md/json (default: beside results)")
+    ap.add_argument("--baseline", type=Path, default=None, help="an earlier report.json: print every figure's change")
+    args = ap.parse_args(argv)
+    results = json.loads(args.results.read_text(encoding="utf-8"))
+    baseline = json.loads(args.baseline.read_text(encoding="utf-8")) if args.baseline else None
+    md, _ = write_report(results, args.out or args.results.parent, baseline)
+    print(md.read_text(encoding="utf-8"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
