@@ -136,8 +136,17 @@ class RolloutFleet:
             return
         cfg = self.config
         if cfg.ray_address:
-            ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True)
-            return
+            for attempt in range(3):
+                try:
+                    ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True)
+                    return
+                except RuntimeError as exc:
+                    # Ray Client's head starts one server process per client; on a loaded head that start fails
+                    # now and then ("Starting Ray client server failed"), and a new connection succeeds.
+                    if attempt == 2 or "Starting Ray client server failed" not in str(exc):
+                        raise
+                    log.warning("fleet: %s; connecting again (attempt %d of 3)", exc, attempt + 2)
+                    time.sleep(5)
         self._temp_dir, self._remove_temp = _short_temp_dir(self.run_dir)
         ray.init(
             num_cpus=os.cpu_count(),

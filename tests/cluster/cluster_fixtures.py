@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import pytest
 from deploy import HOSTS, Deployment
@@ -30,12 +32,19 @@ def netns_ok() -> None:
     pytest.skip(f"virtual cluster unavailable: {why}")
 
 
+#: One setup and one continuous run per session: test modules import these fixtures, and pytest would otherwise make
+#: a session fixture once per importing module.
+_SESSION: dict[str, object] = {}
+
+
 @pytest.fixture(scope="session")
 def cluster_setup(tmp_path_factory) -> Path:
     """The tiny Qwen2 and its ``train.jsonl`` (tests/conftest.py's make_rl_setup), on the shared filesystem."""
     from conftest import make_rl_setup
 
-    return make_rl_setup(tmp_path_factory.mktemp("cluster_setup"), tied=False, num_problems=32)
+    if "setup" not in _SESSION:
+        _SESSION["setup"] = make_rl_setup(tmp_path_factory.mktemp("cluster_setup"), tied=False, num_problems=32)
+    return cast(Path, _SESSION["setup"])
 
 
 class _Terminated(Exception):
@@ -52,11 +61,13 @@ def virtual_deployment(setup: Path, workdir: Path) -> Iterator[Deployment]:
     checked to leave no namespace behind."""
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # Ctrl-C already raises KeyboardInterrupt
     cluster = VirtualCluster(HOSTS, workdir)
+    deployment = Deployment(cluster, workdir, setup)
     try:
-        yield Deployment(cluster, workdir, setup)
+        yield deployment
     finally:
         try:
             cluster.close()
+            shutil.rmtree(deployment.ray_tmp, ignore_errors=True)
         finally:
             signal.signal(signal.SIGTERM, previous)
     assert not cluster.exists(), "the virtual cluster's namespaces or bridge are left behind"
@@ -95,8 +106,14 @@ def wait_engines_gone(d: Deployment, timeout: float = 90.0) -> dict[str, list[in
 @pytest.fixture(scope="session")
 def continuous(netns_ok, cluster_setup, tmp_path_factory) -> Run:
     """The documented deployment's 3 steps, uninterrupted (the reference of the fault tests)."""
+    if "continuous" not in _SESSION:
+        _SESSION["continuous"] = _run_continuous(cluster_setup, tmp_path_factory.mktemp("continuous"))
+    return cast(Run, _SESSION["continuous"])
+
+
+def _run_continuous(setup: Path, workdir: Path) -> Run:
     started = time.monotonic()
-    with virtual_deployment(cluster_setup, tmp_path_factory.mktemp("continuous")) as d:
+    with virtual_deployment(setup, workdir) as d:
         d.start_rollout_cluster()
         d.start_trainers("run", "--max-logprob-diff", "1e-5")  # every sync probed; stops the run above the bound
         codes = d.wait_trainers(timeout=600)

@@ -63,11 +63,17 @@ def test_preemption_stops_every_rank_at_a_step_boundary_saves_exits_0_and_resume
     codes = d.wait_trainers(timeout=90)
     took = time.monotonic() - sent
     logs = _logs(d, "pre-train0", "pre-train1")
-    assert codes == {"train0": 0, "train1": 0}, logs
+    # torchrun itself exits 1 on SIGTERM whatever its ranks do (torch elastic's SignalException); the ranks exit 0.
+    assert set(codes.values()) <= {0, 1}, (codes, logs)
     assert took < 60, f"exited {took:.0f}s after SIGTERM (grace period 60s)"
     assert all(not d.cluster.pids(h) for h in TRAIN_HOSTS), d.cluster.leftovers()
     stopped = max(r["step"] for r in d.metrics("pre"))
-    assert stopped < 3 and f"exit signal: every rank stops after step {stopped}" in logs, logs
+    for host in TRAIN_HOSTS:
+        text = d.log(f"pre-{host}").read_text(errors="replace")
+        assert f"exit signal: stopped after step {stopped} " in text and "exiting 0" in text, text[-6000:]
+        assert "]: Traceback" not in text, text[-6000:]  # no rank failed ([rankN]: Traceback)
+    assert stopped < 3
+    print(f"preemption: every process gone {took:.1f}s after SIGTERM (stopped after step {stopped})")
     meta = json.loads((d.workdir / "pre-ckpt" / f"iter_{stopped:07d}" / "megatron_pacs.json").read_text())
     assert meta["step"] == stopped
     assert not list((d.workdir / "pre-ckpt").glob(".iter_*.tmp-*"))
