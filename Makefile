@@ -139,6 +139,9 @@ $(COMPAT_VENV)/.installed: setup.py constraints/cpu.txt constraints/lock.py
 GPU_T211_PINS := vllm==0.26.0 transformer-engine==2.20.2 torch==2.11.0
 GPU_ENV_ROOTS := torch torchvision torchaudio
 GPU_ENV_LIBS := ^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*)$$
+# Not pinned either: cuda-python pins cuda-bindings exactly, so it must follow the environment's cuda-bindings
+# (pinned, it would replace it: check-gpu-torch2.11 found that).
+GPU_ENV_TIED := cuda-python
 
 lock-gpu-torch2.11:
 	@set -euo pipefail; t0=$$(date +%s); tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
@@ -150,7 +153,7 @@ lock-gpu-torch2.11:
 	  $(GPU_PLATFORM) -c "$$tmp/shared.txt" --report "$$tmp/report.json" ".[gpu-container]" $(GPU_T211_PINS); \
 	$(PYTHON) constraints/lock.py closure "$$tmp/report.json" $(GPU_ENV_ROOTS) | grep -E '$(GPU_ENV_LIBS)' > "$$tmp/env.txt"; \
 	$(PYTHON) constraints/lock.py report constraints/gpu-torch2.11.txt "$$tmp/report.json" \
-	  --drop megatron-pacs $$(cat "$$tmp/env.txt") --note "make lock-gpu-torch2.11"; \
+	  --drop megatron-pacs $(GPU_ENV_TIED) $$(cat "$$tmp/env.txt") --note "make lock-gpu-torch2.11"; \
 	echo "== make lock-gpu-torch2.11: done in $$(( $$(date +%s) - t0 )) s; now make check-gpu-torch2.11"
 
 # The install on a torch-2.11 environment must not touch that environment's torch, triton or CUDA libraries. The
