@@ -185,7 +185,7 @@ check-gpu-torch2.11:
 # lock-gpu; gpu-torch2.11 on the emulated torch-2.11 environment, so none of its torch/CUDA packages is fetched),
 # downloads every planned file into DEST (sha256 checked) plus what is built on the target (transformer-engine-torch's
 # sdist and its build tools, TE_BUILD_DEPS), and writes DEST/manifest.json and manifest.tsv (file, name, version,
-# sha256, bytes). SIZES_ONLY=1 asks each file's size instead of downloading (manifest.tsv then lists sizes only).
+# sha256, bytes). SIZES_ONLY=1 asks each planned file's size instead of downloading (DEST/sizes.tsv).
 # `make install-offline WHEELHOUSE=dir` installs from it with --no-index (no index is consulted): cpu into $(VENV)
 # as `make install` does; gpu / gpu-torch2.11 into the environment of $(PYTHON) (a venv made with
 # --system-site-packages on a container), first building TE's torch extension against that environment's torch.

@@ -20,7 +20,7 @@ Used by `make lock` and `make lock-gpu`; not part of the package.
       exits 1, naming them, when a `pip install --dry-run --report` plan would install any of NAME ...
   lock.py fetch PLAN.json DEST [--head]
       download every file a dry-run plan installs into DEST (sha256 checked; local files copied; the project
-      itself and metadata-only stand-ins skipped); with --head only ask each file's size, download nothing
+      itself and metadata-only stand-ins skipped); with --head only ask each file's size (DEST/sizes.tsv)
   lock.py sdist NAME VERSION DEST
       download NAME's source distribution from PyPI's simple index (what must be built on the target machine)
   lock.py manifest DEST
@@ -260,7 +260,7 @@ def cmd_fetch(args) -> None:
     plan = json.loads(Path(args.plan).read_text(encoding="utf-8"))
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
-    total, count = 0, 0
+    total, count, sizes = 0, 0, ["file\tversion\tbytes"]
     for item in plan["install"]:
         found = _file_of(item)
         if found is None:
@@ -275,7 +275,7 @@ def cmd_fetch(args) -> None:
                 with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as r:
                     size = int(r.headers["Content-Length"])
             total, count = total + size, count + 1
-            print(f"{name}\t{size}")
+            sizes.append(f"{name}\t{item['metadata']['version']}\t{size}")
             continue
         if not (target.exists() and (not digest or _sha256(target) == digest)):
             if url.startswith("file:"):
@@ -287,6 +287,8 @@ def cmd_fetch(args) -> None:
                 target.unlink()
                 sys.exit(f"lock.py: sha256 mismatch for {url}")
         total, count = total + target.stat().st_size, count + 1
+    if args.head:
+        (dest / "sizes.tsv").write_text("\n".join(sizes) + "\n", encoding="utf-8")
     print(
         f"{args.dest}: {count} files, {total / 2**30:.2f} GiB"
         + (" (sizes only, nothing downloaded)" if args.head else "")

@@ -115,6 +115,13 @@ def test_fetch_checks_sha256_and_manifest_lists_every_file(lock, tmp_path):
     assert manifest["bytes"] == src.stat().st_size + len(b"not really a tarball")
     assert (dest / "manifest.tsv").read_text().splitlines()[0] == "file\tname\tversion\tsha256\tbytes"
 
+    sizes = _cli("fetch", str(tmp_path / "plan.json"), str(tmp_path / "sizes"), "--head")
+    assert sizes.returncode == 0 and "(sizes only, nothing downloaded)" in sizes.stdout
+    assert (tmp_path / "sizes" / "sizes.tsv").read_text().splitlines()[1:] == [
+        f"{src.name}\t1.2.3\t{src.stat().st_size}"
+    ]
+    assert not (tmp_path / "sizes" / src.name).exists()
+
     plan["install"][0]["download_info"]["archive_info"]["hashes"]["sha256"] = "0" * 64
     (tmp_path / "bad.json").write_text(json.dumps(plan))
     bad = _cli("fetch", str(tmp_path / "bad.json"), str(tmp_path / "other"))
