@@ -23,7 +23,7 @@ TRITON_VERSION ?= 3.9.0
 LINT_PATHS := megatron_pacs tools tests benchmarks examples
 PYTEST_ARGS ?=
 
-.PHONY: install test test-quick test-compat lint lock lock-gpu lock-gpu-torch2.11 check-gpu-torch2.11 wheelhouse install-offline gpu-check bench demo demo-compare clean
+.PHONY: install test test-quick test-compat lint lock lock-gpu lock-gpu-torch2.11 check-gpu-torch2.11 wheelhouse install-offline test-offline gpu-check bench demo demo-compare clean
 
 install: $(VENV)/.installed
 
@@ -231,6 +231,14 @@ wheelhouse:
 	echo "$(TARGET)" > "$(DEST)/TARGET"; \
 	$(PYTHON) constraints/lock.py manifest "$(DEST)"; \
 	echo "== make wheelhouse: done in $$(( $$(date +%s) - t0 )) s"
+
+# The cpu round trip end to end (several minutes, so not part of `make test`; tests/constraints/test_lock.py covers
+# the fetch and manifest plumbing there): a wheelhouse, then an offline install of it into a clean venv, whose
+# import check (torch, megatron_pacs.mcore, megatron.core, vllm, ray, math_verify) must pass.
+test-offline:
+	@set -euo pipefail; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(MAKE) --no-print-directory wheelhouse TARGET=cpu DEST="$$tmp/wheelhouse"; \
+	$(MAKE) --no-print-directory install-offline WHEELHOUSE="$$tmp/wheelhouse" VENV="$$tmp/venv"
 
 # No index reachable during the install: --no-index everywhere, and the environment's index settings point nowhere.
 OFFLINE_ENV = PIP_NO_INDEX=1 PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_EXTRA_INDEX_URL= \
