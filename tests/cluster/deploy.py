@@ -60,28 +60,35 @@ class Deployment:
 
     # -- the rollout cluster ----------------------------------------------------------------------------------
 
-    def start_rollout_cluster(self, timeout: float = 120.0) -> None:
-        """``ray_cluster.sh head`` and ``worker``, then wait until Ray sees both nodes."""
+    def start_rollout_cluster(self, timeout: float = 180.0, attempts: int = 3) -> None:
+        """``ray_cluster.sh head`` and ``worker``, then wait until Ray sees both nodes. A node whose ``ray start``
+        gives up (Ray waits a fixed 30 s for its raylet, too short on a loaded 2-core machine) is started again."""
         self.ray_tmp.mkdir(parents=True, exist_ok=True)
-        for host in ROLLOUT_HOSTS:
+        for n, host in enumerate(ROLLOUT_HOSTS, start=1):
             ray_tmp = str(self.ray_tmp / host)
             cmd = [*COMMANDS[host].split(), "--temp-dir", ray_tmp, "--object-store-memory", str(2**28)]
-            self.cluster.spawn(host, cmd, env=self.env(), log=self.log(host), cwd=ROOT)
-            if host == "rollout-head":
-                self._wait_nodes(1, timeout)
-        self._wait_nodes(2, timeout)
+            for attempt in range(attempts):
+                proc = self.cluster.spawn(host, cmd, env=self.env(), log=self.log(host), cwd=ROOT)
+                if self._wait_nodes(n, timeout, proc):
+                    break
+                self.cluster.kill_host(host)  # what the failed start left there
+                if attempt == attempts - 1:
+                    raise TimeoutError(f"{host} did not join the rollout cluster:\n{self.tail(host)}")
 
-    def _wait_nodes(self, n: int, timeout: float) -> None:
+    def _wait_nodes(self, n: int, timeout: float, proc: subprocess.Popen) -> bool:
+        """Whether Ray sees ``n`` live nodes within ``timeout`` (False at once if ``proc`` exits)."""
         deadline = time.monotonic() + timeout
-        status = ""
-        while time.monotonic() < deadline:
-            out = self.cluster_run("rollout-head", ["ray", "status", "--address", "rollout-head:6379"], timeout=60)
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                out = self.cluster_run("rollout-head", ["ray", "status", "--address", "rollout-head:6379"], timeout=60)
+            except subprocess.TimeoutExpired:
+                continue
             status = out.stdout + out.stderr
             active = status.split("Active:")[-1].split("Pending:")[0] if "Active:" in status else ""
             if len(re.findall(r"\bnode_[0-9a-f]+", active)) >= n:
-                return
+                return True
             time.sleep(2)
-        raise TimeoutError(f"the rollout cluster did not reach {n} node(s) in {timeout:.0f}s:\n{status[-3000:]}")
+        return False
 
     def cluster_run(self, host: str, cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
         """Run a short command on ``host`` and wait for it (bounded)."""
