@@ -100,7 +100,7 @@ def test_replacing_every_worker_late_in_a_batch_is_a_timeout_not_an_error(num_wo
 
 def test_a_pool_whose_workers_never_start_raises():
     with RewardScorer(num_workers=1, reward_fn=never_ready_reward, start_timeout_s=3.0) as s:
-        with pytest.raises(RuntimeError, match="no reward worker started within 3.0s"):
+        with pytest.raises(RuntimeError, match=r"no reward worker started within 3\.0s"):
             s.score(["a"], ["a"])
 
 
