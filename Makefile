@@ -142,6 +142,10 @@ GPU_ENV_LIBS := ^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*)$$
 # Not pinned either: cuda-python pins cuda-bindings exactly, so it must follow the environment's cuda-bindings
 # (pinned, it would replace it: check-gpu-torch2.11 found that).
 GPU_ENV_TIED := cuda-python
+# torch's Python bindings to CUDA (not CUDA libraries). vLLM 0.26.0 needs nvidia-cutlass-dsl, hence cuda-python, whose
+# newest release (13.4.4) needs cuda-bindings ~= 13.4.4: an environment installed with torch 2.11.0 since
+# cuda-bindings 13.5.0 came out gets it moved to 13.4.4 (still inside torch's <14). The check prints that as a notice.
+GPU_ENV_BINDINGS := cuda-bindings cuda-pathfinder
 
 lock-gpu-torch2.11:
 	@set -euo pipefail; t0=$$(date +%s); tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
@@ -177,7 +181,7 @@ check-gpu-torch2.11:
 	PIP_CONSTRAINT= $$py -m pip install -q --disable-pip-version-check --dry-run --only-binary=:all: \
 	  -c constraints/gpu-torch2.11.txt --report "$$tmp/plan.json" ".[gpu-container]"; \
 	cut -d= -f1 "$$tmp/env.txt" | grep -E '$(GPU_ENV_LIBS)' > "$$tmp/forbidden.txt"; \
-	$(PYTHON) constraints/lock.py check-plan "$$tmp/plan.json" "$$tmp/forbidden.txt"; \
+	$(PYTHON) constraints/lock.py check-plan "$$tmp/plan.json" "$$tmp/forbidden.txt" --allow $(GPU_ENV_BINDINGS); \
 	echo "== check-gpu-torch2.11: ok in $$(( $$(date +%s) - t0 )) s"
 
 # Offline installs. `make wheelhouse TARGET=cpu|gpu|gpu-torch2.11 DEST=dir` plans the target's install with pip
@@ -222,7 +226,7 @@ wheelhouse:
 	  PIP_CONSTRAINT= $$py -m pip install -q --disable-pip-version-check --dry-run --only-binary=:all: \
 	    -c constraints/gpu-torch2.11.txt --report "$$tmp/plan.json" ".[gpu-container]" $(TE_BUILD_DEPS); \
 	  cut -d= -f1 "$$tmp/env.txt" | grep -E '$(GPU_ENV_LIBS)' > "$$tmp/forbidden.txt"; \
-	  $(PYTHON) constraints/lock.py check-plan "$$tmp/plan.json" "$$tmp/forbidden.txt"; \
+	  $(PYTHON) constraints/lock.py check-plan "$$tmp/plan.json" "$$tmp/forbidden.txt" --allow $(GPU_ENV_BINDINGS); \
 	  $(FETCH);; \
 	*) echo "TARGET must be cpu, gpu or gpu-torch2.11"; exit 2;; \
 	esac; \

@@ -16,8 +16,9 @@ Used by `make lock` and `make lock-gpu`; not part of the package.
       packages (a container's torch) to install into a throwaway venv, so that a dry run sees them as installed
   lock.py closure REPORT.json ROOT ...
       the names of ROOT ... and everything they need in a --report, one a line
-  lock.py check-plan PLAN.json NAME ...
-      exits 1, naming them, when a `pip install --dry-run --report` plan would install any of NAME ...
+  lock.py check-plan PLAN.json NAME ... [--allow NAME ...]
+      exits 1, naming them, when a `pip install --dry-run --report` plan would install any of NAME ... (those also
+      in --allow only print a notice)
   lock.py fetch PLAN.json DEST [--head]
       download every file a dry-run plan installs into DEST (sha256 checked; local files copied; the project
       itself and metadata-only stand-ins skipped); with --head only ask each file's size (DEST/sizes.tsv)
@@ -234,8 +235,12 @@ def cmd_check_plan(args) -> None:
     names = [canonical(n) for n in args.names]
     if len(names) == 1 and Path(args.names[0]).is_file():  # a file of names, one a line
         names = [canonical(n) for n in Path(args.names[0]).read_text(encoding="utf-8").split()]
-    bad = check_plan(plan, names)
+    allowed = {canonical(n) for n in args.allow}
+    touched = check_plan(plan, names)
+    bad = [b for b in touched if b.split("==")[0] not in allowed]
     print(f"{args.plan}: the plan installs {len(plan['install'])} packages; {len(bad)} of the {len(names)} forbidden")
+    for b in sorted(set(touched) - set(bad)):
+        print(f"  notice: the plan changes the environment's {b} (allowed: --allow)")
     if bad:
         sys.exit("lock.py: the install would replace the environment's " + " ".join(bad))
 
@@ -425,6 +430,7 @@ def main() -> None:
     p = sub.add_parser("check-plan")
     p.add_argument("plan")
     p.add_argument("names", nargs="+")
+    p.add_argument("--allow", nargs="*", default=[], help="forbidden names whose change only prints a notice")
     p.set_defaults(fn=cmd_check_plan)
     g = sub.add_parser("fetch")
     g.add_argument("plan")

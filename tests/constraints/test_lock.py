@@ -74,6 +74,10 @@ def test_check_plan_names_what_would_replace_the_environment(lock, report, tmp_p
     assert "would replace the environment's cuda-bindings==13.4.4" in proc.stderr
     ok = _cli("check-plan", str(tmp_path / "plan.json"), "torch", "triton")
     assert ok.returncode == 0 and "0 of the 2 forbidden" in ok.stdout
+    allowed = _cli("check-plan", str(tmp_path / "plan.json"), str(forbidden), "--allow", "cuda-bindings")
+    assert (
+        allowed.returncode == 0 and "notice: the plan changes the environment's cuda-bindings==13.4.4" in allowed.stdout
+    )
 
 
 def test_wheel_requires_reads_pins_and_drops_extras_and_names(lock, tmp_path):
