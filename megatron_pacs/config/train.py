@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from megatron_pacs.config.base import bad
+from megatron_pacs.config.base import bad, is_set
 from megatron_pacs.config.batch import BatchConfig
 from megatron_pacs.config.loss import LossConfig
 from megatron_pacs.config.model import ModelConfig
@@ -122,6 +122,7 @@ class TrainConfig:
                 "shares GPUs between the trainer and the engines and needs CUDA; this machine has none, so drop "
                 "--colocate (the engines then run beside the trainer)",
             )
+        self._check_engine_memory_flags()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if (self.rollout.colocate or self.rollout.weight_sync == "ipc") and world_size > local_world:
             raise bad(
@@ -155,6 +156,22 @@ class TrainConfig:
         if self.eval.eval_interval and not self.data.val_data:
             raise bad("eval_interval", "validation needs --val-data files")
         return dp
+
+    def _check_engine_memory_flags(self) -> None:
+        """Engine settings that the machine's kind (CUDA or not, as the fleet decides) would ignore."""
+        r, cuda = self.rollout, _cuda_available()
+        if cuda and is_set(r, "kv_cache_gb"):
+            raise bad("kv_cache_gb", "sizes CPU engines' KV cache; GPU engines take --gpu-memory-utilization instead")
+        if not cuda and r.gpu_memory_utilization is not None:
+            raise bad("gpu_memory_utilization", "applies to GPU engines; this machine's CPU engines take --kv-cache-gb")
+        transport = r.weight_sync
+        if transport == "auto":
+            transport = "object_store" if not cuda else ("ipc" if r.colocate else "broadcast")
+        if not r.keep_weights_for_restart and transport == "object_store":
+            raise ValueError(
+                "--no-keep-weights-for-restart: the object-store transport keeps the last update anyway (the engines "
+                "load it from there, and a restarted engine too); drop the flag"
+            )
 
     def _check_positions(self) -> None:
         """--seq-length within the model's position embeddings (read from config.json; no model is loaded)."""

@@ -201,6 +201,29 @@ def test_checkpoint_directories_checked_before_anything_starts(tmp_path):
         check("--load", str(tmp_path))  # a directory, but no checkpoint in it
 
 
+def test_engine_flags_the_machine_would_ignore_are_refused(tmp_path, monkeypatch):
+    """Issue 24.5: --gpu-memory-utilization on CPU engines, --kv-cache-gb on GPU engines (simulated: the check reads
+    ``_cuda_available``), and --no-keep-weights-for-restart with the object-store transport, which keeps the update
+    anyway."""
+    from megatron_pacs.config import train as train_config
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text("")
+    files = ["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl")]
+    monkeypatch.setattr(train_config, "_cuda_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization: applies to GPU engines"):
+        parse_config([*files, "--gpu-memory-utilization", "0.7"]).validate(1)
+    with pytest.raises(ValueError, match=r"--no-keep-weights-for-restart: the object-store transport keeps"):
+        parse_config([*files, "--no-keep-weights-for-restart"]).validate(1)
+    parse_config([*files, "--kv-cache-gb", "2"]).validate(1)
+    monkeypatch.setattr(train_config, "_cuda_available", lambda: True)
+    with pytest.raises(ValueError, match=r"--kv-cache-gb: sizes CPU engines' KV cache"):
+        parse_config([*files, "--kv-cache-gb", "2"]).validate(1)
+    with pytest.raises(ValueError, match=r"--no-keep-weights-for-restart"):
+        parse_config([*files, "--weight-sync", "object_store", "--no-keep-weights-for-restart"]).validate(1)
+    parse_config([*files, "--gpu-memory-utilization", "0.7", "--no-keep-weights-for-restart"]).validate(1)
+
+
 def test_seq_length_beyond_the_models_positions_is_refused_before_any_model_loads(tmp_path):
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 512}')
     (tmp_path / "train.jsonl").write_text("")
