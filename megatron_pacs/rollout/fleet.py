@@ -140,9 +140,10 @@ class RolloutFleet:
                 try:
                     ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True)
                     return
-                except RuntimeError as exc:
-                    # Ray Client's head starts one server process per client; on a loaded head that start fails
-                    # now and then ("Starting Ray client server failed"), and a new connection succeeds.
+                except (RuntimeError, ConnectionError) as exc:
+                    # Ray Client's head starts one server process per client; that start fails now and then (in
+                    # the virtual cluster: the first client after `ray start`), "Starting Ray client server
+                    # failed", and a new connection succeeds.
                     if attempt == 2 or "Starting Ray client server failed" not in str(exc):
                         raise
                     log.warning("fleet: %s; connecting again (attempt %d of 3)", exc, attempt + 2)
