@@ -250,7 +250,7 @@ OFFLINE_ENV = PIP_NO_INDEX=1 PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_EXTRA_I
 OFFLINE_PIP = $(OFFLINE_ENV) $(PYTHON) -m pip install --disable-pip-version-check --no-index \
 	--find-links "$(abspath $(WHEELHOUSE))"
 # TE's torch extension, built against the environment's torch and CUDA (nvcc, and cuDNN/NCCL headers from the
-# nvidia-* wheels): about 2.5 minutes with 16 jobs on the GPU machine.
+# nvidia-* wheels) after TE's core library is installed: about 2.5 minutes with 16 jobs on the GPU machine.
 TE_BUILD = SP=$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	inc=$$(for h in cudnn.h nccl.h; do d=$$(find "$$SP/nvidia" -name $$h 2>/dev/null | head -1); \
 	  [ -n "$$d" ] && printf '%s:' "$$(dirname "$$d")"; done); \
@@ -265,7 +265,7 @@ install-offline:
 	case "$$target" in \
 	cpu) $(OFFLINE_ENV) $(MAKE) --no-print-directory install \
 	       PIP_SOURCE="--no-index --find-links $(abspath $(WHEELHOUSE))";; \
-	gpu) $(OFFLINE_PIP) -c constraints/gpu.txt torch $(TE_BUILD_DEPS); \
+	gpu) $(OFFLINE_PIP) -c constraints/gpu.txt torch "transformer-engine[core-cu13]" $(TE_BUILD_DEPS); \
 	     $(TE_BUILD); \
 	     $(OFFLINE_PIP) -c constraints/gpu.txt -e ".[gpu]";; \
 	gpu-torch2.11) \
