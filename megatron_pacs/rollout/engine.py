@@ -129,7 +129,7 @@ def deferred_attention_check() -> Callable[[torch.nn.Module], bool]:
 
     predicate = getattr(attention, "is_deferred_attention_layer", None)
     if callable(predicate):
-        return predicate
+        return lambda layer: bool(predicate(layer))
     deferred = (attention.Attention, attention.MLAAttention)
     return lambda layer: isinstance(layer, deferred)
 
