@@ -2,7 +2,9 @@
 """``make gpu-check``: verify the whole GPU path on a machine with one or more CUDA GPUs, in one command.
 
 Runs, each step in its own process with a time limit (all of it within ``--budget-min``, 25 minutes by default on
-one H100), and records every result in ``OUT/results.json`` as it goes:
+one H100; a step the budget no longer allows is skipped with that reason), and records every result in
+``OUT/results.json`` as it goes (the order below; the 7B, drift and fp32 benchmarks run last, after the end-to-end
+runs):
 
 1. the environment: GPUs, driver, torch/CUDA, Transformer Engine, vLLM (and what the engine detected in it),
    Megatron-Core, mbridge;
@@ -192,14 +194,19 @@ class Check:
             self.save()
 
     def benchmarks(self, env: dict) -> None:
-        te = env.get("transformer-engine") is not None
-        memory = env.get("gpu_memory_gib") or 0
+        """The quick benchmarks (log-probs, 1.5B train step); the long ones come after the end-to-end runs."""
         self.run("bench_logprobs", [PY, "benchmarks/bench_logprobs.py", "--device", "cuda"], 120)
-        work = str(self.out / "work")
-        ts = [PY, "benchmarks/bench_train_step.py", "--shape", "1.5b", "--workdir", work]
+        ts = [PY, "benchmarks/bench_train_step.py", "--shape", "1.5b", "--workdir", str(self.out / "work")]
         self.run("train_step_1.5b_no_te", [*ts, "--impl", "sdpa"], 240)
-        if te:
+        if env.get("transformer-engine") is not None:
             self.run("train_step_1.5b_te", [*ts, "--impl", "te", "--variants", "train"], 180)
+        else:
+            self.skip("train_step_1.5b_te", "Transformer Engine is not installed")
+
+    def long_benchmarks(self, env: dict) -> None:
+        memory = env.get("gpu_memory_gib") or 0
+        work = str(self.out / "work")
+        if env.get("transformer-engine") is not None:
             if memory >= 70:
                 self.run("train_step_7b_fp8", [PY, "benchmarks/bench_train_step.py", "--shape", "7b", "--impl", "te",
                          "--variants", "fwd_bwd", "--layouts", "padded", "--micro-batch-size", "1", "--fp8",
@@ -210,7 +217,7 @@ class Check:
                      "--sequences", "4"], 240)  # fmt: skip
             self.run("diag_te_fp32", [PY, "benchmarks/diag_te_fp32.py"], 90)
         else:
-            for name in ("train_step_1.5b_te", "train_step_7b_fp8", "bench_fp8_drift", "diag_te_fp32"):
+            for name in ("train_step_7b_fp8", "bench_fp8_drift", "diag_te_fp32"):
                 self.skip(name, "Transformer Engine is not installed")
 
     def e2e(self, env: dict) -> None:
@@ -259,6 +266,7 @@ class Check:
         self.gpu_tests()
         self.benchmarks(env)
         self.e2e(env)
+        self.long_benchmarks(env)
         baseline = json.loads(self.args.baseline.read_text()) if self.args.baseline else None
         md_path, _ = write_report(self.results, self.out, baseline)
         print(md_path.read_text(encoding="utf-8"))

@@ -163,3 +163,26 @@ def test_without_cuda_it_says_so_and_exits_nonzero(tmp_path):
     assert proc.returncode == 2
     assert "no CUDA GPU visible" in proc.stderr and "one or more CUDA GPUs" in proc.stderr
     assert not (tmp_path / "r").exists()  # nothing half-written
+
+
+def test_each_step_is_recorded_as_it_ends_and_the_budget_skips_the_rest(tmp_path):
+    """The orchestration without a GPU: real subprocess steps (ok, failed, timed out), results.json written after
+    each, and a step the budget no longer allows recorded as skipped with that reason."""
+    import argparse
+
+    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
+    args = argparse.Namespace(out=tmp_path / "r", budget_min=1.0, only=[], baseline=None)
+    check = gpu_check.Check(args)
+    check.t0 = check.deadline - 60
+    ok = check.run("fine", [sys.executable, "-c", "print('| a |'); print('|---|'); print('| 1 |')"], 30)
+    bad = check.run("broken", [sys.executable, "-c", "import sys; sys.exit('no TE here')"], 30)
+    slow = check.run("slow", [sys.executable, "-c", "import time; time.sleep(30)"], 2)
+    check.deadline = 0.0  # the budget is spent
+    late = check.run("late", [sys.executable, "-c", "pass"], 30)
+    recorded = json.loads((tmp_path / "r" / "results.json").read_text())["steps"]
+
+    assert ok["status"] == "ok" and "| 1 |" in recorded["fine"]["stdout"]
+    assert bad["status"] == "failed" and "no TE here" in recorded["broken"]["reason"]
+    assert slow["status"] == "timeout" and recorded["slow"]["reason"] == "stopped after 2 s"
+    assert late["status"] == "skipped" and "budget is spent" in recorded["late"]["reason"]
+    assert (tmp_path / "r" / "logs" / "broken.log").read_text().startswith("$ ")
