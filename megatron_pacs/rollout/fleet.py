@@ -216,6 +216,18 @@ class RolloutFleet:
             log.warning("fleet: engine %d holds its start-up weights; it generates again after the next update", index)
         self.engines[index] = engine
 
+    def _restart_dead(self, timeout_s: float = 30.0) -> None:
+        """Restart every engine that no longer answers (its host died since the last call: nothing else would notice
+        before the update's first call fails); a slow but live engine is left alone."""
+        refs = [e.ready.remote() for e in self.engines]
+        for index, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except _DEAD:
+                self._restart(index)
+            except ray.exceptions.GetTimeoutError:
+                pass
+
     def _replay(self, engine: Any) -> None:
         futures = [engine.call.remote("begin_weight_update")]
         futures += [engine.load_bucket.remote(ref) for ref in self._latest]
@@ -288,6 +300,7 @@ class RolloutFleet:
         """
         started = time.perf_counter()
         bucket_bytes = self.config.weight_sync_bucket_mb << 20
+        self._restart_dead()
         ray.get([e.call.remote("begin_weight_update") for e in self.engines])
         latest, futures, total, num = [], [], 0, 0
         for bucket in iter_buckets(named_tensors, bucket_bytes):

@@ -112,9 +112,10 @@ def test_lost_training_host_stops_the_survivor_quickly_and_the_rerun_resumes(dep
 
 
 def test_lost_rollout_host_regenerates_on_the_survivor_and_training_continues(deployment, continuous):
-    """Every process on rollout1 (its Ray worker and its engine) SIGKILLed during step 2's generation: the fleet
-    notices, restarts the engine on the surviving host, re-syncs it, regenerates the lost prompts; every step then
-    equals the continuous run's (per-request sampling seeds: a prompt lost or scored twice would change them)."""
+    """Every process on rollout1 (its Ray worker and its engine) SIGKILLed as step 2 starts: the fleet notices at its
+    next call to that engine (step 2's generation, whose lost chunks run again, or the weight sync after it, which
+    first probes every engine), restarts the engine on the surviving host and re-syncs it; every step then equals
+    the continuous run's (per-request sampling seeds: a prompt lost or scored twice would change them)."""
     d = deployment
     d.start_rollout_cluster()
     d.start_trainers("lostro", "--max-logprob-diff", "1e-5")  # probes every sync, the restarted engine included
