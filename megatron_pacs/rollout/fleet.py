@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import ray
 import torch
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from tqdm.auto import tqdm
 
 from megatron_pacs.config import RolloutConfig
@@ -225,7 +225,7 @@ class RolloutFleet:
                 ray.get(ref, timeout=timeout_s)
             except _DEAD:
                 self._restart(index)
-            except ray.exceptions.GetTimeoutError:
+            except GetTimeoutError:
                 pass
 
     def _replay(self, engine: Any) -> None:

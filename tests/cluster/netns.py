@@ -63,9 +63,9 @@ def _free_subnet() -> ipaddress.IPv4Network:
     rng = random.SystemRandom()
     for _ in range(200):
         if rng.random() < 0.5:
-            net = ipaddress.ip_network(f"10.{rng.randrange(256)}.{rng.randrange(256)}.0/24")
+            net = ipaddress.IPv4Network(f"10.{rng.randrange(256)}.{rng.randrange(256)}.0/24")
         else:
-            net = ipaddress.ip_network(f"172.{rng.randrange(16, 32)}.{rng.randrange(256)}.0/24")
+            net = ipaddress.IPv4Network(f"172.{rng.randrange(16, 32)}.{rng.randrange(256)}.0/24")
         if not any(net.overlaps(u) for u in used):
             return net
     raise RuntimeError("no free private /24 found in 200 tries")
