@@ -49,14 +49,21 @@ class RolloutConfig:
     when the engines must use another interface or name."""
     weight_sync_bucket_mb: int = 256
     """Weight-sync bucket size in MiB."""
-    keep_weights_for_restart: bool = True
-    """Keep the last weight update in the object store so a restarted engine can be re-synced (one model copy of
-    host memory); without it a restarted engine waits for the next update."""
+    keep_weights_for_restart: bool | None = None
+    """Keep a host copy of the last weight update in Ray's object store, so that a restarted engine is re-synced at
+    once (and an update that an engine's death cut short is completed); without it a restarted engine waits for the
+    next update. Default: on with CPU engines, off with GPU engines (the copy moves the whole model to host memory
+    and into the object store every step: about 15 GB per step at 7B). The object-store transport keeps it anyway."""
     chunks_per_engine: int = 4
     """Work units per engine per generate call: more balances better and loses less on a crash, fewer costs less
     RPC."""
     max_engine_restarts: int = 3
-    """Engine restarts allowed within one generate call before the step fails."""
+    """Engine restarts allowed within one fleet call (a generation, a weight sync, a sync probe, a sleep or wake-up)
+    before the step fails."""
+    engine_call_timeout_seconds: float = 1800.0
+    """The longest one engine call may take (a generation chunk, a weight bucket, a probe, sleep or wake-up, an
+    engine's start): an engine that has not answered by then is taken as hung, killed and restarted like a dead
+    one. Raise it for very long generations per chunk (or raise --chunks-per-engine)."""
     off_policy_steps: int = 0
     """0: generate, then train, every step (synchronous). 1: the engines generate step k+1's rollouts while the
     actor trains on step k's, so every step after the first trains on rollouts one update old (docs/algorithm.md
@@ -76,6 +83,8 @@ class RolloutConfig:
                 raise bad(name, f"{getattr(self, name)} must be >= 1")
         if self.max_engine_restarts < 0:
             raise bad("max_engine_restarts", "must be >= 0")
+        if not self.engine_call_timeout_seconds > 0:
+            raise bad("engine_call_timeout_seconds", f"{self.engine_call_timeout_seconds} must be > 0")
         if self.temperature <= 0:
             raise bad("temperature", "training rollouts must be sampled: use a temperature > 0")
         if not 0 < self.top_p <= 1:
@@ -88,6 +97,12 @@ class RolloutConfig:
             raise bad("gpu_memory_utilization", "must lie in (0, 1]")
         if self.weight_sync not in WEIGHT_SYNC:
             raise bad("weight_sync", f"{self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
+        if self.weight_sync == "ipc" and not self.colocate:
+            raise bad(
+                "weight_sync",
+                "'ipc' maps trainer rank 0's GPU memory, which only a colocated engine on that GPU can; add --colocate "
+                "or use broadcast",
+            )
         if self.weight_sync_address is not None and self.weight_sync in ("object_store", "ipc"):
             raise bad("weight_sync_address", f"only applies to --weight-sync broadcast, not {self.weight_sync!r}")
         if self.off_policy_steps not in (0, 1):
@@ -96,6 +111,13 @@ class RolloutConfig:
             raise bad(
                 "off_policy_steps",
                 "generation cannot overlap training when the engines share the trainer's GPUs (--colocate); use 0",
+            )
+        if self.colocate and (self.num_engines > 1 or self.rollout_tensor_parallel_size > 1):
+            raise bad(
+                "colocate",
+                f"one engine of one GPU only (got --num-engines {self.num_engines}, --rollout-tensor-parallel-size "
+                f"{self.rollout_tensor_parallel_size}): colocated weights arrive by CUDA IPC from trainer rank 0's "
+                "GPU, which only an engine on that GPU can map; drop --colocate to run more or larger engines",
             )
         if self.offload_optimizer_during_rollout and not self.colocate:
             raise bad("offload_optimizer_during_rollout", "only frees memory for colocated engines; add --colocate")

@@ -167,7 +167,7 @@ class TrainConfig:
         transport = r.weight_sync
         if transport == "auto":
             transport = "object_store" if not cuda else ("ipc" if r.colocate else "broadcast")
-        if not r.keep_weights_for_restart and transport == "object_store":
+        if r.keep_weights_for_restart is False and transport == "object_store":
             raise ValueError(
                 "--no-keep-weights-for-restart: the object-store transport keeps the last update anyway (the engines "
                 "load it from there, and a restarted engine too); drop the flag"

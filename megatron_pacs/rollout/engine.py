@@ -25,8 +25,10 @@ from megatron_pacs.rollout.sync import (
     TensorMeta,
     add_tied_lm_head,
     broadcast_buffer,
+    close_group,
     iter_buckets,
     pack_bucket,
+    rebuild_ipc,
     standalone_group,
     unpack_bucket,
 )
@@ -93,6 +95,7 @@ class WeightSyncExtension:
 
     def mp_init_broadcast_group(self, backend: str, host: str, port: int, rank_offset: int, world_size: int) -> None:
         rank = rank_offset + int(getattr(self, "rank", 0))
+        close_group(getattr(self, "_mp_group", None))  # the group before an engine restart (a dead member)
         self._mp_group = standalone_group(backend, host, port, rank, world_size)
 
     def mp_receive_broadcast(self, metas: Sequence[Any], nbytes: int) -> None:
@@ -100,12 +103,10 @@ class WeightSyncExtension:
         broadcast_buffer(self._mp_group, buffer, src=0)
         self._mp_load(unpack_bucket(buffer, _metas(metas)))
 
-    def mp_load_ipc(self, handle: tuple[Any, tuple], metas: Sequence[Any]) -> None:
-        """GPU only: rebuild the trainer's packed CUDA buffer from its IPC handle on this worker's device."""
-        func, args = handle
-        args = list(args)
-        args[6] = torch.cuda.current_device()  # the handle names the sender's device index; use ours
-        self._mp_load(unpack_bucket(func(*args), _metas(metas)))
+    def mp_load_ipc(self, handle: Sequence[Any], metas: Sequence[Any]) -> None:
+        """GPU only: map the trainer's packed CUDA buffer (a :func:`~megatron_pacs.rollout.sync.ipc_handle`) on this
+        worker's device: the same GPU, which the sender numbers by its own visible devices."""
+        self._mp_load(unpack_bucket(rebuild_ipc(handle, torch.cuda.current_device()), _metas(metas)))
 
     def mp_finish_update(self) -> int:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
@@ -383,7 +384,7 @@ class VLLMEngine:
     def receive_broadcast(self, metas: list[TensorMeta], nbytes: int) -> None:
         self.llm.collective_rpc("mp_receive_broadcast", args=(_plain(metas), nbytes))
 
-    def load_ipc(self, handle: tuple[Any, tuple], metas: list[TensorMeta]) -> None:
+    def load_ipc(self, handle: list[Any], metas: list[TensorMeta]) -> None:
         self.llm.collective_rpc("mp_load_ipc", args=(handle, _plain(metas)))
 
     def finish_weight_update(self) -> int:

@@ -10,14 +10,15 @@ contiguous buffer per bucket whatever it is:
   (:func:`standalone_group`, NCCL on GPU) and the buffer is broadcast from the trainer. The same code runs with
   gloo on CPU, which is how it is tested here.
 - ``ipc`` (colocated GPUs): the trainer hands the engine a CUDA IPC handle of the packed buffer
-  (``torch.multiprocessing.reductions.reduce_tensor``); needs CUDA, so it is only checked on a GPU.
+  (:func:`ipc_handle`, plain values that vLLM's msgpack RPC carries) and the engine maps it (:func:`rebuild_ipc`);
+  the mapping needs CUDA, so only the handle's round trip is checked here.
 
 Everything here is plain PyTorch: no vLLM or Ray import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -33,8 +34,11 @@ __all__ = [
     "TensorMeta",
     "add_tied_lm_head",
     "broadcast_buffer",
+    "close_group",
+    "ipc_handle",
     "iter_buckets",
     "pack_bucket",
+    "rebuild_ipc",
     "standalone_group",
     "unpack_bucket",
 ]
@@ -190,3 +194,79 @@ def broadcast_buffer(side: SideGroup, buffer: torch.Tensor, src: int = 0, async_
         return work
     work.wait()
     return None
+
+
+def close_group(side: SideGroup | None) -> None:
+    """Release a side group whose membership changed (an engine restarted). An NCCL communicator is aborted, since
+    a collective with a dead member would hang until its timeout; a gloo group is just dropped."""
+    if side is None or isinstance(side.group, dist.ProcessGroupGloo):
+        return
+    abort = getattr(side.group, "abort", None)
+    if callable(abort):
+        try:
+            abort()
+        except Exception:  # noqa: BLE001 - a communicator that already failed has nothing left to abort
+            pass
+
+
+def ipc_handle(buffer: torch.Tensor) -> list[Any]:
+    """A CUDA buffer's IPC handle as plain values (ints, bools, bytes), which vLLM's msgpack RPC carries; the raw
+    ``reduce_tensor`` output holds a function and torch classes, which it refuses on a GPU
+    (``VLLM_ALLOW_INSECURE_SERIALIZATION``).
+
+    Args:
+        buffer: ``[B]`` uint8, contiguous, on a CUDA device; it must stay alive until the receivers have copied it.
+
+    Returns:
+        ``[size, stride, offset, device, handle, storage_bytes, storage_offset_bytes, ref_counter_handle,
+        ref_counter_offset, event_handle, event_sync_required]``, the inputs of :func:`rebuild_ipc`.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError(f"ipc_handle takes a packed [B] uint8 buffer, got {buffer.dtype} {tuple(buffer.shape)}")
+    _, args = reduce_tensor(buffer)  # torch's order: rebuild_cuda_tensor's parameters
+    _, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset, _, counter, counter_offset = args[:13]
+    event_handle, event_sync = args[13:15]
+    return [
+        list(size),
+        list(stride),
+        int(offset),
+        int(device),
+        bytes(handle),
+        int(storage_bytes),
+        int(storage_offset),
+        bytes(counter),
+        int(counter_offset),
+        None if event_handle is None else bytes(event_handle),
+        bool(event_sync),
+    ]
+
+
+def rebuild_ipc(handle: Sequence[Any], device: int) -> torch.Tensor:
+    """Map a buffer sent as :func:`ipc_handle` on this process's ``device`` (which, for a colocated engine with its
+    own ``CUDA_VISIBLE_DEVICES``, numbers the same GPU differently from the sender).
+
+    Returns:
+        ``[B]`` uint8 on ``device``, sharing the sender's memory.
+    """
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    size, stride, offset, _, ipc, storage_bytes, storage_offset, counter, counter_offset, event, sync = handle
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size(size),
+        tuple(stride),
+        offset,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        device,
+        bytes(ipc),
+        storage_bytes,
+        storage_offset,
+        False,
+        bytes(counter),
+        counter_offset,
+        None if event is None else bytes(event),
+        sync,
+    )

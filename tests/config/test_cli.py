@@ -336,10 +336,8 @@ def test_gpu_only_refusals_with_a_gpu_simulated(tmp_path, monkeypatch):
     parse_config([*files, *offload, "--ppo-mini-batch-size", "16", "--bf16"]).validate(8)
     with pytest.raises(ValueError, match=r"--colocate: weights reach the engines by CUDA IPC"):
         colocated.validate(16)
-    ipc = parse_config([*files, "--weight-sync", "ipc", "--global-batch-size", "16", "--ppo-mini-batch-size", "16"])
-    with pytest.raises(ValueError, match=r"--weight-sync: weights reach the engines by CUDA IPC"):
-        ipc.validate(16)
-    assert ipc.rollout.engine_memory_fraction == 0.85  # engines on GPUs of their own
+    beside = parse_config([*files, "--global-batch-size", "16", "--ppo-mini-batch-size", "16"])
+    assert beside.rollout.engine_memory_fraction == 0.85  # engines on GPUs of their own
 
 
 def test_a_reference_anchor_never_reset_is_warned_about():
@@ -351,3 +349,22 @@ def test_a_reference_anchor_never_reset_is_warned_about():
     assert parse_config([]).warnings() == []
     rewarm = ["--pacs-score-reference", "ref", "--ref-reset-interval", "5", "--ref-reset-lr-warmup-steps", "4"]
     assert parse_config(rewarm).reference.ref_reset_lr_warmup_steps == 4
+
+
+def test_colocated_engines_are_one_engine_of_one_gpu_and_ipc_needs_colocation():
+    """Issue 23.3: a colocated engine maps trainer rank 0's CUDA IPC handles, which only an engine on that GPU can;
+    more engines or a TP > 1 engine would each get GPU 0's handle. ``--weight-sync ipc`` without ``--colocate``
+    (engines on GPUs of their own) cannot map them either."""
+    from megatron_pacs.config import RolloutConfig
+
+    RolloutConfig(colocate=True)
+    with pytest.raises(ValueError, match=r"--colocate: one engine of one GPU only \(got --num-engines 2"):
+        RolloutConfig(colocate=True, num_engines=2)
+    with pytest.raises(ValueError, match=r"--rollout-tensor-parallel-size 2\)"):
+        RolloutConfig(colocate=True, rollout_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"--weight-sync: 'ipc' maps trainer rank 0's GPU memory"):
+        RolloutConfig(weight_sync="ipc")
+    RolloutConfig(weight_sync="ipc", colocate=True)
+    with pytest.raises(ValueError, match=r"--engine-call-timeout-seconds: 0.0 must be > 0"):
+        RolloutConfig(engine_call_timeout_seconds=0.0)
+    assert RolloutConfig().keep_weights_for_restart is None  # resolved by the fleet: on for CPU, off for GPU engines

@@ -150,6 +150,7 @@ def test_simulated_gpu_calls_bind_to_the_installed_vllm_and_its_worker_extension
         engine.load_bucket(buffer, metas)
         engine.init_broadcast_group("nccl", "10.0.0.1", 29500, 1, 3)
         engine.receive_broadcast(metas, buffer.numel())
+        engine.load_ipc([[16], [1], 0, 0, b"ipc", 16, 0, b"counter", 0, None, False], metas)  # sync.ipc_handle's
         engine.finish_weight_update()
         return {}
 

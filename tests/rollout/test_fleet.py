@@ -323,6 +323,148 @@ def test_engine_killed_during_an_overlapped_generation_reruns_on_the_weights_it_
     _check_matches(fleet.generate(prompts[:2], sampling), _hf(paths["d"]))
 
 
+def _sampling():
+    from megatron_pacs.rollout.types import SamplingConfig
+
+    return SamplingConfig(n=2, temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
+
+
+def test_broadcast_side_group_is_rebuilt_after_an_engine_restart(fleet, models):
+    """Issue 23.6: an engine restart left the trainer's broadcast side group (the dead engine a member) in place,
+    so the replacement had no group (``AttributeError: _mp_group`` on a GPU) and the survivors hung in the
+    collective. Now the restart drops it and the next update builds it anew; the replacement receives the update
+    over it (gloo here, NCCL on a GPU)."""
+    import ray
+
+    paths, tok = models
+    fleet.transport = "broadcast"
+    try:
+        fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+        old_group, restarts = fleet._group, fleet.num_restarts
+        assert old_group is not None
+        ray.kill(fleet.engines[0])
+        fleet.update_weights(_state(paths["a"], drop_lm_head=False))
+        assert fleet.num_restarts == restarts + 1
+        assert fleet._group is not None and fleet._group is not old_group
+        _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["a"]))
+        fleet.update_weights(_state(paths["b"], drop_lm_head=False))  # the new group carries the next one too
+        _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["b"]))
+    finally:
+        fleet.transport = "object_store"
+
+
+def test_engine_lost_mid_broadcast_update_is_finished_from_the_kept_copy_or_fails_naming_the_flag(fleet, models):
+    """Issue 24.3: an engine that dies during a broadcast weight update breaks the side group for everyone. The
+    trainer still consumes the whole stream (on rank 0 it drives the other ranks' gathers); with a kept copy the
+    replacement (and any survivor, which holds part of the update) is re-synced from it; without one the step fails
+    naming --keep-weights-for-restart, and the next update heals the fleet."""
+    import dataclasses
+
+    import ray
+
+    paths, tok = models
+    config = fleet.config
+
+    def killing(state):
+        for k, (name, t) in enumerate(state):
+            if k == 3:
+                ray.kill(fleet.engines[0])
+                time.sleep(1.0)
+            yield name, t
+        consumed.append(True)
+
+    fleet.transport = "broadcast"
+    try:
+        fleet.update_weights(_state(paths["b"], drop_lm_head=False))  # a side group to break
+        consumed, restarts = [], fleet.num_restarts
+        fleet.update_weights(killing(_state(paths["a"], drop_lm_head=False)))
+        assert consumed == [True] and fleet.num_restarts == restarts + 1
+        _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["a"]))
+        fleet.config = dataclasses.replace(config, keep_weights_for_restart=False)
+        consumed = []
+        with pytest.raises(RuntimeError, match=r"no copy of it is kept.*--keep-weights-for-restart"):
+            fleet.update_weights(killing(_state(paths["b"], drop_lm_head=False)))
+        assert consumed == [True]
+        fleet.update_weights(_state(paths["b"], drop_lm_head=False))  # the next update restarts and heals
+        _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["b"]))
+    finally:
+        fleet.config = config
+        fleet.transport = "object_store"
+
+
+def test_engine_lost_before_a_probe_sleep_or_wake_up_is_restarted_and_asked_again(fleet, models):
+    """Issue 24.3: deaths were handled only inside ``generate``; one lost before a sync probe, a sleep or a wake-up
+    ended the run. Every engine call now goes through one restart-and-rejoin path: the replacement is re-synced
+    from the kept copy and asked again (sleep and wake-up are no-ops on CPU, but the calls reach the engine)."""
+    import ray
+
+    paths, tok = models
+    fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+    ids = [list(p) + [5, 6, 7] for p in _prompts(tok, 2)]  # prompts are token ids
+    reference = [_hf_logprobs(_hf(paths["b"]), x) for x in ids]
+    restarts = fleet.num_restarts
+    ray.kill(fleet.engines[0])
+    assert fleet.verify_sync(ids, reference) < 1e-4  # the replacement holds B
+    ray.kill(fleet.engines[0])
+    fleet.sleep(level=1)
+    ray.kill(fleet.engines[0])
+    fleet.wake_up(tags=None)
+    assert fleet.num_restarts == restarts + 3
+
+
+def test_hung_engine_is_killed_after_the_call_timeout_and_the_fleet_recovers(fleet, models):
+    """Issue 24.3: a hung engine blocked rank 0 forever. Here engine 0 is kept busy by a side-group join with no
+    trainer behind it (an actor runs one call at a time, so the generation waits behind it); after
+    --engine-call-timeout-seconds it is taken as hung and killed. With --max-engine-restarts 0 the call fails
+    naming both flags; the next call starts a replacement re-synced from the kept copy."""
+    import dataclasses
+
+    from megatron_pacs.utils.launch import free_port
+
+    paths, tok = models
+    fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+    config = fleet.config
+    fleet.engines[0].call.remote("init_broadcast_group", "gloo", "127.0.0.1", free_port(), 1, 2)  # never completes
+    fleet.config = dataclasses.replace(config, engine_call_timeout_seconds=3.0, max_engine_restarts=0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"did not answer within 3 s.*--max-engine-restarts"):
+            fleet.generate(_prompts(tok, 4), _sampling())
+    finally:
+        fleet.config = config
+    assert time.monotonic() - started < 30
+    _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["b"]))
+
+
+def test_a_replacement_is_placed_only_after_the_lost_engine_s_placement_group_is_removed_simulated_gpu(monkeypatch):
+    """Issue 24.3, placement groups simulated (they hold GPUs): a lost engine's placement group is removed before
+    its replacement is placed, so a fleet that fills the cluster can still restart an engine."""
+    import ray
+
+    from megatron_pacs.config import RolloutConfig
+    from megatron_pacs.rollout.fleet import RolloutFleet
+
+    events = []
+    fleet = RolloutFleet.__new__(RolloutFleet)
+    fleet.config = RolloutConfig()
+    fleet.engines, fleet._placement_groups, fleet._group = ["lost"], {0: "pg0"}, None
+    fleet._call_restarts, fleet.num_restarts, fleet._latest, fleet._updated, fleet._stale = 0, 0, [], False, set()
+    monkeypatch.setattr(ray, "kill", lambda actor: events.append(("kill", actor)))
+    monkeypatch.setattr(ray.util, "remove_placement_group", lambda pg: events.append(("remove", pg)))
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: events.append(("ready", ref)))
+    ready = type("Ready", (), {"remote": staticmethod(lambda: "ready-ref")})
+
+    def spawn(index):
+        events.append(("spawn", index))
+        fleet._placement_groups[index] = "pg1"
+        return type("Actor", (), {"ready": ready})()
+
+    monkeypatch.setattr(fleet, "_spawn", spawn)
+    fleet._restart(0, ray.exceptions.RayActorError())
+    assert events == [("kill", "lost"), ("remove", "pg0"), ("spawn", 0), ("ready", "ready-ref")]
+    assert fleet._placement_groups == {0: "pg1"} and fleet.num_restarts == 1
+
+
 def test_evaluate_writes_passk_and_resumes_without_generating(fleet, models, tmp_path):
     from megatron_pacs.data.prompts import PromptRow, build_messages
     from megatron_pacs.evaluation import ROLLOUT_FILE, evaluate

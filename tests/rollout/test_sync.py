@@ -89,19 +89,6 @@ def test_broadcast_side_group_delivers_the_bucket_to_every_receiver():
             assert n == m and torch.equal(a, b)
 
 
-def test_balance_chunks_spreads_cost_and_covers_every_item():
-    from megatron_pacs.rollout.fleet import balance_chunks
-
-    costs = [100, 1, 1, 1, 50, 50, 2, 3]
-    chunks = balance_chunks(costs, 3)
-    assert sorted(i for c in chunks for i in c) == list(range(len(costs)))
-    assert all(c == sorted(c) for c in chunks)
-    loads = sorted(sum(costs[i] for i in c) for c in chunks)
-    assert loads[-1] == 100  # the big item alone; the others share the rest
-    assert balance_chunks([1.0, 2.0], 8) == [[1], [0]] or len(balance_chunks([1.0, 2.0], 8)) == 2
-    assert balance_chunks([5.0], 0) == [[0]]
-
-
 def test_sampling_config_validation_names_the_field():
     from megatron_pacs.rollout.types import SamplingConfig
 
@@ -114,3 +101,50 @@ def test_sampling_config_validation_names_the_field():
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingConfig(**kwargs)
+
+
+def test_ipc_handle_is_plain_msgpack_data_and_rebuilds_the_same_cuda_tensor_simulated(monkeypatch):
+    """Issue 23.1, on a simulated GPU (CUDA IPC needs a GPU): on CUDA, vLLM carries ``collective_rpc`` arguments
+    between processes with msgpack, which refuses ``reduce_tensor``'s raw output (a function, torch classes and
+    dtypes). ``ipc_handle`` sends plain values instead; after vLLM's own encoder and decoder, ``rebuild_ipc`` calls
+    torch's ``rebuild_cuda_tensor`` with exactly what ``reduce_tensor`` produced, on the receiver's device index."""
+    import torch.multiprocessing.reductions as reductions
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from megatron_pacs.rollout import sync
+
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    # what reduce_tensor returns for a CUDA buffer (rebuild_cuda_tensor's parameters, torch's order)
+    raw_args = (
+        torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3,
+        b"\x01cuda-ipc-handle", 8192, 512, False, b"refcount-handle", 16, b"event-handle", True,
+    )  # fmt: skip
+    rebuilt = []
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, raw_args))
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: rebuilt.append(a) or "mapped")
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder()
+    with pytest.raises(TypeError):
+        encoder.encode((reductions.reduce_tensor(buffer),))  # the defect: what the engine was sent before
+    handle = sync.ipc_handle(buffer)
+    received = decoder.decode(encoder.encode((handle,)))[0]
+    assert sync.rebuild_ipc(received, device=0) == "mapped"
+    (args,) = rebuilt
+    assert args[:6] == (torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8)
+    assert args[6] == 0  # the receiver's own index of the same GPU, not the sender's 3
+    assert args[7:] == raw_args[7:]
+    with pytest.raises(ValueError, match=r"packed \[B\] uint8 buffer"):
+        sync.ipc_handle(torch.zeros(2, 2))
+
+
+def test_close_group_leaves_gloo_alone_and_aborts_other_backends():
+    """Issue 23.6: after an engine restart the trainer drops its side group; an NCCL communicator with a dead member
+    is aborted (its next collective would hang), a gloo one is just dropped."""
+    from megatron_pacs.rollout.sync import SideGroup, close_group, standalone_group
+    from megatron_pacs.utils.launch import free_port
+
+    calls = []
+    nccl_like = type("Backend", (), {"abort": lambda self: calls.append("abort")})()
+    close_group(SideGroup(nccl_like, None, 0, 2))  # type: ignore[arg-type]
+    assert calls == ["abort"]
+    close_group(standalone_group("gloo", "127.0.0.1", free_port(), 0, 1))
+    close_group(None)

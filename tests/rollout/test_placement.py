@@ -1,0 +1,64 @@
+"""Where the fleet's work goes: chunks of prompts, the GPUs a local Ray may hand out, Ray's temp folder."""
+
+import os
+
+import pytest
+
+from megatron_pacs.rollout.placement import balance_chunks, local_engine_gpus, short_temp_dir, visible_devices
+
+
+def test_balance_chunks_spreads_cost_and_covers_every_item():
+    costs = [100, 1, 1, 1, 50, 50, 2, 3]
+    chunks = balance_chunks(costs, 3)
+    assert sorted(i for c in chunks for i in c) == list(range(len(costs)))
+    assert all(c == sorted(c) for c in chunks)
+    loads = sorted(sum(costs[i] for i in c) for c in chunks)
+    assert loads[-1] == 100  # the big item alone; the others share the rest
+    assert balance_chunks([1.0, 2.0], 8) == [[1], [0]] or len(balance_chunks([1.0, 2.0], 8)) == 2
+    assert balance_chunks([5.0], 0) == [[0]]
+
+
+def test_local_engines_get_the_gpus_no_trainer_rank_uses():
+    """Issue 23.2: a single-node run without --colocate started its local Ray on every GPU, so engine 0 landed on
+    trainer rank 0's GPU. The local Ray now sees only the GPUs after the local ranks' (local rank r trains on device
+    r); colocated engines get exactly rank 0's device; too few is refused naming the flags."""
+    gpus = dict(visible=None, device_count=8, colocate=False, current_device=0)
+    assert local_engine_gpus(**gpus, local_trainer_ranks=4, needed=4) == ["4", "5", "6", "7"]
+    assert local_engine_gpus(**gpus, local_trainer_ranks=6, needed=1) == ["6", "7"]
+    with pytest.raises(ValueError, match=r"needs 4 GPU\(s\).*2 of 8 visible.*--nproc-per-node"):
+        local_engine_gpus(**gpus, local_trainer_ranks=6, needed=4)
+    # CUDA_VISIBLE_DEVICES names the physical GPUs (indices or UUIDs) the process numbers 0..n-1
+    named = dict(visible="GPU-a, GPU-b,GPU-c,GPU-d", device_count=4, colocate=False, current_device=0)
+    assert local_engine_gpus(**named, local_trainer_ranks=2, needed=2) == ["GPU-c", "GPU-d"]
+    colocated = dict(visible="4,5,6,7", device_count=4, colocate=True, local_trainer_ranks=4, needed=1)
+    assert local_engine_gpus(**colocated, current_device=0) == ["4"]  # rank 0's GPU, where its IPC handles live
+    with pytest.raises(ValueError, match=r"rank 0's GPU"):
+        local_engine_gpus(**{**colocated, "needed": 2}, current_device=0)
+
+
+def test_visible_devices_sets_the_variable_inside_the_block_only(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with visible_devices(["2", "3"]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError), visible_devices(["1"]):
+        raise RuntimeError  # restored on the way out of a failure too
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    with visible_devices(None):
+        assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_short_temp_dir_stays_in_the_run_dir_unless_socket_paths_would_be_too_long():
+    import shutil
+    import tempfile
+
+    short = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    try:
+        assert short_temp_dir(short) == os.path.join(short, "ray") and os.path.isdir(os.path.join(short, "ray"))
+        deep = os.path.join(short, "d" * 60)
+        got = short_temp_dir(deep)
+        assert not got.startswith(deep) and os.path.isdir(got)
+        os.rmdir(got)
+    finally:
+        shutil.rmtree(short)
