@@ -167,7 +167,7 @@ class RolloutFleet:
                 log_to_driver=True,
                 _temp_dir=self._temp_dir,
                 object_store_memory=int(cfg.ray_object_store_gb * 2**30),
-                **({} if gpus is None else {"num_gpus": len(gpus)}),
+                num_gpus=None if gpus is None else len(gpus),
             )
         self._own_ray = True
 

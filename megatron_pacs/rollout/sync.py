@@ -225,7 +225,7 @@ def ipc_handle(buffer: torch.Tensor) -> list[Any]:
 
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise ValueError(f"ipc_handle takes a packed [B] uint8 buffer, got {buffer.dtype} {tuple(buffer.shape)}")
-    _, args = reduce_tensor(buffer)  # torch's order: rebuild_cuda_tensor's parameters
+    args: Any = reduce_tensor(buffer)[1]  # torch's order: rebuild_cuda_tensor's parameters
     _, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset, _, counter, counter_offset = args[:13]
     event_handle, event_sync = args[13:15]
     return [

@@ -440,6 +440,7 @@ def test_a_replacement_is_placed_only_after_the_lost_engine_s_placement_group_is
     """Issue 24.3, placement groups simulated (they hold GPUs): a lost engine's placement group is removed before
     its replacement is placed, so a fleet that fills the cluster can still restart an engine."""
     import ray
+    from ray.exceptions import RayActorError
 
     from megatron_pacs.config import RolloutConfig
     from megatron_pacs.rollout.fleet import RolloutFleet
@@ -460,7 +461,7 @@ def test_a_replacement_is_placed_only_after_the_lost_engine_s_placement_group_is
         return type("Actor", (), {"ready": ready})()
 
     monkeypatch.setattr(fleet, "_spawn", spawn)
-    fleet._restart(0, ray.exceptions.RayActorError())
+    fleet._restart(0, RayActorError())
     assert events == [("kill", "lost"), ("remove", "pg0"), ("spawn", 0), ("ready", "ready-ref")]
     assert fleet._placement_groups == {0: "pg1"} and fleet.num_restarts == 1
 

@@ -22,18 +22,26 @@ def test_local_engines_get_the_gpus_no_trainer_rank_uses():
     """Issue 23.2: a single-node run without --colocate started its local Ray on every GPU, so engine 0 landed on
     trainer rank 0's GPU. The local Ray now sees only the GPUs after the local ranks' (local rank r trains on device
     r); colocated engines get exactly rank 0's device; too few is refused naming the flags."""
-    gpus = dict(visible=None, device_count=8, colocate=False, current_device=0)
-    assert local_engine_gpus(**gpus, local_trainer_ranks=4, needed=4) == ["4", "5", "6", "7"]
-    assert local_engine_gpus(**gpus, local_trainer_ranks=6, needed=1) == ["6", "7"]
+
+    def gpus(ranks, needed, visible=None, count=8, colocate=False, current=0):
+        return local_engine_gpus(
+            visible=visible,
+            device_count=count,
+            local_trainer_ranks=ranks,
+            colocate=colocate,
+            current_device=current,
+            needed=needed,
+        )
+
+    assert gpus(4, 4) == ["4", "5", "6", "7"]
+    assert gpus(6, 1) == ["6", "7"]
     with pytest.raises(ValueError, match=r"needs 4 GPU\(s\).*2 of 8 visible.*--nproc-per-node"):
-        local_engine_gpus(**gpus, local_trainer_ranks=6, needed=4)
+        gpus(6, 4)
     # CUDA_VISIBLE_DEVICES names the physical GPUs (indices or UUIDs) the process numbers 0..n-1
-    named = dict(visible="GPU-a, GPU-b,GPU-c,GPU-d", device_count=4, colocate=False, current_device=0)
-    assert local_engine_gpus(**named, local_trainer_ranks=2, needed=2) == ["GPU-c", "GPU-d"]
-    colocated = dict(visible="4,5,6,7", device_count=4, colocate=True, local_trainer_ranks=4, needed=1)
-    assert local_engine_gpus(**colocated, current_device=0) == ["4"]  # rank 0's GPU, where its IPC handles live
+    assert gpus(2, 2, visible="GPU-a, GPU-b,GPU-c,GPU-d", count=4) == ["GPU-c", "GPU-d"]
+    assert gpus(4, 1, visible="4,5,6,7", count=4, colocate=True) == ["4"]  # rank 0's GPU: its IPC handles live there
     with pytest.raises(ValueError, match=r"rank 0's GPU"):
-        local_engine_gpus(**{**colocated, "needed": 2}, current_device=0)
+        gpus(4, 2, visible="4,5,6,7", count=4, colocate=True)
 
 
 def test_visible_devices_sets_the_variable_inside_the_block_only(monkeypatch):
