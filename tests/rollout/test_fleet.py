@@ -400,7 +400,7 @@ def test_engine_lost_before_a_probe_sleep_or_wake_up_is_restarted_and_asked_agai
 
     paths, tok = models
     fleet.update_weights(_state(paths["b"], drop_lm_head=False))
-    ids = [list(p) + [5, 6, 7] for p in _prompts(tok, 2)]  # prompts are token ids
+    ids = [[*p, 5, 6, 7] for p in _prompts(tok, 2)]  # prompts are token ids
     reference = [_hf_logprobs(_hf(paths["b"]), x) for x in ids]
     restarts = fleet.num_restarts
     ray.kill(fleet.engines[0])
