@@ -55,3 +55,16 @@ def test_config_imports_nothing_heavy():
             n.lineno for n in ast.parse(path.read_text()).body if isinstance(n, ast.Import | ast.ImportFrom)
         }
         assert not [t for t in top if t[0] in module_level], f"{path.name}: {top}"
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (the tests folders are not packages): two ``test_x.py`` in different
+    folders break collection on a clean clone ("import file mismatch"), which a warm ``__pycache__`` hides."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for path in sorted((Path(__file__).parent).rglob("test_*.py")):
+        rel = path.relative_to(Path(__file__).parent).as_posix()
+        if path.name in seen:
+            clashes.append(f"{seen[path.name]} and {rel}")
+        seen.setdefault(path.name, rel)
+    assert clashes == [], "rename one of each pair: " + "; ".join(clashes)
