@@ -49,10 +49,12 @@ RECIPE_ARGS=(
     # Rollouts on the separate Ray cluster: vLLM engines of TP 2, sampling at T=1, top-p 1.
     --ray-address "$RAY_ADDRESS" --num-engines "$NUM_ENGINES" --rollout-tensor-parallel-size 2
     --temperature 1.0 --top-p 1.0
-    # Data, schedule, checkpoints (a restart resumes from the latest complete checkpoint in SAVE_DIR).
+    # Data, schedule, checkpoints (a restart resumes from the latest complete checkpoint in SAVE_DIR); on SIGTERM
+    # (a preempted Slurm job) every rank finishes the step, saves it and exits 0.
     --train-data "$TRAIN_DATA"
     --train-iters 300 --eval-interval 5 --save-interval 20 --seed 1
     --save "$SAVE_DIR" --load "$SAVE_DIR" --log-dir "$LOG_DIR"
+    --exit-signal-handler
 )
 if ((${#VAL_FILES[@]})); then
     RECIPE_ARGS+=(--val-data "${VAL_FILES[@]}")

