@@ -483,6 +483,25 @@ def test_a_replacement_is_placed_only_after_the_lost_engine_s_placement_group_is
     assert events == [("kill", "lost"), ("remove", "pg0"), ("spawn", 0), ("ready", "ready-ref"), ("ready", "node-ref")]
     assert fleet._placement_groups == {0: "pg1"} and fleet.num_restarts == 1
 
+    # the replacement was placed on a node that was dying before Ray noticed (the rollout host just lost): it dies
+    # unstarted, and is placed again (seen in the virtual cluster)
+    events.clear()
+    readies = iter([RayActorError(), None, "10.0.0.4"])
+
+    def get(ref, timeout=None):
+        events.append(("ready", ref))
+        answer = next(readies)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(ray, "get", get)
+    fleet._call_restarts = 0
+    fleet._restart(0, RayActorError())
+    assert [e for e in events if e[0] == "spawn"] == [("spawn", 0), ("spawn", 0)]
+    assert events[-2:] == [("ready", "ready-ref"), ("ready", "node-ref")] and fleet._hosts == ["10.0.0.4"]
+    assert fleet.num_restarts == 3 and fleet._call_restarts == 2
+
     # no node left with room for the replacement: a clear error naming the lost engine's host, not a hang
     def never_ready(ref, timeout=None):
         raise GetTimeoutError("pending")

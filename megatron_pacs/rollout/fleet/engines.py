@@ -202,45 +202,59 @@ class EngineSet:
 
     def _restart(self, index: int, cause: BaseException) -> None:
         """Replace engine ``index`` (dead, or hung past the call timeout), re-synced when a copy of the last update
-        is kept; counts against ``--max-engine-restarts`` within the current call."""
+        is kept; each start counts against ``--max-engine-restarts`` within the current call."""
         cfg = self.config
+        while True:
+            self._release(index)
+            hung = isinstance(cause, GetTimeoutError)
+            what = f"did not answer within {cfg.engine_call_timeout_seconds:g} s" if hung else "died"
+            what = f"(on {self._hosts[index]}) {what}"
+            self._call_restarts += 1
+            if self._call_restarts > cfg.max_engine_restarts:  # the next call starts it again (a dead handle)
+                raise RuntimeError(
+                    f"fleet: engine {index} {what} ({type(cause).__name__}: {cause}), more than "
+                    f"{cfg.max_engine_restarts} engine restarts in one call (--max-engine-restarts, "
+                    "--engine-call-timeout-seconds)"
+                ) from cause
+            self.num_restarts += 1
+            log.warning("fleet: engine %d %s; restarting it (restart #%d)", index, what, self.num_restarts)
+            self.engines[index] = engine = self._spawn(index)
+            try:
+                ray.get(engine.ready.remote(), timeout=cfg.engine_call_timeout_seconds)
+            except GetTimeoutError as exc:
+                raise RuntimeError(
+                    f"fleet: engine {index} {what}, and no node of the Ray cluster started its replacement within "
+                    f"{cfg.engine_call_timeout_seconds:g} s (--engine-call-timeout-seconds): no engine host left "
+                    "with room for it? (`ray status` lists the nodes and their free resources)"
+                ) from exc
+            except ENGINE_DEAD as exc:  # placed on a node that was dying before Ray noticed: place it again
+                cause = exc
+                continue
+            try:
+                self._hosts[index] = ray.get(engine.node_ip.remote(), timeout=cfg.engine_call_timeout_seconds)
+                if self._latest:
+                    self._replay(engine)
+                break
+            except ENGINE_LOST as exc:
+                cause = exc
+        if self._latest:
+            log.info("fleet: engine %d re-synced to the latest weights (%d buckets)", index, len(self._latest))
+        elif self._updated:  # no kept copy: its start-up weights are not the policy's
+            self._stale.add(index)
+            log.warning("fleet: engine %d holds its start-up weights; it generates again after the next update", index)
+
+    def _release(self, index: int) -> None:
+        """Kill engine ``index``, remove its placement group (its GPUs must be free before a replacement is placed:
+        a fleet that fills the cluster has no others) and close the side group it was a member of."""
         try:
             ray.kill(self.engines[index])
         except Exception:  # noqa: BLE001 - it is dead already
             pass
         pg = self._placement_groups.pop(index, None)
-        if pg is not None:  # its GPUs must be free before the replacement is placed (a full cluster has no others)
+        if pg is not None:
             ray.util.remove_placement_group(pg)
-        close_group(self._group)  # the lost engine was a member: the next update builds the side group anew
+        close_group(self._group)  # the next update builds it anew
         self._group = None
-        hung = isinstance(cause, GetTimeoutError)
-        what = f"did not answer within {cfg.engine_call_timeout_seconds:g} s" if hung else "died"
-        what = f"(on {self._hosts[index]}) {what}"
-        self._call_restarts += 1
-        if self._call_restarts > cfg.max_engine_restarts:  # the next call starts it again (a dead actor's handle)
-            raise RuntimeError(
-                f"fleet: engine {index} {what} ({type(cause).__name__}: {cause}), more than {cfg.max_engine_restarts} "
-                "engine restarts in one call (--max-engine-restarts, --engine-call-timeout-seconds)"
-            ) from cause
-        self.num_restarts += 1
-        log.warning("fleet: engine %d %s; restarting it (restart #%d)", index, what, self.num_restarts)
-        engine = self._spawn(index)
-        try:
-            ray.get(engine.ready.remote(), timeout=cfg.engine_call_timeout_seconds)
-        except GetTimeoutError as exc:
-            raise RuntimeError(
-                f"fleet: engine {index} {what}, and no node of the Ray cluster started its replacement within "
-                f"{cfg.engine_call_timeout_seconds:g} s (--engine-call-timeout-seconds): no engine host left with room "
-                "for it? (`ray status` lists the nodes and their free resources)"
-            ) from exc
-        self._hosts[index] = ray.get(engine.node_ip.remote())
-        self.engines[index] = engine
-        if self._latest:
-            self._replay(engine)
-            log.info("fleet: engine %d re-synced to the latest weights (%d buckets)", index, len(self._latest))
-        elif self._updated:  # no kept copy: its start-up weights are not the policy's
-            self._stale.add(index)
-            log.warning("fleet: engine %d holds its start-up weights; it generates again after the next update", index)
 
     def _restart_dead(self, timeout_s: float = 30.0) -> None:
         """Restart every engine that no longer answers (its host died since the last call: nothing else would notice
