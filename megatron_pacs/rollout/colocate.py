@@ -7,23 +7,50 @@ Around each update, in this order (docs/architecture.md §4.1):
 2. with ``--offload-optimizer-during-rollout`` the actor brings its optimizer state and gradient buffers back to
    the GPU;
 3. the update runs;
-4. the actor moves the optimizer state and gradient buffers to host memory again;
+4. the actor moves the optimizer state and gradient buffers to host memory again, and the trainer's allocator
+   returns its cached blocks (activations, logits) to the GPU (``gc.collect()``, ``torch.cuda.empty_cache()``;
+   the amount is the ``colocate/freed_gb`` metric);
 5. the engines reallocate their weights' memory (``wake_up(["weights"])``), the new weights arrive (CUDA IPC on
    the same GPU, the ``ipc`` transport), and only then the KV cache (``wake_up(["kv_cache"])``), so the cache can
    use what the trainer just freed.
 
 Everything here goes through the :class:`~megatron_pacs.rollout.types.RolloutEngine` protocol and a two-method
 trainer hook, so the order is tested on a CPU with recording stand-ins (vLLM's sleep mode needs CUDA).
+
+The first offload (:meth:`Colocation.start`) runs before the engines exist: vLLM's start-up check wants
+``--gpu-memory-utilization`` of the GPU free, so the trainer gives back what it can first (the trainer then attaches
+the fleet, :attr:`Colocation.engine`).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Protocol
 
-from megatron_pacs.rollout.types import RolloutEngine
+import torch
 
-__all__ = ["Colocation", "TrainingState"]
+from megatron_pacs.rollout.types import RolloutEngine
+from megatron_pacs.utils.logging import get_logger
+
+__all__ = ["Colocation", "TrainingState", "release_cached_memory"]
+
+log = get_logger("rollout.colocate")
+GB = 1024**3
+
+
+def _reserved_gb() -> float:
+    """GiB that PyTorch's CUDA allocator holds on this rank's GPU (0 without CUDA)."""
+    return torch.cuda.memory_reserved() / GB if torch.cuda.is_available() else 0.0
+
+
+def release_cached_memory() -> None:
+    """Return the blocks PyTorch's CUDA allocator caches (freed activations, logits, offloaded state) to the GPU,
+    so an engine on the same GPU can take them; a no-op without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    gc.collect()  # tensors kept alive only by reference cycles (autograd graphs, closures) are freed first
+    torch.cuda.empty_cache()
 
 
 class TrainingState(Protocol):
@@ -42,7 +69,8 @@ class Colocation:
     """The colocated cycle around each update (see the module docstring).
 
     Args:
-        engine: The fleet (on the driver; None on the other ranks, which only move their own training state).
+        engine: The fleet (on the driver; None on the other ranks, which only move their own training state, and
+            None until the trainer attaches it after :meth:`start`).
         state: The actor, when ``--offload-optimizer-during-rollout``; else None.
     """
 
@@ -50,9 +78,19 @@ class Colocation:
         self.engine, self.state = engine, state
 
     def start(self) -> None:
-        """Before the first generation: the engines own the GPU memory the trainer does not need."""
+        """Before the engines start: they own the GPU memory the trainer does not need from then on."""
+        freed, reserved = self._free()
+        if reserved:
+            log.info("colocated: the trainer gave back %.2f of its %.2f GiB before the engines start", freed, reserved)
+
+    def _free(self) -> tuple[float, float]:
+        """Offload the training state (with the flag) and empty the allocator's cache; returns (GiB freed, GiB
+        held before)."""
+        before = _reserved_gb()
         if self.state is not None:
             self.state.offload_training_state()
+        release_cached_memory()
+        return max(before - _reserved_gb(), 0.0), before
 
     def before_train(self) -> None:
         if self.engine is not None:
@@ -61,12 +99,15 @@ class Colocation:
             self.state.onload_training_state()
 
     def after_train(self, sync: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """Free the trainer's memory, wake the engines' weights, sync them (collective), then the KV cache."""
-        if self.state is not None:
-            self.state.offload_training_state()
+        """Free the trainer's memory, wake the engines' weights, sync them (collective), then the KV cache.
+
+        Returns:
+            ``sync()``'s metrics and ``colocate/freed_gb`` (what the trainer's allocator gave back to the GPU).
+        """
+        freed, _ = self._free()
         if self.engine is not None:
             self.engine.wake_up(tags=["weights"])
         stats = sync()
         if self.engine is not None:
             self.engine.wake_up(tags=["kv_cache"])
-        return stats
+        return {**stats, "colocate/freed_gb": freed}
