@@ -11,6 +11,7 @@ __all__ = ["ModelConfig"]
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 TRANSFORMER_IMPLS = ("auto", "te", "sdpa", "local")
+LOGPROB_IMPLS = ("auto", "fused", "chunked")
 
 
 @dataclass(kw_only=True)
@@ -42,6 +43,10 @@ class ModelConfig:
     transformer_impl: str = "auto"
     """Layer implementation: auto (te on a GPU with Transformer Engine, sdpa on a GPU without it, local on CPU), te,
     sdpa or local."""
+    logprob_impl: str = "auto"
+    """Token log-probs from the logits: fused (the Triton kernels: CUDA, or TRITON_INTERPRET=1), chunked (the torch
+    path: the escape hatch where Triton fails to compile) or auto (fused where it can run). Same values either way,
+    up to fp32 rounding (docs/architecture.md §3)."""
     bias_swiglu_fusion: bool | None = None
     """Fuse the SwiGLU activation (Megatron's bias_swiglu_impl); default: on with CUDA, off on CPU (exact)."""
     rope_fusion: bool | None = None
@@ -78,6 +83,8 @@ class ModelConfig:
                 raise bad(name, "must be >= 0")
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise bad("transformer_impl", f"{self.transformer_impl!r}: use one of {list(TRANSFORMER_IMPLS)}")
+        if self.logprob_impl not in LOGPROB_IMPLS:
+            raise bad("logprob_impl", f"{self.logprob_impl!r}: use one of {list(LOGPROB_IMPLS)}")
 
     @property
     def fusions(self) -> dict[str, bool | None]:

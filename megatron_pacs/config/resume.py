@@ -59,6 +59,7 @@ FREE_FIELDS = frozenset(
         "model.rope_fusion",
         "model.masked_softmax_fusion",
         "model.transformer_impl",
+        "model.logprob_impl",
     }
 )
 """Fields that only place, pace or log the run."""

@@ -131,6 +131,14 @@ class TrainConfig:
                 "one node only; for a multi-node run drop --colocate and use --weight-sync broadcast",
             )
         m = self.model
+        if m.logprob_impl == "fused" and not (
+            _importable("triton") and (_cuda_available() or os.environ.get("TRITON_INTERPRET") == "1")
+        ):
+            raise bad(
+                "logprob_impl",
+                "the fused kernels need Triton and CUDA (or TRITON_INTERPRET=1, Triton's slow CPU interpreter); use "
+                "auto or chunked on this machine",
+            )
         if m.bias_swiglu_fusion and not _cuda_available():
             raise bad("bias_swiglu_fusion", "the fused SwiGLU kernel needs CUDA; drop the flag on this machine")
         if m.rope_fusion and not (_cuda_available() and _importable("transformer_engine")):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from megatron_pacs.algo.objectives import Logprobs, MicroBatchLoss
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import ModelConfig, OptimConfig
 from megatron_pacs.mcore.forward import MicroBatch, model_token_logprobs, run_schedule_together, token_alignment
+from megatron_pacs.mcore.logprobs import LogprobImpl
 from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, train_step
 from megatron_pacs.mcore.parallel import ParallelGroups
@@ -47,6 +48,7 @@ class Actor:
         from transformers import AutoConfig
 
         self.groups = groups
+        self.logprob_impl: LogprobImpl = cast(LogprobImpl, model.logprob_impl)  # validated by ModelConfig
         self.hf_config = AutoConfig.from_pretrained(model.hf_model)
         dtype = torch.bfloat16 if model.bf16 else torch.float32
         self.models = build_gpt_model(
@@ -149,13 +151,15 @@ class Actor:
         """
         if self.trainable is None:
             raise ValueError("this Actor is frozen (built without an OptimConfig) and cannot train")
-        tp_group = self.groups.tp_group
+        tp_group, impl = self.groups.tp_group, self.logprob_impl
 
         def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-            logp = model_token_logprobs(logits, mb, tp_group, temperature)
+            logp = model_token_logprobs(logits, mb, tp_group, temperature, impl=impl)
             scored: TokenLogprobs = mb.scored(logp)
             if raw_logprobs:
-                raw = logp if temperature == 1.0 else model_token_logprobs(logits.detach(), mb, tp_group, 1.0)
+                raw = (
+                    logp if temperature == 1.0 else model_token_logprobs(logits.detach(), mb, tp_group, 1.0, impl=impl)
+                )
                 scored.raw = mb.scored(raw.detach()).logp
             return loss(scored)
 
@@ -213,9 +217,9 @@ def policy_logprobs(
     seqs = [torch.zeros(response_lens.numel(), dtype=torch.float64, device=device) for _ in policies]
     stores = [TokenStore.zeros(response_lens, device) if keep else None for keep in tokens]
 
-    def collect(seq_logp: torch.Tensor, store: TokenStore | None):
+    def collect(seq_logp: torch.Tensor, store: TokenStore | None, impl: LogprobImpl):
         def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-            scored = mb.scored(model_token_logprobs(logits, mb, groups.tp_group, temperature).float())
+            scored = mb.scored(model_token_logprobs(logits, mb, groups.tp_group, temperature, impl=impl).float())
             sums = scored.sequence_sums()
             seq_logp[scored.index] = sums
             if store is not None:
@@ -231,7 +235,9 @@ def policy_logprobs(
         for policy in policies:
             precision.enter_context(policy.fp8_passes(fp8))
         run_schedule_together(
-            [p.chunks for p in policies], micro_batches, [collect(q, t) for q, t in zip(seqs, stores, strict=True)]
+            [p.chunks for p in policies],
+            micro_batches,
+            [collect(q, t, p.logprob_impl) for q, t, p in zip(seqs, stores, policies, strict=True)],
         )
     if groups.pp_size > 1:
         for seq_logp in seqs:

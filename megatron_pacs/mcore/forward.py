@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
+from megatron.core.enums import Fp8Recipe
+from megatron.core.fp8_utils import get_fp8_align_size
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_pacs.algo.tokens import TokenLogprobs
 from megatron_pacs.mcore.attention import packed_sequences, uses_own_attention
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
-from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
+from megatron_pacs.mcore.logprobs import LogprobImpl, vocab_parallel_logprobs
 from megatron_pacs.mcore.parallel import ParallelGroups
 
 if TYPE_CHECKING:
@@ -181,16 +183,25 @@ def make_micro_batches(tokens: torch.Tensor, score_mask: torch.Tensor, micro_bat
 
 def token_alignment(config: TransformerConfig) -> int:
     """The multiple a micro-batch's token dimension must be: TP with sequence parallelism (the sequence is split
-    over the TP ranks), 16 with FP8 (Transformer Engine's FP8 GEMMs need both dimensions divisible by 16 with every
-    recipe), their product with both."""
+    over the TP ranks), with FP8 what Transformer Engine's FP8 GEMMs need of both dimensions (megatron-core's
+    ``get_fp8_align_size``: 32 for MXFP8, whose scales cover blocks of 32, else 16), their product with both."""
     sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    return sp * (16 if config.fp8 else 1)  # with both, each rank's T / TP tokens must be a multiple of 16
+    if not config.fp8:
+        return sp
+    recipe = Fp8Recipe(config.fp8_recipe or Fp8Recipe.delayed)
+    return sp * get_fp8_align_size(recipe)  # with both, each rank's T / TP tokens must be aligned
 
 
 def model_token_logprobs(
-    output: torch.Tensor, mb: MicroBatch, tp_group: dist.ProcessGroup, temperature: float = 1.0
+    output: torch.Tensor,
+    mb: MicroBatch,
+    tp_group: dist.ProcessGroup,
+    temperature: float = 1.0,
+    *,
+    impl: LogprobImpl = "auto",
 ) -> torch.Tensor:
-    """``[b, L - 1]`` log-prob of ``tokens[:, 1:]`` from the last stage's logits ``[b, L, Vp]``.
+    """``[b, L - 1]`` log-prob of ``tokens[:, 1:]`` from the last stage's logits ``[b, L, Vp]`` (``impl``: the
+    kernel, ``--logprob-impl``, as :func:`~megatron_pacs.mcore.logprobs.vocab_parallel_logprobs`).
 
     Every position is scored against the next token (the last one against a placeholder, cut off): slicing the
     logits to ``L - 1`` positions instead would copy them (non-contiguous) and make the backward allocate a zeroed
@@ -199,7 +210,7 @@ def model_token_logprobs(
     """
     tokens = mb.tokens.to(output.device)
     labels = torch.roll(tokens, -1, dims=1)  # labels[:, t] = tokens[:, t + 1]; the wrap-around at L - 1 is dropped
-    return vocab_parallel_logprobs(output, labels, tp_group, temperature=temperature)[:, :-1]
+    return vocab_parallel_logprobs(output, labels, tp_group, temperature=temperature, impl=impl)[:, :-1]
 
 
 def _forward_step_factory(loss_fn: LossFn):
@@ -346,9 +357,9 @@ def run_schedule_together(
     _schedule(stacked, micro_batches, loss_fn, forward_only=True, rows_per_message=len(model_sets))
 
 
-def _token_logp_loss_fn(tp_group: dist.ProcessGroup, temperature: float) -> LossFn:
+def _token_logp_loss_fn(tp_group: dist.ProcessGroup, temperature: float, impl: LogprobImpl) -> LossFn:
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-        token_logp = model_token_logprobs(logits, mb, tp_group, temperature)
+        token_logp = model_token_logprobs(logits, mb, tp_group, temperature, impl=impl)
         count = torch.tensor(token_logp.shape[0], dtype=torch.int, device=token_logp.device)
         return token_logp.sum(), count, {"token_logp": token_logp.detach(), "index": mb.index.to(token_logp.device)}
 
@@ -363,6 +374,7 @@ def token_logprobs(
     *,
     micro_batch_size: int,
     temperature: float = 1.0,
+    impl: LogprobImpl = "auto",
 ) -> torch.Tensor:
     """Log-prob of every token given its prefix, on every rank (forward-only schedule, any TP / PP / VPP).
 
@@ -372,6 +384,7 @@ def token_logprobs(
         tokens: ``[N, L]`` right-padded token ids.
         micro_batch_size: Rows per micro-batch.
         temperature: The sampling temperature the log-probs refer to.
+        impl: The log-prob kernel (``--logprob-impl``).
 
     Returns:
         ``[N, L - 1]`` float32: entry ``t`` is ``log p(tokens[:, t + 1] | tokens[:, :t + 1])``.
@@ -384,7 +397,8 @@ def token_logprobs(
         tokens = torch.nn.functional.pad(tokens, (0, align - length % align))
     mask = torch.ones_like(tokens, dtype=torch.bool)
     micro_batches = make_micro_batches(tokens, mask, micro_batch_size)
-    reports = run_schedule(models, micro_batches, _token_logp_loss_fn(groups.tp_group, temperature), forward_only=True)
+    loss_fn = _token_logp_loss_fn(groups.tp_group, temperature, impl)
+    reports = run_schedule(models, micro_batches, loss_fn, forward_only=True)
     device = next(models[0].parameters()).device
     result = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.float32, device=device)
     if groups.is_last_stage:
@@ -404,6 +418,7 @@ def sequence_logprobs(
     *,
     micro_batch_size: int,
     temperature: float = 1.0,
+    impl: LogprobImpl = "auto",
 ) -> torch.Tensor:
     """Per-sequence sums of the scored tokens' log-probs, on every rank (arguments as :func:`token_logprobs`).
 
@@ -415,6 +430,6 @@ def sequence_logprobs(
     """
     if tokens.shape != score_mask.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} and score_mask {tuple(score_mask.shape)} must match")
-    logp = token_logprobs(models, groups, tokens, micro_batch_size=micro_batch_size, temperature=temperature)
+    logp = token_logprobs(models, groups, tokens, micro_batch_size=micro_batch_size, temperature=temperature, impl=impl)
     mask = score_mask[:, 1:].to(logp.device).bool()
     return torch.where(mask, logp, torch.zeros_like(logp)).sum(-1)

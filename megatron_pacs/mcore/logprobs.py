@@ -22,7 +22,10 @@ import torch.distributed as dist
 
 from megatron_pacs.mcore import fused_logprobs
 
-__all__ = ["vocab_parallel_logprobs"]
+__all__ = ["LogprobImpl", "vocab_parallel_logprobs"]
+
+LogprobImpl = Literal["auto", "fused", "chunked"]
+"""The kernel choice (``--logprob-impl``): Triton's fused kernels, the chunked torch path, or fused where it runs."""
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:
@@ -171,7 +174,7 @@ def vocab_parallel_logprobs(
     chunk_size: int = 512,
     temperature: float = 1.0,
     return_entropy: Literal[False] = False,
-    impl: Literal["auto", "fused", "chunked"] = "auto",
+    impl: LogprobImpl = "auto",
 ) -> torch.Tensor: ...
 
 
@@ -184,7 +187,7 @@ def vocab_parallel_logprobs(
     chunk_size: int = 512,
     temperature: float = 1.0,
     return_entropy: Literal[True],
-    impl: Literal["auto", "fused", "chunked"] = "auto",
+    impl: LogprobImpl = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -197,7 +200,7 @@ def vocab_parallel_logprobs(
     chunk_size: int = 512,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    impl: Literal["auto", "fused", "chunked"] = "auto",
+    impl: LogprobImpl = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -209,7 +212,7 @@ def vocab_parallel_logprobs(
     chunk_size: int = 512,
     temperature: float = 1.0,
     return_entropy: bool = False,
-    impl: Literal["auto", "fused", "chunked"] = "auto",
+    impl: LogprobImpl = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each label under softmax(logits / temperature) over the full (sharded) vocabulary.
 

@@ -308,6 +308,32 @@ def test_colocate_is_refused_before_anything_starts_without_cuda(tmp_path):
     assert "GPU only; refused on a machine without CUDA" in " ".join(help_text.split())
 
 
+def test_logprob_impl_fused_is_refused_where_triton_cannot_run_and_chunked_always_works(tmp_path, monkeypatch):
+    """Issue 23.9: --logprob-impl chunked is the escape hatch where Triton fails to compile; fused is refused before
+    anything starts without CUDA (or TRITON_INTERPRET=1) and Triton, with the flag named. The GPU is simulated."""
+    from megatron_pacs.config import train as train_config
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text("")
+    files = ["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl")]
+    from megatron_pacs.config import ModelConfig
+
+    with pytest.raises(ValueError, match=r"--logprob-impl: 'triton': use one of \['auto', 'fused', 'chunked'\]"):
+        ModelConfig(logprob_impl="triton")
+    parse_config([*files, "--logprob-impl", "chunked"]).validate(1)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(train_config, "_cuda_available", lambda: False)
+    fused = parse_config([*files, "--logprob-impl", "fused"])
+    with pytest.raises(ValueError, match=r"--logprob-impl: the fused kernels need Triton and CUDA"):
+        fused.validate(1)
+    monkeypatch.setattr(train_config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(train_config, "_importable", lambda module: module == "triton")
+    fused.validate(1)
+    monkeypatch.setattr(train_config, "_importable", lambda module: False)
+    with pytest.raises(ValueError, match=r"--logprob-impl: the fused kernels need Triton"):
+        fused.validate(1)
+
+
 def test_gpu_only_refusals_with_a_gpu_simulated(tmp_path, monkeypatch):
     """Refusals that depend on the GPU (mxfp8 before Blackwell; colocation and CUDA IPC beyond one node), checked
     on CPU by simulating what the checks read (Transformer Engine importable, CUDA present, the device's compute

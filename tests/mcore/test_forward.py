@@ -86,14 +86,19 @@ def test_token_alignment_for_sequence_parallelism_and_fp8():
 
     from megatron_pacs.mcore.forward import token_alignment
 
-    def align(tp, sp, fp8):
-        return token_alignment(SimpleNamespace(tensor_model_parallel_size=tp, sequence_parallel=sp, fp8=fp8))  # type: ignore[arg-type]
+    def align(tp, sp, fp8, recipe="delayed"):
+        config = SimpleNamespace(tensor_model_parallel_size=tp, sequence_parallel=sp, fp8=fp8, fp8_recipe=recipe)
+        return token_alignment(config)  # type: ignore[arg-type]
 
     assert align(1, False, None) == 1
     assert align(4, True, None) == 4
     assert align(1, False, "hybrid") == 16
     assert align(2, True, "hybrid") == 32  # each TP rank's share of the tokens must be a multiple of 16
     assert align(2, False, "e4m3") == 16
+    for recipe in ("tensorwise", "blockwise"):
+        assert align(1, False, "e4m3", recipe) == 16
+    assert align(1, False, "e4m3", "mxfp8") == 32  # MXFP8 scales blocks of 32 (issue 23.7)
+    assert align(2, True, "e4m3", "mxfp8") == 64
 
 
 def test_alignment_padding_changes_no_log_prob(tmp_path):
@@ -161,3 +166,51 @@ def test_alignment_padding_changes_no_log_prob(tmp_path):
 
     for packing in (True, False):
         torch.testing.assert_close(sums(packing, 16), sums(packing, 1), rtol=0, atol=1e-5)
+
+
+def test_logprob_impl_reaches_every_pass_that_scores_tokens_simulated_fused_path(tmp_path, monkeypatch):
+    """``--logprob-impl chunked`` keeps the fused kernels out of the update, the scoring pass (old and reference
+    log-probs) and ``token_logprobs`` (the sync probe); ``auto`` takes them where they can run (issue 23.9).
+    Simulated fused path: Triton cannot compile here and its interpreter is too slow for a model, so ``available``
+    is forced on and the kernel's entry point is recorded and answered by the chunked path."""
+    from megatron_pacs.config import ModelConfig, OptimConfig, ParallelConfig
+    from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
+    from megatron_pacs.mcore import fused_logprobs, logprobs
+    from megatron_pacs.mcore.actor import Actor
+    from megatron_pacs.mcore.forward import make_micro_batches, token_logprobs
+    from megatron_pacs.mcore.parallel import init_parallel
+
+    fused_calls: list[int] = []
+
+    class RecordedFused(torch.autograd.Function):
+        @staticmethod
+        def apply(flat, labels, group, vocab_start, temperature, with_entropy):  # type: ignore[override]
+            fused_calls.append(flat.shape[0])
+            return logprobs._VocabParallelLogProbs.apply(
+                flat, labels, group, vocab_start, 512, temperature, with_entropy
+            )
+
+    monkeypatch.setattr(fused_logprobs, "available", lambda device: True)
+    monkeypatch.setattr(logprobs, "_FusedVocabParallelLogProbs", RecordedFused)
+    groups = init_parallel(ParallelConfig())
+    build_tiny_model(str(tmp_path / "m"), tiny_hf_config("qwen2", layers=1), seed=1)
+    tokens = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    mask[:, 4:] = True
+    mbs = make_micro_batches(tokens, mask, 1)
+
+    def passes(impl: str) -> list[int]:
+        actor = Actor(ModelConfig(hf_model=str(tmp_path / "m"), logprob_impl=impl), groups, OptimConfig(lr=1e-4))
+        counts = []
+        for run in (
+            lambda: actor.logprobs(mbs, torch.tensor([5, 5]), tokens=True),
+            lambda: token_logprobs(actor.chunks, groups, tokens, micro_batch_size=2, impl=actor.logprob_impl),
+            lambda: actor.train(mbs, lambda scored: (-scored.logp.sum(), torch.tensor(1), {})),
+        ):
+            fused_calls.clear()
+            run()
+            counts.append(len(fused_calls))
+        return counts
+
+    assert passes("chunked") == [0, 0, 0]
+    assert all(n > 0 for n in passes("auto"))
