@@ -13,6 +13,8 @@ softmax fusion where Apex's kernels import; the RMSNorm through ``F.rms_norm`` (
 
 from __future__ import annotations
 
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -41,6 +43,7 @@ __all__ = [
     "hf_to_transformer_config",
     "resolve_fusions",
     "rope_settings",
+    "silence_te_fp8_autocast_deprecation",
     "te_available",
 ]
 
@@ -54,6 +57,31 @@ def te_available() -> bool:
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # noqa: BLE001 - a half-installed TE raises all sorts of errors
         return False
+    return True
+
+
+TE_FP8_AUTOCAST_DEPRECATION = "fp8_autocast is deprecated and will be removed in a future release."
+"""The first sentence of Transformer Engine's DeprecationWarning for ``te.pytorch.fp8_autocast`` (TE 2.x, once
+``te.pytorch.autocast`` exists; the second sentence lists autocast's arguments, which vary between releases)."""
+
+
+def silence_te_fp8_autocast_deprecation() -> bool:
+    """Filter TE's ``fp8_autocast`` deprecation warning where TE has its replacement (``te.pytorch.autocast``).
+
+    megatron-core 0.16's ``get_fp8_context`` enters ``fp8_autocast`` around every layer of every FP8 pass, so TE
+    2.20 would warn on each; the call is megatron-core's, not ours, and megatron-core moves to ``autocast`` itself
+    in later releases. Only that message (a prefix match) and only DeprecationWarning are filtered.
+
+    Returns:
+        True if the filter is installed (TE imports and has ``autocast``), else False.
+    """
+    try:
+        import transformer_engine.pytorch as te
+    except Exception:  # noqa: BLE001 - a half-installed TE raises all sorts of errors
+        return False
+    if not hasattr(te, "autocast"):  # an older TE: fp8_autocast is the current API and does not warn
+        return False
+    warnings.filterwarnings("ignore", message=re.escape(TE_FP8_AUTOCAST_DEPRECATION), category=DeprecationWarning)
     return True
 
 
@@ -314,6 +342,8 @@ def build_gpt_model(
     if config_overrides.get("fp8") and kind != "te":
         # Only Transformer Engine's layers run FP8 GEMMs; the other specs would silently run bf16.
         raise ValueError(f"fp8={config_overrides['fp8']!r} needs the Transformer Engine spec; got spec={kind!r}")
+    if config_overrides.get("fp8"):
+        silence_te_fp8_autocast_deprecation()
     config = hf_to_transformer_config(
         hf_config,
         groups.config,

@@ -101,7 +101,7 @@ def _cfg(**overrides):
 
 
 @requires_te
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize(("loss", "scores"), [("pacs", "bf16"), ("pacs", "fp8"), ("grpo", "bf16")])
 def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
@@ -115,17 +115,26 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
         pytest.skip(why)
     path, groups = setup
     actor = Actor(_model(path, fp8_recipe=recipe, fp8_score_precision=scores), groups, OptimConfig(lr=1e-5))
-    assert actor.fp8 and actor.token_alignment == 16
+    align = 32 if recipe == "mxfp8" else 16  # MXFP8 scales blocks of 32 (megatron-core's get_fp8_align_size)
+    assert actor.fp8 and actor.token_alignment == align
     batch = _batch(1024)
     cfg = _cfg(sequence_packing=packing)
-    layout = StepLayout(batch, cfg, groups, whole_groups=False, align=actor.token_alignment)
-    assert all(mb.tokens.shape[1] % 16 == 0 for mb in layout.micro_batches([0, 1]))
-    # The engines' log-probs stand-in: a bf16 pass of the same weights (a correct sync), at temperature 1.
-    rows = list(range(batch.num_responses))
-    ref = actor.logprobs(layout.micro_batches([0, 1]), batch.response_lens, tokens=True, fp8=False).tokens
-    assert ref is not None
-    batch.engine_logprobs = torch.cat([ref.response(i).cpu() for i in rows])
     objective = build_objective(LossConfig(loss=loss), cfg)
+    # the step's own layout: its consistency check compares with a bf16 pass over the first mini-batch's
+    # micro-batches, and a stand-in packed differently would differ by bf16 rounding of other GEMM shapes
+    layout = StepLayout(batch, cfg, groups, whole_groups=objective.whole_groups, align=actor.token_alignment)
+    assert all(mb.tokens.shape[1] % align == 0 for mb in layout.micro_batches([0, 1]))
+    # The engines' log-probs stand-in: a bf16 pass of the same weights (a correct sync), at temperature 1, over
+    # the same micro-batches as the step's own bf16 pass, mini-batch by mini-batch.
+    engine = torch.full((int(batch.response_lens.sum()),), float("nan"))
+    offsets = batch.engine_offsets
+    for k in range(layout.num_mini_batches):
+        ref = actor.logprobs(layout.micro_batches([k]), batch.response_lens, tokens=True, fp8=False).tokens
+        assert ref is not None
+        for i in layout.rows([k]):
+            engine[offsets[i] : offsets[i + 1]] = ref.response(i).cpu()
+    assert not engine.isnan().any()
+    batch.engine_logprobs = engine
     metrics = train_on_batch(
         actor, batch, objective, cfg, groups, PhaseTimer(), temperature=1.0, score_fp8=scores == "fp8"
     )

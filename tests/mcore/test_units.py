@@ -111,3 +111,34 @@ def test_fp8_on_a_spec_without_transformer_engine_is_refused():
     for spec in ("local", "sdpa"):
         with pytest.raises(ValueError, match="needs the Transformer Engine spec"):
             build_gpt_model(tiny_hf_config("qwen2"), None, spec=spec, fp8="hybrid")  # type: ignore[arg-type]
+
+
+def test_te_fp8_autocast_deprecation_is_filtered_by_its_message_only_where_te_has_autocast(monkeypatch):
+    """Issue 23.10: megatron-core 0.16 enters TE's fp8_autocast every layer and pass, and TE 2.20 deprecates it.
+    Simulated Transformer Engine (not installed here): a module with ``autocast`` gets the filter for exactly that
+    DeprecationWarning; one without it (an older TE, where fp8_autocast does not warn) gets none."""
+    import sys
+    import types
+    import warnings
+
+    from megatron_pacs.mcore.model import TE_FP8_AUTOCAST_DEPRECATION, silence_te_fp8_autocast_deprecation
+
+    message = TE_FP8_AUTOCAST_DEPRECATION + " Use autocast(enabled=..., recipe=..., _graph=...) instead."
+    te = types.ModuleType("transformer_engine")
+    te_pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch = te_pytorch  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pytorch)
+    for has_autocast in (False, True):
+        if has_autocast:
+            te_pytorch.autocast = lambda **kw: None  # type: ignore[attr-defined]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert silence_te_fp8_autocast_deprecation() is has_autocast
+            warnings.warn(message, DeprecationWarning, stacklevel=1)
+            warnings.warn("fp8_model_init is deprecated and will be removed", DeprecationWarning, stacklevel=1)
+            warnings.warn(message, UserWarning, stacklevel=1)
+        expected = (
+            ["fp8_model_init", "fp8_autocast"] if has_autocast else ["fp8_autocast", "fp8_model_init", "fp8_autocast"]
+        )
+        assert [str(w.message).split()[0] for w in seen] == expected
