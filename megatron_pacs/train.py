@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             host = trainer.groups.rank_addresses[rank]
             raise RuntimeError(f"lost training rank {rank} (host {host}): a collective with it failed: {exc}") from exc
+    if trainer.exit_signal is not None and trainer.exit_signal.received_at is not None:
+        from megatron_pacs.utils.exit_signal import report_clean_stop
+
+        report_clean_stop()  # megatron_pacs.torchrun exits 0 once every local rank has
     return 0
 
 

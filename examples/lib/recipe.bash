@@ -74,6 +74,6 @@ launch() {
     # torchrun passes SIGTERM on to the ranks, then SIGKILLs them after this long: leave --exit-signal-handler's
     # grace period (60 s) room to finish the step and save.
     export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-90}"
-    exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+    exec "$PYTHON" -m megatron_pacs.torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
         --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m megatron_pacs.train "$@"
 }

@@ -5,6 +5,9 @@ training group passed in), so all stop after the same step, save, and exit 0. A 
 when the grace period runs out first (the step in progress is abandoned; the run resumes from the previous
 checkpoint). Ray's ``ray.init`` installs a SIGTERM handler of its own in the driver that exits at once; install
 this one after the fleet has started so it replaces Ray's.
+
+torch elastic's agent, which gets the same SIGTERM, exits 1 whatever its ranks do; :mod:`megatron_pacs.torchrun`
+(the recipes' launcher) exits 0 instead when every local rank reported a clean stop (:func:`report_clean_stop`).
 """
 
 from __future__ import annotations
@@ -13,15 +16,27 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_pacs.utils.logging import get_logger
 
-__all__ = ["ExitSignal"]
+__all__ = ["STOPS_ENV", "ExitSignal", "report_clean_stop"]
 
 log = get_logger("exit_signal")
+
+STOPS_ENV = "MEGATRON_PACS_CLEAN_STOPS"
+"""The directory where each rank reports a clean stop on the exit signal (set by :mod:`megatron_pacs.torchrun`)."""
+
+
+def report_clean_stop() -> None:
+    """Tell the launcher this rank stopped on the exit signal and is exiting 0: a file named after ``LOCAL_RANK``
+    holding ``LOCAL_WORLD_SIZE``, in :data:`STOPS_ENV`'s directory (nothing without the launcher)."""
+    root = os.environ.get(STOPS_ENV)
+    if root:
+        Path(root, os.environ.get("LOCAL_RANK", "0")).write_text(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 class ExitSignal:

@@ -61,8 +61,9 @@ def test_preemption_stops_every_rank_at_a_step_boundary_saves_exits_0_and_resume
     codes = d.wait_trainers(timeout=90)
     took = time.monotonic() - sent
     logs = _logs(d, "pre-train0", "pre-train1")
-    # torchrun itself exits 1 on SIGTERM whatever its ranks do (torch elastic's SignalException); the ranks exit 0.
-    assert set(codes.values()) <= {0, 1}, (codes, logs)
+    # torch elastic's agent exits 1 on SIGTERM whatever its ranks do; the recipes' launcher (megatron_pacs.torchrun)
+    # exits 0 once every local rank reported a clean stop
+    assert set(codes.values()) == {0}, (codes, logs)
     assert took < 60, f"exited {took:.0f}s after SIGTERM (grace period 60s)"
     assert all(not d.cluster.pids(h) for h in TRAIN_HOSTS), d.cluster.leftovers()
     stopped = max(r["step"] for r in d.metrics("pre"))

@@ -1,0 +1,61 @@
+"""``python -m megatron_pacs.torchrun`` (the recipes' launcher): torchrun's agent exits 1 on the SIGTERM a scheduler
+sends to every process; the launcher exits 0 when every local rank stopped cleanly, and fails otherwise. Real
+torch elastic agents with two ranks each (tests/torchrun_rank.py stands in for a training rank's stop)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_pacs.torchrun import all_ranks_stopped_cleanly
+from megatron_pacs.utils.launch import free_port
+
+HERE = Path(__file__).parent
+
+
+def _preempt(tmp_path: Path, *rank_args: str) -> tuple[int, str]:
+    """Launch two ranks, wait until both run, SIGTERM every process of the job (its process group), return the
+    launcher's exit code and output."""
+    cmd = [sys.executable, "-m", "megatron_pacs.torchrun", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += [str(HERE / "torchrun_rank.py"), str(tmp_path), *rank_args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert len(list(tmp_path.glob("ready.*"))) == 2, proc.communicate(timeout=10)[0]
+        os.killpg(proc.pid, signal.SIGTERM)  # as Slurm does: every process of the job
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    return proc.returncode, out
+
+
+def test_a_preempted_job_whose_ranks_all_stopped_cleanly_exits_0(tmp_path):
+    code, out = _preempt(tmp_path)
+    assert code == 0, out
+    assert "every local rank stopped cleanly" in out
+
+
+def test_a_preempted_job_with_a_rank_that_failed_exits_non_zero(tmp_path):
+    code, out = _preempt(tmp_path, "fail")
+    assert code != 0, out
+
+
+@pytest.mark.parametrize(
+    ("reports", "clean"),
+    [({"0": "2", "1": "2"}, True), ({"0": "2"}, False), ({}, False), ({"0": "1"}, True), ({"0": "2", "1": "3"}, False)],
+)
+def test_clean_stop_reports_must_cover_every_local_rank(tmp_path, reports, clean):
+    for rank, world in reports.items():
+        (tmp_path / rank).write_text(world)
+    assert all_ranks_stopped_cleanly(tmp_path) is clean
