@@ -203,6 +203,9 @@ def e2e_figures(name: str, step: dict | None, bound: float) -> list[dict]:
     last = metrics[-1]
     for key in sorted(k for k in last if k.startswith("perf/time/")):
         out.append(_figure(f"RL {name}: {key} (last step)", last[key], "info", None, "s"))
+    if "colocate/freed_gb" in last:  # what the trainer's allocator gave back before the engines woke
+        freed = last["colocate/freed_gb"]
+        out.append(_figure(f"RL {name}: colocate/freed_gb (last step)", freed, "info", None, "GiB", "torch allocator"))
     memory = step.get("memory") or {}
     for phase, gib in memory.get("freed_gib", {}).items():
         out.append(_figure(f"RL {name}: GPU memory freed by {phase}", gib, "info", None, "GiB", "nvidia-smi samples"))

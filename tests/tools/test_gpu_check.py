@@ -59,6 +59,7 @@ def test_recorded_results_give_every_figure_beside_its_target(report, results, t
     assert figs[f"{colocated}: sync/max_logprob_diff"]["ok"] is True  # bf16 bound 1.0
     assert figs[f"{colocated}: GPU memory freed by drop 1"]["value"] == pytest.approx(38.5)
     assert figs[f"{colocated}: perf/time/generate (last step)"]["value"] == pytest.approx(9.5)
+    assert figs[f"{colocated}: colocate/freed_gb (last step)"]["value"] == pytest.approx(12.5)
     assert figs["RL FP8 trainer: sync/max_logprob_diff"]["ok"] is False  # 2.6 > the FP8 bound 2.0
 
     text = md_path.read_text()
