@@ -18,18 +18,12 @@ ALL_SCRIPTS = sorted(EXAMPLES.rglob("*.sh"))
 # The Qwen recipes; tiny_cluster.sh runs for real in tests/cluster/, lib/ holds helpers, not recipes.
 MULTI_NODE = [p for p in ALL_SCRIPTS if p.name not in ("tiny_cpu.sh", "tiny_cluster.sh") and p.parent.name != "lib"]
 
-# The trainer's flags (megatron_pacs.train); a script using any other spelling is a bug.
-TRAINER_FLAGS = set(
-    """--tensor-model-parallel-size --pipeline-model-parallel-size --virtual-pipeline-model-parallel-size
-    --sequence-parallel --hf-model --bf16 --fp8-format --fp8-recipe --recompute-activations --use-distributed-optimizer
-    --global-batch-size --group-size --ppo-mini-batch-size --ppo-epochs --micro-batch-size --max-tokens-per-microbatch
-    --keep-groups-in-microbatch --max-prompt-length --max-response-length --lr --weight-decay --adam-beta1 --adam-beta2
-    --clip-grad --loss --pacs-beta --pacs-score --pacs-advantage --pacs-weights --clip-ratio --kl-coef --num-engines
-    --rollout-tensor-parallel-size --temperature --top-p --top-k --ray-address --train-data --val-data --train-iters
-    --seed --save --load --save-interval --keep-last --save-hf --eval-interval --log-dir --wandb-project
-    --wandb-exp-name --dry-run --world-size --pacs-score-reference --ref-reset-interval --ref-reset-optimizer
-    --ref-load""".split()
-)
+
+def _trainer_flags() -> set[str]:
+    """The trainer's flags (megatron_pacs.train's parser); a script using any other spelling is a bug."""
+    from megatron_pacs.config.cli import build_parser
+
+    return {option for action in build_parser()._actions for option in action.option_strings}
 
 
 def _ids(paths: list[Path]) -> list[str]:
@@ -69,9 +63,9 @@ def test_bash_syntax(script):
 def test_both_branches_pass_the_same_trainer_flags(script, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("torchrun", "fakepython"):  # print argv, one per line
-        (bin_dir / name).write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
-        (bin_dir / name).chmod(0o755)
+    fake = bin_dir / "fakepython"  # print argv, one per line
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    fake.chmod(0o755)
     env = _env(tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "fakepython"), NNODES="2")
 
     def argv(dry: str) -> list[str]:
@@ -79,7 +73,9 @@ def test_both_branches_pass_the_same_trainer_flags(script, tmp_path):
         assert out.returncode == 0, out.stderr
         return out.stdout.splitlines()
 
-    real, dry = argv("0"), argv("1")
+    launcher, dry = argv("0"), argv("1")
+    assert launcher[:2] == ["-m", "megatron_pacs.torchrun"]  # torchrun's flags; exits 0 after a clean preemption
+    real = launcher[2:]
     assert real[:10] == shlex.split(
         "--nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr localhost --master-port 6000"
     )
@@ -87,7 +83,7 @@ def test_both_branches_pass_the_same_trainer_flags(script, tmp_path):
     assert dry[-3:] == ["--dry-run", "--world-size", "16"]
     assert real[12:] == [a if a != str(script.parent) else env["HF_MODEL"] for a in dry[2:-3]]
     flags = {a for a in real if a.startswith("--")} - {"--nnodes", "--node-rank", "--nproc-per-node"}
-    assert flags - {"--master-addr", "--master-port"} <= TRAINER_FLAGS
+    assert flags - {"--master-addr", "--master-port"} <= _trainer_flags()
     for flag in ("--global-batch-size", "--group-size", "--ppo-mini-batch-size", "--train-iters", "--eval-interval"):
         assert flag in real
 
