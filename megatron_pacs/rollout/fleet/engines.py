@@ -21,6 +21,9 @@ __all__ = ["EngineActor", "EngineSet"]
 
 log = get_logger("rollout.fleet")
 
+CLIENT_SERVER_START_FAILURES = ("Starting Ray client server failed", "Initialization failure from server")
+"""What Ray Client's ``ray.init`` raises when the head's per-client server died at its start (connect again)."""
+
 ENGINE_DEAD = (RayActorError, ActorUnavailableError)
 ENGINE_LOST = (*ENGINE_DEAD, GetTimeoutError)  # dead, or hung past --engine-call-timeout-seconds
 
@@ -119,10 +122,11 @@ class EngineSet:
                     ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True)
                     return
                 except (RuntimeError, ConnectionError) as exc:
-                    # Ray Client's head starts one server process per client; that start fails now and then (in
-                    # the virtual cluster: the first client after `ray start`), "Starting Ray client server
-                    # failed", and a new connection succeeds.
-                    if attempt == 2 or "Starting Ray client server failed" not in str(exc):
+                    # Ray Client's head starts one server process per client, and that process dies at its start now
+                    # and then (ray-project/ray#63202, a race in the proxier's fork): "Starting Ray client server
+                    # failed", or "Initialization failure from server" when the proxier finds it already a zombie.
+                    # A new connection succeeds.
+                    if attempt == 2 or not any(m in str(exc) for m in CLIENT_SERVER_START_FAILURES):
                         raise
                     log.warning("fleet: %s; connecting again (attempt %d of 3)", exc, attempt + 2)
                     time.sleep(5)
