@@ -55,6 +55,10 @@ RECIPE_ARGS=(
     --train-iters 300 --eval-interval 5 --save-interval 20 --seed 1
     --save "$SAVE_DIR" --load "$SAVE_DIR" --log-dir "$LOG_DIR"
     --exit-signal-handler
+    # The other ranks wait in a collective while rank 0 starts the fleet and generates a step's rollouts, which at
+    # this scale can take longer than Megatron-LM's 10-minute default; a lost node is still noticed at once when its
+    # connections close, and after this long when it vanishes without closing them.
+    --distributed-timeout-minutes 60
 )
 if ((${#VAL_FILES[@]})); then
     RECIPE_ARGS+=(--val-data "${VAL_FILES[@]}")

@@ -89,7 +89,9 @@ def test_lost_training_host_stops_the_survivor_quickly_and_the_rerun_resumes(dep
     its engine actors are released; the same command on both hosts resumes from the step-1 checkpoint."""
     d = deployment
     d.start_rollout_cluster()
-    d.start_trainers("lost", "--distributed-timeout-minutes", "1")
+    # The kill closes train1's connections, which train0 notices at once; the collective timeout is only the fallback,
+    # and it must outlast rank 0's fleet start and first generation (a slow Ray Client connect took 45 s once).
+    d.start_trainers("lost", "--distributed-timeout-minutes", "3")
     assert _wait_checkpoint(d, "lost", 1, 600), _logs(d, "lost-train0", "lost-train1")
     killed = time.monotonic()
     d.cluster.kill_host("train1")
@@ -106,7 +108,7 @@ def test_lost_training_host_stops_the_survivor_quickly_and_the_rerun_resumes(dep
     print(f"lost training host: the survivor exited {took:.1f}s after the kill")
 
     resumed_from = max(int(p.name[5:]) for p in (d.workdir / "lost-ckpt").glob("iter_*"))
-    d.start_trainers("lost", "--distributed-timeout-minutes", "1")
+    d.start_trainers("lost", "--distributed-timeout-minutes", "3")
     codes = d.wait_trainers(timeout=600)
     assert codes == {"train0": 0, "train1": 0}, _logs(d, "lost-train0", "lost-train1")
     _same_as_continuous([r for r in d.metrics("lost") if r.get("step", 0) > resumed_from], continuous)
