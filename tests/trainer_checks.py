@@ -97,6 +97,7 @@ def main() -> int:
 
     out = Path(args.out)
     results: dict = {}
+    writer = True  # the one process that writes results_<mode>.json
     if args.mode == "rollouts":
         from megatron_pacs.data.formats import read_prompt_rows
         from megatron_pacs.trainer import Trainer
@@ -138,10 +139,13 @@ def main() -> int:
         if dist.get_rank() == 0:
             torch.save(weights, out / "weights_tp2_packed.pt")
         nan_weights, results["nan"] = _train(cfg, groups, batch, poison=dist.get_rank() == 1)
-        if dist.get_rank() == 0:
+        writer = dist.get_rank() == 0
+        if writer:
             torch.save(nan_weights, out / "weights_nan.pt")
+        # destroy_parallel ends the default group too, so the writer is chosen above: deciding it after, both ranks
+        # wrote the file at once and the CI run read two documents run together.
         destroy_parallel()
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if writer:
         (out / f"results_{args.mode}.json").write_text(json.dumps(results))
     return 0
 
