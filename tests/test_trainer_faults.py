@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,14 @@ def setup(tmp_path_factory):
     return make_rl_setup(tmp_path_factory.mktemp("trainer_faults"), tied=True, num_problems=8)
 
 
+@pytest.fixture(scope="module")
+def launched(setup) -> Iterator[dict[str, Future]]:
+    """Both launches at once (each is mostly single-threaded start-up on a 2-core machine); a test reads its own."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    yield {mode: pool.submit(_launch, setup, mode) for mode in ("kill", "colocate")}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _launch(root: Path, mode: str) -> dict:
     cmd = [sys.executable, str(HERE / "trainer_fault_checks.py"), mode, "--model", str(root / "model")]
     cmd += ["--data", str(root / "train.jsonl"), "--out", str(root)]
@@ -38,11 +48,11 @@ def _launch(root: Path, mode: str) -> dict:
     return json.loads((root / f"results_{mode}.json").read_text())
 
 
-def test_colocated_cycle_runs_in_order_every_step_through_the_trainer_with_a_recording_fleet(setup):
+def test_colocated_cycle_runs_in_order_every_step_through_the_trainer_with_a_recording_fleet(launched):
     """Recording proxy of the real fleet (vLLM sleep mode needs CUDA): per step generate -> sleep(2) -> onload ->
     train -> offload -> wake weights -> sync -> wake KV cache, after the initial offload, which comes before the
     engines start (vLLM's start-up memory check, issue 23.4)."""
-    result = _launch(setup, "colocate")
+    result = launched["colocate"].result()
     history = result["history"]
     assert len(history) == 3 and all("train/loss" in m for m in history)
     assert all(m["colocate/freed_gb"] == 0.0 for m in history)  # reported every step (0 without CUDA)
@@ -62,8 +72,8 @@ def test_colocated_cycle_runs_in_order_every_step_through_the_trainer_with_a_rec
     assert calls[2:] == cycle * 3
 
 
-def test_engine_killed_during_an_overlapped_generation_loses_and_duplicates_nothing(setup):
-    result = _launch(setup, "kill")
+def test_engine_killed_during_an_overlapped_generation_loses_and_duplicates_nothing(launched):
+    result = launched["kill"].result()
     kill = result["kill"]
     assert kill["in_flight"] > 0 and kill["producer_in_flight"], kill  # killed mid-generation, in the background
     assert result["restarts"] == 1
