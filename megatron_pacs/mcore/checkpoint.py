@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -34,6 +36,25 @@ HF_SIDE_FILES = (
     "chat_template.jinja",
     "added_tokens.json",
 )
+
+
+#: torch's deprecations that megatron-core's torch_dist strategy trips on every load (it still calls
+#: ``torch.distributed.checkpoint.load_state_dict`` and builds ``ShardedTensor`` objects, megatron-core 0.16-0.19):
+#: nothing a user can act on, so they are filtered around our loads by their exact text.
+DIST_CHECKPOINT_LOAD_DEPRECATIONS = (
+    "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead.",
+    "Please use DTensor instead and we are deprecating ShardedTensor.",
+)
+
+
+def load_distributed(sharded: dict[str, Any], ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """``dist_checkpointing.load`` of ``sharded`` from ``ckpt_dir`` (CUDA allocations on the CPU under the CPU
+    shims), without the deprecation warnings of :data:`DIST_CHECKPOINT_LOAD_DEPRECATIONS`."""
+    with warnings.catch_warnings(), cuda_to_cpu():
+        for message in DIST_CHECKPOINT_LOAD_DEPRECATIONS:
+            warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z", category=FutureWarning)
+        # A dict: load returns a tuple only for the strict="return_*" modes.
+        return cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt_dir)))
 
 
 def _rank() -> int:
@@ -104,9 +125,7 @@ def load_model_checkpoint(models: Sequence[MegatronModule], ckpt_dir: str | os.P
     meta = read_checkpoint_metadata(ckpt_dir)
     sharded = _sharded_state_dict(models)
     try:
-        with cuda_to_cpu():
-            # A dict: load returns a tuple only for the strict="return_*" modes.
-            state = cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt_dir)))
+        state = load_distributed(sharded, ckpt_dir)
     except Exception as e:  # noqa: BLE001 - Megatron raises several exception types here
         raise ValueError(f"{ckpt_dir} does not fit the model: {type(e).__name__}: {e}") from None
     apply_model_state(models, state, str(ckpt_dir))

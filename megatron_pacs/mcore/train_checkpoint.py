@@ -28,13 +28,13 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_pacs.mcore.checkpoint import META_FILE, apply_model_state
+from megatron_pacs.mcore.checkpoint import META_FILE, apply_model_state, load_distributed
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.utils.logging import get_logger
 
@@ -232,9 +232,7 @@ def _load_models(ckpt: Path, models: Sequence[MegatronModule], optimizer: Any = 
     """Load the chunks' state (and return the loaded state dict, the optimizer's still to apply)."""
     sharded = _sharded(models, optimizer, is_loading=True)
     try:
-        with cuda_to_cpu():
-            # A dict: load returns a tuple only for the strict="return_*" modes.
-            state = cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt)))
+        state = load_distributed(sharded, ckpt)
     except Exception as exc:  # noqa: BLE001 - Megatron raises several types here
         raise ValueError(f"--load: {ckpt} does not fit this model: {type(exc).__name__}: {exc}") from None
     apply_model_state(models, state, f"--load: {ckpt}")

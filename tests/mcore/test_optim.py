@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -397,6 +398,7 @@ def test_optimizer_reset_makes_the_next_step_a_first_adam_step(env, tmp_path):
 def test_a_skipped_step_keeps_a_pending_reset_and_a_checkpoint_then_resumes(env, tmp_path):
     """A step skipped on a non-finite gradient must not use up a pending reset: Adam's state stays as it was (a
     checkpoint saved then holds it and loads again), and the next taken step is the first Adam step."""
+    from megatron_pacs.mcore.checkpoint import DIST_CHECKPOINT_LOAD_DEPRECATIONS
     from megatron_pacs.mcore.optim import _inner_optimizers, reset_optimizer_state
     from megatron_pacs.mcore.train_checkpoint import load_training_checkpoint, save_training_checkpoint
 
@@ -412,7 +414,11 @@ def test_a_skipped_step_keeps_a_pending_reset_and_a_checkpoint_then_resumes(env,
     assert inner[0].state and all(float(s["step"]) == 2.0 for o in inner for s in o.state.values())
     path = save_training_checkpoint(tmp_path / "ckpt", 3, trainable.models, trainable.optimizer, {"step": 3})
     _, resumed = _trainable(env)
-    load_training_checkpoint(path, resumed.models, resumed.optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_training_checkpoint(path, resumed.models, resumed.optimizer)
+    # megatron-core's loader trips torch's deprecations on every load; filtered by their exact text (not ours to fix)
+    assert not [w for w in caught if str(w.message) in DIST_CHECKPOINT_LOAD_DEPRECATIONS], caught
     resumed_inner = [o.optimizer for o in _inner_optimizers(resumed.optimizer)]
     assert all(float(s["step"]) == 2.0 for o in resumed_inner for s in o.state.values())
     result = _step(env, trainable, micro_batch_size=3)  # taken: now the reset applies
