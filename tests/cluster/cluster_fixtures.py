@@ -1,6 +1,6 @@
-"""Fixtures of the virtual-cluster tests: the skip (a failure under ``CI=true``), the tiny model and data, and a
-cluster that is always torn down (test failure, timeout, Ctrl-C or SIGTERM to pytest). Test modules import them
-(no conftest.py here: ``from conftest import ...`` in the suite means tests/conftest.py)."""
+"""Fixtures of the virtual-cluster tests: the skip (a failure under ``CI=true``), the tiny model and data, and one
+virtual cluster shared by the tests, always torn down (test failure, timeout, Ctrl-C or SIGTERM to pytest). Test
+modules import them (no conftest.py here: ``from conftest import ...`` in the suite means tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import cast
 
 import pytest
-from deploy import HOSTS, Deployment
+from deploy import HOSTS, ROLLOUT_HOSTS, TRAIN_HOSTS, Deployment
 from netns import VirtualCluster, namespaces_unavailable
 
-__all__ = ["Run", "cluster_setup", "continuous", "deployment", "netns_ok", "wait_engines_gone"]
+__all__ = ["Run", "cluster_setup", "continuous", "deployment", "netns_ok", "shared_cluster", "wait_engines_gone"]
 
 
 @pytest.fixture(scope="session")
@@ -32,8 +32,8 @@ def netns_ok() -> None:
     pytest.skip(f"virtual cluster unavailable: {why}")
 
 
-#: One setup and one continuous run per session: test modules import these fixtures, and pytest would otherwise make
-#: a session fixture once per importing module.
+#: One setup, one continuous run and one shared cluster at a time per session: test modules import these fixtures,
+#: and pytest would otherwise make a session fixture once per importing module.
 _SESSION: dict[str, object] = {}
 
 
@@ -73,17 +73,73 @@ def virtual_deployment(setup: Path, workdir: Path) -> Iterator[Deployment]:
     assert not cluster.exists(), "the virtual cluster's namespaces or bridge are left behind"
 
 
+# -- the shared cluster -------------------------------------------------------------------------------------------
+# Every test runs its own trainers (their own job, checkpoints and logs under their own name) on one virtual cluster
+# whose Ray rollout cluster is started once: starting it costs about 20 s, and no test but the lost rollout host's
+# changes it. A test that leaves it unfit (a rollout host's Ray gone, or engines not released) ends it, and the next
+# test gets a fresh one.
+
+
+def _shared(setup: Path, tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+    """The session's shared deployment, its rollout cluster started (made on first use, and again after a discard)."""
+    if "shared" not in _SESSION:
+        stack = contextlib.ExitStack()
+        d = stack.enter_context(virtual_deployment(setup, tmp_path_factory.mktemp("cluster")))
+        _SESSION["shared"] = (stack, d)
+        try:
+            d.start_rollout_cluster()
+        except BaseException:
+            discard_shared()
+            raise
+    return cast(tuple[contextlib.ExitStack, Deployment], _SESSION["shared"])[1]
+
+
+def discard_shared() -> dict[str, list[int]]:
+    """End the shared cluster: its rollout hosts are stopped as an operator would (SIGTERM to ``ray_cluster.sh``),
+    then the namespaces are deleted. Returns what was still running anywhere after the stop (should be nothing)."""
+    entry = _SESSION.pop("shared", None)
+    if entry is None:
+        return {}
+    stack, d = cast(tuple[contextlib.ExitStack, Deployment], entry)
+    with stack:
+        for host in ROLLOUT_HOSTS:
+            d.cluster.stop_host(host)
+        return d.cluster.leftovers()
+
+
+def _fit(d: Deployment) -> bool:
+    """Whether the rollout cluster can serve the next test: both Ray nodes' processes alive, no engine left."""
+    alive = all(p.poll() is None for h in ROLLOUT_HOSTS for p in d.cluster.hosts[h].procs[-1:])
+    return alive and not wait_engines_gone(d, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(netns_ok) -> Iterator[None]:
+    """Ends the shared cluster with the session (also after a failure), checking that the stop leaves nothing."""
+    yield
+    leftovers = discard_shared()
+    assert leftovers == {}, f"processes left after the rollout hosts were stopped: {leftovers}"
+
+
 @pytest.fixture
-def deployment(netns_ok, cluster_setup, tmp_path) -> Iterator[Deployment]:
-    """A fresh virtual cluster for one test (see :func:`virtual_deployment`)."""
-    with virtual_deployment(cluster_setup, tmp_path) as d:
-        yield d
+def deployment(shared_cluster, cluster_setup, tmp_path_factory) -> Iterator[Deployment]:
+    """The shared cluster for one test; afterwards the test's trainers are ended (if still running) and the cluster
+    is discarded when the test left it unfit."""
+    d = _shared(cluster_setup, tmp_path_factory)
+    if not _fit(d):  # e.g. the continuous run's engines are still there
+        discard_shared()
+        d = _shared(cluster_setup, tmp_path_factory)
+    yield d
+    for host in TRAIN_HOSTS:
+        d.cluster.stop_host(host)
+    if not _fit(d):
+        discard_shared()
 
 
 @dataclass
 class Run:
     """What a finished deployment left: exit codes, metrics rows (steps >= 1), the hosts' logs, and what was still
-    running on the rollout hosts after the trainers ended and on any host after the rollout hosts were stopped."""
+    running on the rollout hosts (engines) and the training hosts (anything) after the trainers ended."""
 
     codes: dict[str, int | None]
     rows: list[dict]
@@ -104,24 +160,22 @@ def wait_engines_gone(d: Deployment, timeout: float = 90.0) -> dict[str, list[in
 
 
 @pytest.fixture(scope="session")
-def continuous(netns_ok, cluster_setup, tmp_path_factory) -> Run:
-    """The documented deployment's 3 steps, uninterrupted (the reference of the fault tests)."""
+def continuous(shared_cluster, cluster_setup, tmp_path_factory) -> Run:
+    """The documented deployment's 3 steps, uninterrupted (the reference of the fault tests), on the shared cluster."""
     if "continuous" not in _SESSION:
-        _SESSION["continuous"] = _run_continuous(cluster_setup, tmp_path_factory.mktemp("continuous"))
+        _SESSION["continuous"] = _run_continuous(_shared(cluster_setup, tmp_path_factory))
     return cast(Run, _SESSION["continuous"])
 
 
-def _run_continuous(setup: Path, workdir: Path) -> Run:
+def _run_continuous(d: Deployment) -> Run:
     started = time.monotonic()
-    with virtual_deployment(setup, workdir) as d:
-        d.start_rollout_cluster()
-        d.start_trainers("run", "--max-logprob-diff", "1e-5")  # every sync probed; stops the run above the bound
-        codes = d.wait_trainers(timeout=600)
-        engines_left = wait_engines_gone(d)
-        for host in ("rollout-head", "rollout1"):
-            d.cluster.stop_host(host)
-        leftovers = d.cluster.leftovers()
-        logs = "".join(p.read_text(errors="replace") for p in sorted((d.workdir / "logs").glob("*.log")))
-        rows = [r for r in d.metrics("run") if r.get("step", 0) >= 1]
-        address = d.cluster.hosts["train0"].address
+    d.start_trainers("run", "--max-logprob-diff", "1e-5")  # every sync probed; stops the run above the bound
+    codes = d.wait_trainers(timeout=600)
+    engines_left = wait_engines_gone(d)
+    leftovers = {h: pids for h in TRAIN_HOSTS if (pids := d.cluster.pids(h))}
+    for host in TRAIN_HOSTS:  # whatever a failed run left
+        d.cluster.stop_host(host)
+    logs = "".join(p.read_text(errors="replace") for p in sorted((d.workdir / "logs").glob("*.log")))
+    rows = [r for r in d.metrics("run") if r.get("step", 0) >= 1]
+    address = d.cluster.hosts["train0"].address
     return Run(codes, rows, logs, d.workdir, address, engines_left, leftovers, time.monotonic() - started)

@@ -48,7 +48,6 @@ def test_preemption_stops_every_rank_at_a_step_boundary_saves_exits_0_and_resume
     checkpoints only at the end (--save-interval 3): every rank stops after the same step, saves it, exits 0 within
     the grace period, the engines are released; the same command then resumes and matches the continuous run."""
     d = deployment
-    d.start_rollout_cluster()
     d.start_trainers("pre", SAVE_INTERVAL="3")
     # Step 1 logged (no checkpoint before the end with --save-interval 3): preempt during step 2.
     deadline = time.monotonic() + 600
@@ -88,7 +87,6 @@ def test_lost_training_host_stops_the_survivor_quickly_and_the_rerun_resumes(dep
     """Every process on train1 SIGKILLed during step 2: train0 exits non-zero within 120 s naming the lost rank,
     its engine actors are released; the same command on both hosts resumes from the step-1 checkpoint."""
     d = deployment
-    d.start_rollout_cluster()
     # The kill closes train1's connections, which train0 notices at once; the collective timeout is only the fallback,
     # and it must outlast rank 0's fleet start and first generation (a slow Ray Client connect took 45 s once).
     d.start_trainers("lost", "--distributed-timeout-minutes", "3")
@@ -120,7 +118,6 @@ def test_lost_rollout_host_regenerates_on_the_survivor_and_training_continues(de
     first probes every engine), restarts the engine on the surviving host and re-syncs it; every step then equals
     the continuous run's (per-request sampling seeds: a prompt lost or scored twice would change them)."""
     d = deployment
-    d.start_rollout_cluster()
     d.start_trainers("lostro", "--max-logprob-diff", "1e-5")  # probes every sync, the restarted engine included
     assert _wait_checkpoint(d, "lostro", 1, 600), _logs(d, "lostro-train0", "lostro-train1")
     killed = time.monotonic()
