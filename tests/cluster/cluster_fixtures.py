@@ -94,14 +94,16 @@ def _shared(setup: Path, tmp_path_factory: pytest.TempPathFactory) -> Deployment
     return cast(tuple[contextlib.ExitStack, Deployment], _SESSION["shared"])[1]
 
 
-def discard_shared() -> dict[str, list[int]]:
-    """End the shared cluster: its rollout hosts are stopped as an operator would (SIGTERM to ``ray_cluster.sh``),
-    then the namespaces are deleted. Returns what was still running anywhere after the stop (should be nothing)."""
+def discard_shared(graceful: bool = False) -> dict[str, list[int]]:
+    """End the shared cluster and delete its namespaces. ``graceful``: first stop the rollout hosts as an operator
+    would (SIGTERM to ``ray_cluster.sh``, then SIGKILL); returns what was still running anywhere after that stop."""
     entry = _SESSION.pop("shared", None)
     if entry is None:
         return {}
     stack, d = cast(tuple[contextlib.ExitStack, Deployment], entry)
     with stack:
+        if not graceful:
+            return {}
         for host in ROLLOUT_HOSTS:
             d.cluster.stop_host(host)
         return d.cluster.leftovers()
@@ -117,7 +119,7 @@ def _fit(d: Deployment) -> bool:
 def shared_cluster(netns_ok) -> Iterator[None]:
     """Ends the shared cluster with the session (also after a failure), checking that the stop leaves nothing."""
     yield
-    leftovers = discard_shared()
+    leftovers = discard_shared(graceful=True)
     assert leftovers == {}, f"processes left after the rollout hosts were stopped: {leftovers}"
 
 
