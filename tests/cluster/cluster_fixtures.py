@@ -177,7 +177,9 @@ def _run_continuous(d: Deployment) -> Run:
     leftovers = {h: pids for h in TRAIN_HOSTS if (pids := d.cluster.pids(h))}
     for host in TRAIN_HOSTS:  # whatever a failed run left
         d.cluster.stop_host(host)
-    logs = "".join(p.read_text(errors="replace") for p in sorted((d.workdir / "logs").glob("*.log")))
+    # this run's and the rollout hosts' logs only (the shared workdir also holds the fault tests' runs)
+    names = {d.log(n).name for n in ("run-train0", "run-train1", *ROLLOUT_HOSTS)}
+    logs = "".join(p.read_text(errors="replace") for p in sorted((d.workdir / "logs").glob("*.log")) if p.name in names)
     rows = [r for r in d.metrics("run") if r.get("step", 0) >= 1]
     address = d.cluster.hosts["train0"].address
     return Run(codes, rows, logs, d.workdir, address, engines_left, leftovers, time.monotonic() - started)
