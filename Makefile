@@ -117,11 +117,11 @@ lock-gpu:
 VLLM ?= 0.32.0
 COMPAT_VENV := .venv-compat-$(VLLM)
 COMPAT_PY := $(COMPAT_VENV)/bin/python
-COMPAT_TESTS ?= tests/rollout tests/test_trainer.py tests/test_transport.py
+COMPAT_TESTS ?= tests/rollout tests/test_trainer.py tests/test_distribute.py
 COMPAT_PIP := $(COMPAT_PY) -m pip install -q --disable-pip-version-check
 
 test-compat: $(COMPAT_VENV)/.installed
-	$(COMPAT_PY) -c "from megatron_pacs.rollout.engine import vllm_features; print('vLLM features:', vllm_features())"
+	$(COMPAT_PY) -c "from megatron_pacs.rollout.vllm_engine import vllm_features; print('vLLM features:', vllm_features())"
 	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -p no:cacheprovider $(PYTEST_ARGS)
 
 $(COMPAT_VENV)/.installed: setup.py constraints/cpu.txt constraints/lock.py
@@ -337,7 +337,7 @@ bench: install
 	$(PY) benchmarks/bench_logprobs.py
 	$(PY) benchmarks/bench_rollout.py
 	$(PY) benchmarks/bench_train_step.py
-	$(PY) benchmarks/bench_transport.py
+	$(PY) benchmarks/bench_distribute.py
 
 # The embedded default: tiny model + SFT warm-up + PACS through the real fleet, scorer and Megatron actor.
 demo: install

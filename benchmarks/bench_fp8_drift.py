@@ -59,7 +59,7 @@ def _periodic(n: int, length: int, period: int, vocab: int, seed: int):
 def _micro_batches(tokens):
     import torch
 
-    from megatron_pacs.mcore.forward import MicroBatch
+    from megatron_pacs.algo.tokens import MicroBatch
 
     mask = torch.ones_like(tokens, dtype=torch.bool)
     mask[:, 0] = False  # every token but the first is scored: one "response" of L - 1 tokens per row
@@ -71,7 +71,7 @@ def _train_anchor(args, base_dir: Path, work: Path, groups, tokens) -> tuple[str
 
     from megatron_pacs.config import ModelConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
-    from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
+    from megatron_pacs.mcore.model_checkpoint import save_hf_checkpoint
 
     gpu = torch.cuda.is_available()
     model = ModelConfig(hf_model=str(base_dir), bf16=gpu, transformer_impl=args.impl)
@@ -85,7 +85,7 @@ def _train_anchor(args, base_dir: Path, work: Path, groups, tokens) -> tuple[str
     dirs = []
     for name, steps in (("anchor", args.train_steps), ("theta", args.theta_steps)):
         for i in range(steps):
-            result = actor.train(mbs, nll)
+            result = actor.optimizer_step(mbs, nll)
             print(f"{name} step {i}: grad norm {result.grad_norm:.3g}", flush=True)
         out = work / name
         save_hf_checkpoint(actor.export_hf_weights(), out, side_files_from=base_dir, progress=False)

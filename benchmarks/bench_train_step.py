@@ -8,7 +8,7 @@ tail clipped at 8,192 (the length mix of long-CoT RLVR). Variants, each in a fre
   padded only: its SDPA path cannot confine attention to the sequences of a packed row).
 - ``fwd_bwd``: our Megatron model, forward + backward through Megatron's schedule, with no optimizer and no DDP
   (gradients in the parameters' dtype, as HF's): the model's own cost, comparable with ``hf`` in time and memory.
-- ``train``: our full step, ``train_on_batch`` with the PACS objective (forward, backward, optimizer step).
+- ``train``: our full step, ``update_policy`` with the PACS objective (forward, backward, optimizer step).
 - ``logprobs``: our forward-only token log-probs over every micro-batch (``Actor.logprobs``: the old, reference
   and phase-1 passes of a step), no backward.
 - ``host`` (GPU): the host's share of one forward-only pass: time to enqueue it (Python: Megatron's layers, our
@@ -175,7 +175,7 @@ def worker(args: argparse.Namespace) -> dict:
     from megatron_pacs.algo.objectives import build_objective
     from megatron_pacs.config import BatchConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
     from megatron_pacs.mcore.parallel import init_parallel
-    from megatron_pacs.rl_step import StepLayout, train_on_batch
+    from megatron_pacs.rl_step import step_layout, update_policy
     from megatron_pacs.utils.metrics import PhaseTimer
 
     gpu = torch.cuda.is_available()
@@ -196,7 +196,7 @@ def worker(args: argparse.Namespace) -> dict:
     groups = init_parallel(ParallelConfig())
     model_dir = make_model_dir(args.shape, Path(args.workdir))
     fp8_recipe = None if args.precision == "bf16" else args.precision
-    layout = StepLayout(batch, bcfg, groups, whole_groups=False, align=16 if fp8_recipe else 1)
+    layout = step_layout(batch, bcfg, groups, whole_groups=False, align=16 if fp8_recipe else 1)
     mbs = layout.micro_batches([0])
     lengths = batch.lengths.tolist()
     processed = sum(mb.tokens.numel() for mb in mbs)
@@ -224,7 +224,7 @@ def worker(args: argparse.Namespace) -> dict:
             objective = build_objective(LossConfig(), bcfg)
 
             def step():
-                train_on_batch(actor, batch, objective, bcfg, groups, PhaseTimer(), temperature=1.0)
+                update_policy(actor, batch, objective, bcfg, groups, PhaseTimer(), temperature=1.0)
 
     seconds, peak = _timed(step, args.warmup, args.iters)
     flops = useful_flops(shape, lengths)

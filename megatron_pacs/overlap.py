@@ -1,6 +1,6 @@
 """One-step-off-policy rollouts: the driver generates step k+1's rollouts while every rank trains on step k's.
 
-The driver (rank 0) runs :func:`~megatron_pacs.rl_step.collect_rollouts` (generate through the fleet, score,
+The driver (rank 0) runs :func:`~megatron_pacs.sources.collect_rollouts` (generate through the fleet, score,
 pack) in a background thread; the thread mostly waits on Ray, so the trainer's main thread keeps the GIL for
 Megatron. Weights move to the engines only after that generation has finished, so step k+1's rollouts come from
 the weights one update old (docs/algorithm.md §5.1), and an engine restarted mid-generation is re-synced to those
@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from megatron_pacs.data.prompts import PromptRow
-from megatron_pacs.rl_step import StepRollouts
+from megatron_pacs.sources import StepRollouts
 
 __all__ = ["Generated", "RolloutProducer", "overlap_metrics"]
 

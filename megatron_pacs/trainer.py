@@ -3,7 +3,7 @@
 Rank 0 is the driver: it owns the fleet, the reward pool, the metric sinks and the rollout dumps; every rank owns
 its model shard. Collectives in this file run on the default (world) group, which every rank joins in the same
 order: the rollout distribution (each data-parallel rank receives its share as tensors), the metric gather inside
-``train_on_batch``, and the weight export (TP gathers and PP broadcasts inside the exporter). With
+``update_policy``, and the weight export (TP gathers and PP broadcasts inside the exporter). With
 ``--off-policy-steps 1`` the driver generates the next step's rollouts in a background thread during the update
 (:mod:`megatron_pacs.overlap`); with ``--colocate`` the engines sleep around it
 (:mod:`megatron_pacs.rollout.colocate`).
@@ -11,7 +11,6 @@ order: the rollout distribution (each data-parallel rank receives its share as t
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,21 +22,26 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from megatron_pacs.algo.objectives import build_objective
+from megatron_pacs.checkpointing import RunCheckpoints
 from megatron_pacs.config import TrainConfig
+from megatron_pacs.consistency import check_logprob_bound, probe_sync
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.loader import PromptLoader
-from megatron_pacs.data.prompts import PromptRow, apply_chat_template
+from megatron_pacs.data.prompts import PromptRow
+from megatron_pacs.distribute import distribute_rollouts
+from megatron_pacs.dumps import dump_rollouts
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.optim import Trainable, reset_optimizer_state
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.overlap import Generated, RolloutProducer, overlap_metrics
-from megatron_pacs.rl_step import StepRollouts, collect_rollouts, train_on_batch
+from megatron_pacs.rl_step import update_policy
 from megatron_pacs.rollout.colocate import Colocation
-from megatron_pacs.transport import distribute_rollouts
+from megatron_pacs.sources import StepRollouts, collect_rollouts
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer
+from megatron_pacs.validation import validate
 
 __all__ = ["Trainer"]
 
@@ -86,6 +90,7 @@ class Trainer:
         if cfg.run.exit_signal_handler:  # after the fleet: ray.init installs a SIGTERM handler that this replaces
             self.exit_signal = ExitSignal(cfg.run.exit_signal_grace_seconds)
         self.writer: MetricsWriter | None = None
+        self.checkpoints = RunCheckpoints(cfg, self.actor, self.reference, driver=self.driver)
 
     def _colocation(self) -> Colocation | None:
         """The colocated cycle (``--colocate``); its engine is attached once the driver has started the fleet."""
@@ -209,7 +214,7 @@ class Trainer:
         if self.colocation is not None:
             self.colocation.before_train()
         train_started = time.perf_counter()
-        metrics = train_on_batch(
+        metrics = update_policy(
             self.actor,
             batch,
             self.objective,
@@ -223,7 +228,7 @@ class Trainer:
             score_fp8=cfg.score_fp8,
         )
         train = (train_started, time.perf_counter())
-        self._check_consistency(metrics, step)
+        check_logprob_bound(cfg.rollout.max_logprob_diff, metrics, step)
         if self.reference is not None:
             metrics.update(self._maybe_reset_reference(step, metrics))
         if self.driver and self.producer is not None and self.producer.in_flight:
@@ -237,8 +242,8 @@ class Trainer:
         # whose rollouts came from the current weights: not those generated one step off or before a resume)
         bound = cfg.rollout.max_logprob_diff
         if bound is not None or step == 1 or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0):
-            sync["sync/max_logprob_diff"] = self._agreed(self.check_sync(batch))
-            self._check_consistency(sync, step)
+            sync["sync/max_logprob_diff"] = probe_sync(self.actor, self.fleet, batch)
+            check_logprob_bound(bound, sync, step)
         metrics.update(sync)
         metrics.update(self.timer.collect())
         if self.driver:
@@ -249,7 +254,7 @@ class Trainer:
             metrics["rollout/policy_lag"] = float(step - 1 - gen.version)
             metrics["perf/time/step"] = elapsed
             metrics["perf/tokens_per_sec"] = gen.rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
-            self._dump(gen.rollouts, step)
+            dump_rollouts(cfg.run, step, gen.rollouts.records)
         return metrics
 
     def _distribute(self, gen: Generated | None) -> RolloutBatch:
@@ -260,32 +265,6 @@ class Trainer:
         with self.timer.phase("distribute"):
             full = gen.rollouts.batch if gen is not None else None
             return distribute_rollouts(full, self.cfg.batch, self.groups)
-
-    def _check_consistency(self, metrics: dict[str, float], step: int) -> None:
-        """``--max-logprob-diff``: stop (on every rank alike: the metrics are global) when the engines' and the
-        trainer's log-probs of the same tokens disagree by more than the bound: the rollouts' tokens
-        (``consistency/logprob_abs_diff_max``) or the probe right after a weight sync (``sync/max_logprob_diff``)."""
-        bound = self.cfg.rollout.max_logprob_diff
-        for key, what in (
-            ("consistency/logprob_abs_diff_max", "the rollouts' tokens"),
-            ("sync/max_logprob_diff", "the sync probe's tokens, right after the weight sync"),
-        ):
-            worst = metrics.get(key)
-            if bound is not None and worst is not None and worst > bound:
-                raise RuntimeError(
-                    f"step {step}: the engines' and the trainer's token log-probs ({what}) differ by up to "
-                    f"{worst:.3g} > --max-logprob-diff {bound:g}: weights not synced, a different tokenizer or "
-                    "dtype (docs/algorithm.md §7.1 lists the expected values)"
-                )
-
-    @staticmethod
-    def _agreed(value: float) -> float:
-        """The driver's ``value`` on every rank (the sync probe is compared on the driver only)."""
-        if dist.get_world_size() == 1:
-            return value
-        out = [value]
-        dist.broadcast_object_list(out, src=0)
-        return float(out[0])
 
     def _maybe_reset_reference(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """At the end of every ``--ref-reset-interval``-th step: reference <- current policy (and Adam reset)."""
@@ -314,107 +293,20 @@ class Trainer:
             pass
         return {}
 
-    def check_sync(self, batch: RolloutBatch, num_probes: int = 2) -> float:
-        """Max |engine - trainer| token log-prob on a few of this step's sequences (after the sync), through vLLM's
-        prompt log-probs. Only data-parallel rank 0's model-parallel group computes (its share's first sequences);
-        every pipeline stage of it receives the trainer's log-probs, so the driver compares under PP too."""
-        from megatron_pacs.data.batching import pad_rows
-        from megatron_pacs.mcore.forward import token_logprobs
-
-        if self.groups.dp_rank != 0:
-            return 0.0
-        rows = batch.held.nonzero().flatten()[:num_probes].tolist()
-        tokens, _, _ = pad_rows(batch, rows)
-        with self.actor.fp8_passes(False):  # the engines run bf16: an FP8 pass would add FP8's own gap (§7.2)
-            logp = token_logprobs(
-                self.actor.chunks, self.groups, tokens, micro_batch_size=len(rows), impl=self.actor.logprob_impl
-            )
-        if not self.driver:
-            return 0.0
-        assert self.fleet is not None, "the driver owns the fleet"
-        probes = [batch.sequence(i).tolist() for i in rows]
-        refs = [logp[j, : len(probes[j]) - 1].tolist() for j in range(len(rows))]
-        return self.fleet.verify_sync(probes, refs)
-
     def validate(self) -> dict[str, float]:
-        """Mean reward per validation source, greedy by default (driver only; the others return {})."""
+        """Mean reward per validation source (driver only; the others return {})."""
         if not self.driver or not self.val_rows:
             return {}
-        assert self.fleet is not None and self.scorer is not None, "the driver owns the fleet and the scorer"
-        from megatron_pacs.rollout.types import SamplingConfig
-
-        started = time.perf_counter()
-        ev = self.cfg.eval
-        sampling = SamplingConfig(
-            n=ev.val_n,
-            temperature=ev.val_temperature,
-            top_p=self.cfg.rollout.top_p,
-            max_tokens=self.cfg.batch.max_response_length,
-            seed=self.cfg.run.seed,
-            stop_token_ids=[self.tokenizer.eos_token_id],
-            logprobs=False,
-        )
-        out = {}
-        for source, rows in self.val_rows.items():
-            prompts = [apply_chat_template(self.tokenizer, r.prompt) for r in rows]
-            groups = self.fleet.generate(prompts, sampling)
-            texts = [resp.text for g in groups for resp in g.responses]
-            scored = self.scorer.score(texts, [r.ground_truth for r in rows for _ in range(ev.val_n)])
-            out[f"val/{source}/reward_mean"] = sum(scored.scores) / max(1, len(scored.scores))
-        out["perf/time/validate"] = time.perf_counter() - started
-        return out
-
-    def _dump(self, rollouts: StepRollouts, step: int) -> None:
-        if not self.cfg.run.dump_rollouts:
-            return
-        folder = self.log_dir / "rollouts"
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
-            for rec in rollouts.records:
-                f.write(json.dumps(rec) + "\n")
+        return validate(self.fleet, self.scorer, self.tokenizer, self.val_rows, self.cfg)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def save(self, step: int, loader: PromptLoader) -> Path:
-        """Model + optimizer + RNG + step + data position (+ a HF directory with ``--save-hf``). Collective."""
-        from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
-        from megatron_pacs.mcore.train_checkpoint import save_training_checkpoint
-
+        """This run's checkpoint after ``step`` (collective; :class:`~megatron_pacs.checkpointing.RunCheckpoints`)."""
+        # One step off: the next step's rollouts are done (the sync waited for them); they are kept with it.
+        pending = self.producer.done if self.driver and self.producer is not None else None
         with self.timer.phase("save"):
-            ck, trainable = self.cfg.checkpoint, self._trainable()
-            meta = {
-                "loader": loader.state_dict(),
-                "lr_schedule": trainable.schedule.state_dict(),
-                "optimizer_reset_pending": trainable.reset_pending,
-                "pending_step": self.pending_step,
-                "config": self.cfg.to_dict(),
-            }
-            # One step off: the next step's rollouts are done (the sync waited for them); keep them, since the
-            # weights that generated them are gone.
-            driver_objects = {}
-            if self.driver and self.producer is not None and self.producer.done is not None:
-                driver_objects["pending_rollouts"] = self.producer.done
-            extra = {}
-            if self.reference is not None:
-                meta["reference"] = {"resets": self.reference.resets, "equals_actor": self.reference.equals_actor}
-                if self.reference.resets:  # the weights differ from --ref-load only after a reset
-                    extra["reference"] = self.reference.models
-            assert ck.save is not None
-            path = save_training_checkpoint(
-                ck.save,
-                step,
-                trainable.models,
-                trainable.optimizer,
-                meta,
-                keep_last=ck.keep_last,
-                extra_models=extra,
-                driver_objects=driver_objects,
-            )
-            if ck.save_hf:
-                save_hf_checkpoint(
-                    self.actor.export_hf_weights(), path / "hf", side_files_from=self.cfg.model.hf_model, progress=False
-                )
-        return path
+            return self.checkpoints.save(step, loader, pending_step=self.pending_step, pending_rollouts=pending)
 
     def _resume_and_sync(self, loader: PromptLoader) -> int:
         """:meth:`resume`, then the loaded weights into the fleet. Colocated, the load is one colocated cycle: the
@@ -431,42 +323,16 @@ class Trainer:
         return step
 
     def resume(self, loader: PromptLoader) -> int:
-        """Load the newest complete checkpoint under ``--load`` (resharded to this layout); returns its step (0
-        when there is none yet: a fresh start from ``--hf-model``). The caller pushes the weights to the fleet."""
-        from megatron_pacs.config.resume import resume_changes
-        from megatron_pacs.mcore.checkpoint import META_FILE
-        from megatron_pacs.mcore.checkpoint import read_checkpoint_metadata as meta_of
-        from megatron_pacs.mcore.train_checkpoint import find_latest_checkpoint, load_training_checkpoint
-
-        assert self.cfg.checkpoint.load is not None
-        root = Path(self.cfg.checkpoint.load)
-        ckpt = root if (root / META_FILE).is_file() else find_latest_checkpoint(root)
-        if ckpt is None:
-            log.info("--load %s holds no complete checkpoint yet: starting from --hf-model", root)
-            return 0
-        saved = meta_of(ckpt)
-        if "config" in saved:  # refuses a change that breaks the saved state, reports the others
-            pending = saved.get("pending_step") is not None
-            changes = resume_changes(saved["config"], self.cfg.to_dict(), pending_rollouts=pending)
-            if changes and self.driver:
-                log.warning("resuming %s with changed settings: %s", ckpt, "; ".join(changes))
-        loader.load_state_dict(saved["loader"])  # a position saved for other data is refused before any load
-        trainable = self._trainable()
-        resets = int(meta_of(ckpt).get("reference", {}).get("resets", 0))
-        extra = {"reference": self.reference.models} if self.reference is not None and resets else {}
-        meta = load_training_checkpoint(ckpt, trainable.models, trainable.optimizer, extra_models=extra)
-        loader.load_state_dict(meta["loader"])
-        trainable.schedule.load_state_dict(meta["lr_schedule"])
-        trainable.reset_pending = bool(meta.get("optimizer_reset_pending", False))
-        self.pending_step = meta.get("pending_step")
-        if self.driver and self.pending_step is not None:
-            assert self.producer is not None
-            self.producer.done = torch.load(ckpt / "pending_rollouts.pt", weights_only=False)
-        if self.reference is not None:
-            self.reference.resets = resets
-            self.reference.equals_actor = bool(meta.get("reference", {}).get("equals_actor", False))
-        self.engine_version = int(meta["step"])
-        return int(meta["step"])
+        """Load the newest complete checkpoint under ``--load``; returns its step (0 when there is none yet: a fresh
+        start from ``--hf-model``). The caller pushes the weights to the fleet."""
+        resumed = self.checkpoints.resume(loader)
+        if resumed.step:
+            self.pending_step = resumed.pending_step
+            if self.driver and resumed.pending_rollouts is not None:
+                assert self.producer is not None
+                self.producer.done = resumed.pending_rollouts
+            self.engine_version = resumed.step
+        return resumed.step
 
     def _trainable(self) -> Trainable:
         assert self.actor.trainable is not None, "the trainer's actor always has an optimizer"

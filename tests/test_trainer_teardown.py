@@ -47,12 +47,11 @@ def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkey
 def test_rollout_dumps_follow_the_flag(tmp_path):
     """Issue 24.8: ``--no-dump-rollouts`` skips the per-step dump (about 45 MB per step at recipe scale)."""
     from megatron_pacs.config import parse_config
-    from megatron_pacs.rl_step import StepRollouts
+    from megatron_pacs.dumps import dump_rollouts
 
-    rollouts = StepRollouts(None, [{"prompt": "p", "response": "r", "reward": 1.0}], {})  # type: ignore[arg-type]
+    records = [{"prompt": "p", "response": "r", "reward": 1.0}]
     for argv, expected in (([], ["step_000003.jsonl"]), (["--no-dump-rollouts"], [])):
-        trainer = trainer_module.Trainer.__new__(trainer_module.Trainer)
-        trainer.cfg, trainer.log_dir = parse_config(argv), tmp_path / str(len(argv))
-        trainer._dump(rollouts, 3)
-        folder = trainer.log_dir / "rollouts"
+        log_dir = tmp_path / str(len(argv))
+        dump_rollouts(parse_config([*argv, "--log-dir", str(log_dir)]).run, 3, records)
+        folder = log_dir / "rollouts"
         assert (sorted(p.name for p in folder.iterdir()) if folder.exists() else []) == expected

@@ -70,14 +70,14 @@ def _train(cfg, groups, batch, poison=False):
 
     from megatron_pacs.algo.objectives import build_objective
     from megatron_pacs.mcore.actor import Actor
-    from megatron_pacs.rl_step import train_on_batch
+    from megatron_pacs.rl_step import update_policy
     from megatron_pacs.utils.metrics import PhaseTimer
 
     actor = Actor(cfg.model, groups, cfg.optim)
     if poison:
         poison_gradient(actor.models)
     objective = build_objective(cfg.loss, cfg.batch)
-    metrics = train_on_batch(actor, batch, objective, cfg.batch, groups, PhaseTimer(), temperature=1.0)
+    metrics = update_policy(actor, batch, objective, cfg.batch, groups, PhaseTimer(), temperature=1.0)
     return _weights(actor), metrics
 
 

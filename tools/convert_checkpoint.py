@@ -68,8 +68,8 @@ def _setup(args):
 
 
 def hf_to_mcore(args) -> None:
-    from megatron_pacs.mcore.checkpoint import save_model_checkpoint
     from megatron_pacs.mcore.model import build_gpt_model
+    from megatron_pacs.mcore.model_checkpoint import save_model_checkpoint
     from megatron_pacs.mcore.weights import load_hf_weights
 
     groups, hf_config = _setup(args)
@@ -89,8 +89,8 @@ def hf_to_mcore(args) -> None:
 
 
 def mcore_to_hf(args) -> None:
-    from megatron_pacs.mcore.checkpoint import load_model_checkpoint, read_checkpoint_metadata, save_hf_checkpoint
     from megatron_pacs.mcore.model import build_gpt_model
+    from megatron_pacs.mcore.model_checkpoint import load_model_checkpoint, read_checkpoint_metadata, save_hf_checkpoint
     from megatron_pacs.mcore.weights import export_hf_weights, hf_state_dict_shapes
 
     meta = read_checkpoint_metadata(args.load)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_output(args.out, args.force)
         if args.command == "mcore-to-hf":
-            from megatron_pacs.mcore.checkpoint import read_checkpoint_metadata
+            from megatron_pacs.mcore.model_checkpoint import read_checkpoint_metadata
 
             read_checkpoint_metadata(args.load)
     except ValueError as e:

@@ -246,7 +246,7 @@ def _same_path(a: str, b: str) -> bool:
 
 def _holds_checkpoint(path: str) -> bool:
     """Whether ``path`` is a complete training checkpoint or a directory holding one (the file names of
-    ``mcore/train_checkpoint.py``; that module imports Megatron, which configuration must not)."""
+    ``mcore/training_checkpoint.py``; that module imports Megatron, which configuration must not)."""
     if os.path.isfile(os.path.join(path, "megatron_pacs.json")):
         return True
     if not os.path.isdir(path):

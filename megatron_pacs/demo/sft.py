@@ -2,7 +2,7 @@
 
 Used by the embedded CPU demo to turn a random tiny model into one that answers in the reward's format before RL.
 The path is the trainer's own: :func:`build_gpt_model` -> :func:`load_hf_weights` -> :func:`build_trainable` ->
-:func:`train_step` (Megatron's schedule, vocab-parallel log-probs) -> :func:`export_hf_weights` ->
+:func:`optimizer_step` (Megatron's schedule, vocab-parallel log-probs) -> :func:`export_hf_weights` ->
 :func:`save_hf_checkpoint`. Any TP / PP / DP layout works; a single gloo process is the usual case.
 
 Loss: mean negative log-likelihood of the response tokens (the response and its closing ``<|im_end|>``), over the
@@ -21,12 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_pacs.algo.tokens import MicroBatch, make_micro_batches
 from megatron_pacs.config import OptimConfig
 from megatron_pacs.data.prompts import apply_chat_template, build_messages
-from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
-from megatron_pacs.mcore.forward import MicroBatch, make_micro_batches, model_token_logprobs, sequence_logprobs
+from megatron_pacs.mcore.forward import model_token_logprobs, sequence_logprobs
 from megatron_pacs.mcore.model import MegatronModule, build_gpt_model
-from megatron_pacs.mcore.optim import build_trainable, masked_sum_and_count, train_step
+from megatron_pacs.mcore.model_checkpoint import save_hf_checkpoint
+from megatron_pacs.mcore.optim import build_trainable, masked_sum_and_count, optimizer_step
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 
@@ -192,7 +193,7 @@ def sft_warmup(
         mine = idx[groups.dp_rank * local : (groups.dp_rank + 1) * local]
         length = int(score_mask[mine].any(0).nonzero().max()) + 1  # responses end their rows
         micro_batches = make_micro_batches(tokens[mine, :length], score_mask[mine, :length], micro_batch_size)
-        result = train_step(trainable, micro_batches, loss_fn)
+        result = optimizer_step(trainable, micro_batches, loss_fn)
         skipped += int(result.skipped)
         losses.append(_global_mean_loss(result.reports, groups))
         if evaluate is not None and (step % eval_every == 0 or step == steps):

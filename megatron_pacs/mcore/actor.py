@@ -1,6 +1,6 @@
 """The Megatron actor: log-probs of rollouts, and updates through Megatron's forward-backward schedule.
 
-The actor knows nothing of the objective: :meth:`Actor.train` takes a micro-batch loss from
+The actor knows nothing of the objective: :meth:`Actor.optimizer_step` takes a micro-batch loss from
 :mod:`megatron_pacs.algo.objectives` (token log-probs in, Megatron's ``(loss_sum, count, report)`` out) and wraps it
 with the vocab-parallel log-probs of the last stage's logits. The model is built with ``calculate_per_token_loss``,
 so the gradient is ``sum over the global mini-batch / global count`` (docs/algorithm.md §4), independent of
@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_pacs.algo.objectives import Logprobs, MicroBatchLoss
-from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
+from megatron_pacs.algo.tokens import MicroBatch, TokenLogprobs, TokenStore
 from megatron_pacs.config import ModelConfig, OptimConfig
-from megatron_pacs.mcore.forward import MicroBatch, model_token_logprobs, run_schedule_together, token_alignment
+from megatron_pacs.mcore.forward import model_token_logprobs, run_schedule_together, token_alignment, token_logprobs
 from megatron_pacs.mcore.logprobs import LogprobImpl
 from megatron_pacs.mcore.model import build_gpt_model
-from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, train_step
+from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, optimizer_step
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 
@@ -130,9 +130,25 @@ class Actor:
         )
         return out
 
+    def probe_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Every token's log-prob at temperature 1 in the precision the engines run (bf16 even for an FP8 model:
+        an FP8 pass would add FP8's own gap, docs/algorithm.md §7.2); the weight-sync probe's side of the trainer.
+
+        Args:
+            tokens: ``[N, L]`` right-padded token ids (one micro-batch).
+
+        Returns:
+            ``[N, L - 1]`` float32 on every rank of the model-parallel group: entry ``t`` is
+            ``log p(tokens[:, t + 1] | tokens[:, :t + 1])``.
+        """
+        with self.fp8_passes(False):
+            return token_logprobs(
+                self.chunks, self.groups, tokens, micro_batch_size=tokens.shape[0], impl=self.logprob_impl
+            )
+
     # -- training ----------------------------------------------------------------------------------------------
 
-    def train(
+    def optimizer_step(
         self,
         micro_batches: list[MicroBatch],
         loss: MicroBatchLoss,
@@ -163,7 +179,7 @@ class Actor:
                 scored.raw = mb.scored(raw.detach()).logp
             return loss(scored)
 
-        return train_step(self.trainable, micro_batches, loss_fn)
+        return optimizer_step(self.trainable, micro_batches, loss_fn)
 
     # -- colocation ------------------------------------------------------------------------------------------
 

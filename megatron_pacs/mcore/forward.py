@@ -1,25 +1,15 @@
-"""Megatron's schedule as the one way to run the model: micro-batches (padded or packed), forward steps, log-probs.
+"""Megatron's schedule as the one way to run the model: forward steps over micro-batches, and log-probs.
 
-A micro-batch comes in one of two layouts (docs/algorithm.md §4.4):
+Micro-batches (padded or packed, :class:`~megatron_pacs.algo.tokens.MicroBatch`) come from the step's layout
+(:mod:`megatron_pacs.data.layout`); this module runs them through Megatron's ``forward_backward_func`` and turns
+each micro-batch's logits into its scored tokens' log-probs (:meth:`MicroBatch.scored`).
 
-- **padded**: ``tokens [b, L]``, one right-padded sequence per row; extra rows that only give pipeline messages
-  one shape copy row 0 and are never scored (``index`` -1);
-- **packed**: ``tokens [1, T]``, the sequences one after another, then padding; ``seqlens`` gives their lengths,
-  and the model runs them in Megatron's ``thd`` format (RoPE restarts, attention confined to each sequence).
-
-``score_mask`` marks the positions whose token is scored (the response). The log-prob of token t comes from the
-logits at position t - 1, so position 0 is never scored, nor a sequence's first token in a packed row. Whatever
-the layout, :meth:`MicroBatch.scored` flattens the scored tokens into a
-:class:`~megatron_pacs.algo.tokens.TokenLogprobs`, from positions computed once on the host (no device sync).
-
-Shapes: N sequences (or scored tokens, in ``TokenLogprobs``), L padded length, b rows, T packed length,
-Vp = V / TP.
+Shapes: N sequences, L padded length, b rows, T packed length, Vp = V / TP.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -28,7 +18,7 @@ from megatron.core.enums import Fp8Recipe
 from megatron.core.fp8_utils import get_fp8_align_size
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_pacs.algo.tokens import TokenLogprobs
+from megatron_pacs.algo.tokens import MicroBatch, make_micro_batches
 from megatron_pacs.mcore.attention import packed_sequences, uses_own_attention
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.logprobs import LogprobImpl, vocab_parallel_logprobs
@@ -39,8 +29,6 @@ if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
-    "MicroBatch",
-    "make_micro_batches",
     "model_token_logprobs",
     "run_schedule",
     "run_schedule_together",
@@ -50,135 +38,7 @@ __all__ = [
 ]
 
 # (logits_shard [b, L, Vp], micro_batch) -> (loss_sum, count, report): Megatron's 3-tuple loss convention.
-LossFn = Callable[[torch.Tensor, "MicroBatch"], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
-
-
-@dataclass(eq=False)
-class MicroBatch:
-    """One micro-batch, padded or packed (see the module docstring).
-
-    Attributes:
-        tokens: ``[b, L]`` token ids (b = 1 when packed).
-        score_mask: ``[b, L]`` True where the token is scored.
-        index: Padded: ``[b]`` response index of each row, -1 for padding rows. Packed: ``[m]`` response index of
-            each sequence, in row order.
-        seqlens: Packed only: the m sequences' lengths in row order (the rest of the row is padding).
-    """
-
-    tokens: torch.Tensor
-    score_mask: torch.Tensor
-    index: torch.Tensor
-    seqlens: tuple[int, ...] | None = None
-    _layout: dict[str, torch.Tensor] = field(init=False, repr=False)
-    _on_device: dict[torch.device, dict[str, torch.Tensor]] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.tokens.shape != self.score_mask.shape or self.tokens.dim() != 2:
-            raise ValueError(
-                f"tokens {tuple(self.tokens.shape)} and score_mask {tuple(self.score_mask.shape)} must be one [b, L]"
-            )
-        if self.seqlens is not None and (self.tokens.shape[0] != 1 or len(self.seqlens) != self.index.numel()):
-            raise ValueError("a packed micro-batch is one row with one length per index entry")
-        self._layout = self._scored_layout()
-        self._on_device = {}
-
-    @property
-    def packed(self) -> bool:
-        return self.seqlens is not None
-
-    @property
-    def num_padding(self) -> int:
-        """Token positions that belong to no sequence (pipeline rows, row tails, the packed tail)."""
-        return self.tokens.numel() - int(self._layout["seq_tokens"].sum())
-
-    @property
-    def sequence_index(self) -> torch.Tensor:
-        """``[m]`` response index of each real sequence, in layout order (host)."""
-        return self._layout["index"]
-
-    def position_ids(self) -> torch.Tensor:
-        """``[b, L]`` positions within each sequence (host)."""
-        b, length = self.tokens.shape
-        if self.seqlens is None:
-            return torch.arange(length)[None].expand(b, length)
-        pos = torch.arange(length)
-        starts = torch.zeros(length, dtype=torch.long)
-        offset = 0
-        for n in self.seqlens:
-            starts[offset : offset + n] = offset
-            offset += n
-        starts[offset:] = offset
-        return (pos - starts)[None]
-
-    def _scored_layout(self) -> dict[str, torch.Tensor]:
-        """Where each scored token's log-prob sits in the ``[b, L - 1]`` log-prob tensor, and whose it is."""
-        mask = self.score_mask[:, 1:].cpu().bool()
-        length = mask.shape[1]
-        rows, cols = mask.nonzero(as_tuple=True)  # row-major: sequence after sequence, tokens in order
-        index = self.index.cpu().long()
-        if self.seqlens is None:
-            real = index >= 0
-            if bool(mask[~real].any()):
-                raise ValueError("padding rows (index -1) must have an empty score mask")
-            seq_of_row = torch.cumsum(real.long(), 0) - 1
-            seq = seq_of_row[rows]
-            seq_index = index[real]
-            # a padded row's sequence ends with its response: its length is the last scored position + 1
-            cols_all = torch.arange(length)[None].expand_as(mask)
-            last = torch.where(mask, cols_all, -1).amax(1) + 2
-            seq_tokens = torch.where(last > 1, last, length + 1)[real]
-        else:
-            bounds = torch.tensor([0, *torch.tensor(self.seqlens).cumsum(0).tolist()], dtype=torch.long)
-            # token at position c + 1 belongs to the sequence whose [start, end) holds it
-            seq = torch.searchsorted(bounds, cols + 1, right=True) - 1
-            seq_index = index
-            seq_tokens = torch.tensor(self.seqlens, dtype=torch.long)
-        m = int(seq_index.numel())
-        lengths = torch.bincount(seq, minlength=m) if seq.numel() else torch.zeros(m, dtype=torch.long)
-        firsts = torch.cumsum(lengths, 0) - lengths
-        rank = torch.arange(seq.numel()) - firsts[seq]
-        return {
-            "flat_pos": rows * length + cols,
-            "seq": seq,
-            "rank": rank,
-            "index": seq_index,
-            "lengths": lengths,
-            "seq_tokens": seq_tokens,
-        }
-
-    def _layout_on(self, device: torch.device) -> dict[str, torch.Tensor]:
-        cached = self._on_device.get(device)
-        if cached is None:
-            cached = {k: v.to(device, non_blocking=True) for k, v in self._layout.items()}
-            self._on_device[device] = cached
-        return cached
-
-    def scored(self, logp: torch.Tensor) -> TokenLogprobs:
-        """This micro-batch's scored tokens from its ``[b, L - 1]`` token log-probs (gradients flow back)."""
-        lay = self._layout_on(logp.device)
-        flat = logp.reshape(-1).index_select(0, lay["flat_pos"])
-        return TokenLogprobs(logp=flat, seq=lay["seq"], rank=lay["rank"], index=lay["index"], lengths=lay["lengths"])
-
-
-def make_micro_batches(tokens: torch.Tensor, score_mask: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
-    """Split ``[N, L]`` into padded micro-batches of exactly ``micro_batch_size`` rows (the last padded with a copy
-    of row 0 whose index is -1, so every pipeline message has one shape)."""
-    if tokens.shape != score_mask.shape or tokens.dim() != 2:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and score_mask {tuple(score_mask.shape)} must be [N, L]")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
-    n = tokens.shape[0]
-    out = []
-    for s in range(0, n, micro_batch_size):
-        idx = torch.arange(s, min(s + micro_batch_size, n))
-        pad = micro_batch_size - idx.numel()
-        rows = torch.cat([idx, idx.new_zeros(pad)])
-        index = torch.cat([idx, idx.new_full((pad,), -1)])
-        keep = (index >= 0)[:, None].to(score_mask.device)
-        out.append(
-            MicroBatch(tokens[rows.to(tokens.device)], score_mask[rows.to(score_mask.device)].bool() & keep, index)
-        )
-    return out
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def token_alignment(config: TransformerConfig) -> int:

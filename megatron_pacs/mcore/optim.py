@@ -48,9 +48,10 @@ from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
+from megatron_pacs.algo.tokens import MicroBatch
 from megatron_pacs.config import OptimConfig
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
-from megatron_pacs.mcore.forward import LossFn, MicroBatch, run_schedule
+from megatron_pacs.mcore.forward import LossFn, run_schedule
 from megatron_pacs.mcore.parallel import ParallelGroups
 
 if TYPE_CHECKING:
@@ -62,8 +63,8 @@ __all__ = [
     "Trainable",
     "build_trainable",
     "masked_sum_and_count",
+    "optimizer_step",
     "reset_optimizer_state",
-    "train_step",
 ]
 
 
@@ -114,7 +115,7 @@ class LRSchedule:
 
 @dataclass
 class StepResult:
-    """Outcome of :func:`train_step`.
+    """Outcome of :func:`optimizer_step`.
 
     Attributes:
         skipped: True when some rank had a non-finite gradient and no rank stepped.
@@ -196,7 +197,7 @@ def build_trainable(models: Sequence[MegatronModule], groups: ParallelGroups, cf
         adam_beta2=cfg.adam_beta2,
         adam_eps=cfg.adam_eps,
         decoupled_weight_decay=True,
-        clip_grad=cfg.clip_grad,  # applied in _optimizer_step (Megatron's own clip asserts CUDA tensors)
+        clip_grad=cfg.clip_grad,  # applied in _step_unless_nonfinite (Megatron's own clip asserts CUDA tensors)
         bf16=bf16,
         fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -287,7 +288,7 @@ def _clip(optimizer: MegatronOptimizer, clip_grad: float, grad_norm: float) -> N
         torch._foreach_mul_(grads, coeff)  # pyright: ignore[reportPrivateImportUsage]
 
 
-def _optimizer_step(
+def _step_unless_nonfinite(
     optimizer: MegatronOptimizer, clip_grad: float, before_update: Callable[[], None] | None = None
 ) -> tuple[bool, float]:
     """Megatron's ``ChainedOptimizer.step`` with a skip on a non-finite global norm (see the module docstring).
@@ -310,7 +311,7 @@ def _optimizer_step(
     return bool(optimizer.step_with_ready_grads()), grad_norm
 
 
-def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_fn: LossFn) -> StepResult:
+def optimizer_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_fn: LossFn) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's share of the global batch). Collective.
 
     Zeroes the gradient buffers, runs Megatron's forward-backward schedule (``loss_fn`` in the 3-tuple
@@ -337,7 +338,7 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_fn: L
     # a pending reset is applied only on a taken step: a skipped one leaves Adam's state (and the reset) as it was
     reset = partial(_apply_pending_reset, trainable) if trainable.reset_pending else None
     with cuda_to_cpu():
-        ok, grad_norm = _optimizer_step(optimizer, cfg.clip_grad, reset)
+        ok, grad_norm = _step_unless_nonfinite(optimizer, cfg.clip_grad, reset)
     if not ok:
         _zero_grads(ddp_models, optimizer)
         return StepResult(skipped=True, grad_norm=float("nan"), reports=reports, lr=0.0)

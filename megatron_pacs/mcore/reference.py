@@ -18,9 +18,9 @@ from dataclasses import replace
 import torch
 
 from megatron_pacs.algo.objectives import Logprobs
+from megatron_pacs.algo.tokens import MicroBatch
 from megatron_pacs.config import ModelConfig
 from megatron_pacs.mcore.actor import Actor, policy_logprobs
-from megatron_pacs.mcore.forward import MicroBatch
 from megatron_pacs.mcore.parallel import ParallelGroups
 
 __all__ = ["ReferencePolicy"]

@@ -16,17 +16,16 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from megatron_pacs.algo.tokens import MicroBatch, make_micro_batches
 from megatron_pacs.config import ParallelConfig
-from megatron_pacs.mcore.checkpoint import load_model_checkpoint, save_model_checkpoint
 from megatron_pacs.mcore.forward import (
-    MicroBatch,
-    make_micro_batches,
     run_schedule,
     run_schedule_together,
     sequence_logprobs,
 )
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
 from megatron_pacs.mcore.model import build_gpt_model
+from megatron_pacs.mcore.model_checkpoint import load_model_checkpoint, save_model_checkpoint
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 

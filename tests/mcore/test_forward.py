@@ -1,84 +1,6 @@
-"""MicroBatch: where the scored tokens sit in either layout, and the flat view every objective receives."""
+"""Megatron's schedule and log-probs over micro-batches: token alignment, padded vs packed, chunked vs whole."""
 
-import pytest
 import torch
-
-from megatron_pacs.mcore.forward import MicroBatch, make_micro_batches
-
-
-def _logp(b: int, length: int) -> torch.Tensor:
-    """``[b, L - 1]`` stand-in log-probs whose value encodes the position: ``row * 100 + column``."""
-    return (torch.arange(b)[:, None] * 100 + torch.arange(length - 1)[None]).double()
-
-
-def test_padded_rows_flatten_sequence_after_sequence_and_skip_padding_rows():
-    tokens = torch.zeros(3, 6, dtype=torch.long)
-    mask = torch.tensor(
-        [[0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 0]], dtype=torch.bool
-    )  # row 1: a pipeline padding row
-    mb = MicroBatch(tokens, mask, torch.tensor([7, -1, 4]))
-    scored = mb.scored(_logp(3, 6))
-    # token at column c is predicted at column c - 1
-    assert scored.logp.tolist() == [1.0, 2.0, 200.0, 201.0, 202.0, 203.0]
-    assert scored.seq.tolist() == [0, 0, 1, 1, 1, 1] and scored.rank.tolist() == [0, 1, 0, 1, 2, 3]
-    assert scored.index.tolist() == [7, 4] and scored.lengths.tolist() == [2, 4]
-    assert scored.sequence_sums().tolist() == [3.0, 806.0]
-    assert mb.sequence_index.tolist() == [7, 4] and not mb.packed
-    assert mb.num_padding == 18 - 4 - 5  # the padding row and the two rows' tails (sequences of 4 and 5 tokens)
-
-
-def test_packed_rows_flatten_by_sequence_boundaries_and_restart_positions():
-    tokens = torch.arange(10)[None]
-    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 0, 0]], dtype=torch.bool)  # sequences of 3 and 5, 2 padding
-    mb = MicroBatch(tokens, mask, torch.tensor([5, 2]), seqlens=(3, 5))
-    scored = mb.scored(_logp(1, 10))
-    assert scored.logp.tolist() == [0.0, 1.0, 4.0, 5.0, 6.0]
-    assert scored.seq.tolist() == [0, 0, 1, 1, 1] and scored.rank.tolist() == [0, 1, 0, 1, 2]
-    assert scored.index.tolist() == [5, 2] and scored.lengths.tolist() == [2, 3]
-    assert mb.position_ids().tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]]
-    assert mb.packed and mb.num_padding == 2
-
-
-def test_gradients_flow_back_to_the_token_positions():
-    logp = torch.zeros(1, 9, requires_grad=True)
-    mb = MicroBatch(
-        torch.zeros(1, 10, dtype=torch.long),
-        torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 0, 0]]).bool(),
-        torch.tensor([0, 1]),
-        seqlens=(3, 5),
-    )
-    scored = mb.scored(logp)
-    (scored.sequence_sums() * torch.tensor([2.0, -1.0], dtype=torch.float64)).sum().backward()
-    assert logp.grad.tolist() == [[2.0, 2.0, 0.0, 0.0, -1.0, -1.0, -1.0, 0.0, 0.0]]
-
-
-def test_an_empty_packed_row_scores_nothing():
-    mb = MicroBatch(
-        torch.zeros(1, 4, dtype=torch.long),
-        torch.zeros(1, 4, dtype=torch.bool),
-        torch.zeros(0, dtype=torch.long),
-        seqlens=(),
-    )
-    scored = mb.scored(torch.zeros(1, 3, requires_grad=True))
-    assert scored.logp.numel() == 0 and scored.sequence_sums().numel() == 0 and mb.num_padding == 4
-
-
-def test_bad_layouts_are_refused():
-    with pytest.raises(ValueError, match="must be one"):
-        MicroBatch(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.bool), torch.arange(2))
-    with pytest.raises(ValueError, match="one row with one length per index entry"):
-        MicroBatch(
-            torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.bool), torch.arange(2), seqlens=(4,)
-        )
-    with pytest.raises(ValueError, match="padding rows"):
-        MicroBatch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool), torch.tensor([-1]))
-
-
-def test_make_micro_batches_keeps_index_and_mask_on_the_tokens_device():
-    tokens = torch.arange(12).view(3, 4)
-    mbs = make_micro_batches(tokens, torch.ones_like(tokens, dtype=torch.bool), 2)
-    assert [mb.index.tolist() for mb in mbs] == [[0, 1], [2, -1]]
-    assert not mbs[1].score_mask[1].any()
 
 
 def test_token_alignment_for_sequence_parallelism_and_fp8():
@@ -104,18 +26,17 @@ def test_token_alignment_for_sequence_parallelism_and_fp8():
 def test_alignment_padding_changes_no_log_prob(tmp_path):
     """FP8 (or sequence parallelism) pads every micro-batch to a multiple of 16 tokens; the padding is never scored
     and, packed or padded, changes no sequence's log-probs (tiny model on the local spec)."""
-    from types import SimpleNamespace
 
     from transformers import AutoConfig
 
     from megatron_pacs.config import BatchConfig, ParallelConfig
     from megatron_pacs.data.batching import RolloutBatch
+    from megatron_pacs.data.layout import StepLayout
     from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
     from megatron_pacs.mcore.forward import model_token_logprobs, run_schedule
     from megatron_pacs.mcore.model import build_gpt_model
     from megatron_pacs.mcore.parallel import init_parallel
     from megatron_pacs.mcore.weights import load_hf_weights
-    from megatron_pacs.rl_step import StepLayout
 
     groups = init_parallel(ParallelConfig())
     build_tiny_model(str(tmp_path / "m"), tiny_hf_config("qwen2", layers=2), seed=1, scale=3.0)
@@ -140,16 +61,7 @@ def test_alignment_padding_changes_no_log_prob(tmp_path):
             max_response_length=12,
         )
         layout = StepLayout(
-            batch,
-            cfg,
-            SimpleNamespace(
-                dp_rank=0,
-                dp_size=1,
-                pp_size=1,  # type: ignore[arg-type]
-                config=SimpleNamespace(virtual_pipeline_model_parallel_size=None),
-            ),
-            whole_groups=False,
-            align=align,
+            batch, cfg, dp_rank=0, dp_size=1, pp_size=1, interleaved=False, whole_groups=False, align=align
         )
         mbs = layout.micro_batches([0])
         assert all(mb.tokens.shape[1] % align == 0 for mb in mbs)
@@ -173,11 +85,12 @@ def test_logprob_impl_reaches_every_pass_that_scores_tokens_simulated_fused_path
     log-probs) and ``token_logprobs`` (the sync probe); ``auto`` takes them where they can run (issue 23.9).
     Simulated fused path: Triton cannot compile here and its interpreter is too slow for a model, so ``available``
     is forced on and the kernel's entry point is recorded and answered by the chunked path."""
+    from megatron_pacs.algo.tokens import make_micro_batches
     from megatron_pacs.config import ModelConfig, OptimConfig, ParallelConfig
     from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
     from megatron_pacs.mcore import fused_logprobs, logprobs
     from megatron_pacs.mcore.actor import Actor
-    from megatron_pacs.mcore.forward import make_micro_batches, token_logprobs
+    from megatron_pacs.mcore.forward import token_logprobs
     from megatron_pacs.mcore.parallel import init_parallel
 
     fused_calls: list[int] = []
@@ -205,7 +118,7 @@ def test_logprob_impl_reaches_every_pass_that_scores_tokens_simulated_fused_path
         for run in (
             lambda: actor.logprobs(mbs, torch.tensor([5, 5]), tokens=True),
             lambda: token_logprobs(actor.chunks, groups, tokens, micro_batch_size=2, impl=actor.logprob_impl),
-            lambda: actor.train(mbs, lambda scored: (-scored.logp.sum(), torch.tensor(1), {})),
+            lambda: actor.optimizer_step(mbs, lambda scored: (-scored.logp.sum(), torch.tensor(1), {})),
         ):
             fused_calls.clear()
             run()

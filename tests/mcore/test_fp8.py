@@ -108,7 +108,7 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
     from megatron_pacs.algo.objectives import build_objective
     from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
-    from megatron_pacs.rl_step import StepLayout, train_on_batch
+    from megatron_pacs.rl_step import step_layout, update_policy
     from megatron_pacs.utils.metrics import PhaseTimer
 
     if (why := _supported(recipe)) is not None:
@@ -122,7 +122,7 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
     objective = build_objective(LossConfig(loss=loss), cfg)
     # the step's own layout: its consistency check compares with a bf16 pass over the first mini-batch's
     # micro-batches, and a stand-in packed differently would differ by bf16 rounding of other GEMM shapes
-    layout = StepLayout(batch, cfg, groups, whole_groups=objective.whole_groups, align=actor.token_alignment)
+    layout = step_layout(batch, cfg, groups, whole_groups=objective.whole_groups, align=actor.token_alignment)
     assert all(mb.tokens.shape[1] % align == 0 for mb in layout.micro_batches([0, 1]))
     # The engines' log-probs stand-in: a bf16 pass of the same weights (a correct sync), at temperature 1, over
     # the same micro-batches as the step's own bf16 pass, mini-batch by mini-batch.
@@ -135,7 +135,7 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
             engine[offsets[i] : offsets[i + 1]] = ref.response(i).cpu()
     assert not engine.isnan().any()
     batch.engine_logprobs = engine
-    metrics = train_on_batch(
+    metrics = update_policy(
         actor, batch, objective, cfg, groups, PhaseTimer(), temperature=1.0, score_fp8=scores == "fp8"
     )
     assert metrics["train/optimizer_steps"] == 2.0 and math.isfinite(metrics["train/grad_norm"])
@@ -149,13 +149,13 @@ def test_gpu_fp8_direct_pacs_with_fp8_scores(setup):
     from megatron_pacs.algo.objectives import build_objective
     from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
-    from megatron_pacs.rl_step import train_on_batch
+    from megatron_pacs.rl_step import update_policy
     from megatron_pacs.utils.metrics import PhaseTimer
 
     path, groups = setup
     actor = Actor(_model(path, fp8_score_precision="fp8"), groups, OptimConfig(lr=1e-5))
     cfg = _cfg(keep_groups_in_microbatch=True)
-    metrics = train_on_batch(
+    metrics = update_policy(
         actor,
         _batch(1024),
         build_objective(LossConfig(), cfg),
@@ -178,7 +178,7 @@ def test_gpu_fp8_with_the_reference_policy(setup, objective, first_last_bf16):
     from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.mcore.reference import ReferencePolicy
-    from megatron_pacs.rl_step import train_on_batch
+    from megatron_pacs.rl_step import update_policy
     from megatron_pacs.utils.metrics import PhaseTimer
 
     path, groups = setup
@@ -191,7 +191,7 @@ def test_gpu_fp8_with_the_reference_policy(setup, objective, first_last_bf16):
         if objective == "grpo_kl"
         else LossConfig(pacs_score_reference="ref", kl_coef=0.1)
     )
-    metrics = train_on_batch(
+    metrics = update_policy(
         actor,
         _batch(1024),
         build_objective(loss, cfg),

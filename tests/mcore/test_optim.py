@@ -85,11 +85,11 @@ def _trainable(env, **optim):
 
 
 def _step(env, trainable, micro_batch_size):
-    from megatron_pacs.mcore.forward import make_micro_batches
-    from megatron_pacs.mcore.optim import train_step
+    from megatron_pacs.algo.tokens import make_micro_batches
+    from megatron_pacs.mcore.optim import optimizer_step
 
     mbs = make_micro_batches(env["tokens"], env["mask"], micro_batch_size)
-    return train_step(trainable, mbs, _nll_loss_fn(env["groups"].tp_group))
+    return optimizer_step(trainable, mbs, _nll_loss_fn(env["groups"].tp_group))
 
 
 def _export(env, models):
@@ -386,7 +386,7 @@ def test_optimizer_reset_makes_the_next_step_a_first_adam_step(env, tmp_path):
     assert all(float(s["step"]) == 1.0 for o in inner for s in o.state.values())
     assert trainable.schedule.num_steps == 3  # the learning-rate schedule continues
     # The same as a brand-new optimizer's first step from the same weights (hence the same gradient).
-    from megatron_pacs.mcore.checkpoint import save_hf_checkpoint
+    from megatron_pacs.mcore.model_checkpoint import save_hf_checkpoint
 
     save_hf_checkpoint(iter(before.items()), tmp_path / "before", side_files_from=env["dir"], progress=False)
     fresh_models, fresh = _trainable({**env, "dir": str(tmp_path / "before")})
@@ -398,9 +398,9 @@ def test_optimizer_reset_makes_the_next_step_a_first_adam_step(env, tmp_path):
 def test_a_skipped_step_keeps_a_pending_reset_and_a_checkpoint_then_resumes(env, tmp_path):
     """A step skipped on a non-finite gradient must not use up a pending reset: Adam's state stays as it was (a
     checkpoint saved then holds it and loads again), and the next taken step is the first Adam step."""
-    from megatron_pacs.mcore.checkpoint import DIST_CHECKPOINT_LOAD_DEPRECATIONS
+    from megatron_pacs.mcore.model_checkpoint import DIST_CHECKPOINT_LOAD_DEPRECATIONS
     from megatron_pacs.mcore.optim import _inner_optimizers, reset_optimizer_state
-    from megatron_pacs.mcore.train_checkpoint import load_training_checkpoint, save_training_checkpoint
+    from megatron_pacs.mcore.training_checkpoint import load_training_checkpoint, save_training_checkpoint
 
     models, trainable = _trainable(env)
     for _ in range(2):

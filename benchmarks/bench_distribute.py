@@ -3,12 +3,12 @@
 
 Baseline (measured in the same run): ``broadcast_object_list`` of the step's rollouts as the trainer sent them
 before (token lists, lengths, rewards, and the response texts for the dumps) from rank 0 to every rank. Ours:
-``megatron_pacs.transport.distribute_rollouts`` (metadata broadcast, then each data-parallel rank's share of the
+``megatron_pacs.distribute.distribute_rollouts`` (metadata broadcast, then each data-parallel rank's share of the
 tokens and engine log-probs as int32 / float32 tensors). gloo on CPU, 4 local ranks (DP=4), 1,024 prompts x 8
 responses x ~2,000 tokens (prompts ~200, responses log-normal around 1,800). Time is the slowest rank's, median of
 3 after a warm-up.
 
-Usage: python benchmarks/bench_transport.py [--prompts 1024] [--group-size 8] [--world 4]
+Usage: python benchmarks/bench_distribute.py [--prompts 1024] [--group-size 8] [--world 4]
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def main() -> int:
     if code is not None:
         return code
     from megatron_pacs.config import BatchConfig, ParallelConfig
+    from megatron_pacs.distribute import distribute_rollouts
     from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
-    from megatron_pacs.transport import distribute_rollouts
 
     torch.set_num_threads(1)
     groups = init_parallel(ParallelConfig())

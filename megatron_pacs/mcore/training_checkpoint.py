@@ -1,5 +1,6 @@
-"""Training checkpoints: model + optimizer (Megatron distributed checkpointing, any layout in or out), RNG states,
-step, data position and config; written to a temporary folder and renamed into place only when complete.
+"""A run's resumable state (training checkpoints): model + optimizer (Megatron distributed checkpointing, any layout in
+or out), RNG states, step, data position and config; written to a temporary folder and renamed into place only when
+complete.
 
 Layout under ``--save``::
 
@@ -34,8 +35,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_pacs.mcore.checkpoint import META_FILE, apply_model_state, load_distributed
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
+from megatron_pacs.mcore.model_checkpoint import META_FILE, _barrier, _rank, apply_model_state, load_distributed
 from megatron_pacs.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -53,15 +54,6 @@ log = get_logger("checkpoint")
 
 _ITER = re.compile(r"^iter_(\d{7})$")
 TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _sharded(models: Sequence[MegatronModule], optimizer: Any, is_loading: bool) -> dict[str, Any]:

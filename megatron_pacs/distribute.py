@@ -1,11 +1,14 @@
-"""Rollouts from the driver to the trainer ranks as tensors: each data-parallel rank receives only its share.
+"""Rollouts from the driver to the trainer ranks, as tensors: each data-parallel rank receives only its share.
+
+(Not to be confused with the weight-sync transports of :mod:`megatron_pacs.rollout.sync`, which move weights the
+other way, from the trainer to the engines.)
 
 The driver (global rank 0) holds the step's :class:`~megatron_pacs.data.batching.RolloutBatch`. One collective
 call (:func:`distribute_rollouts`, every rank joins) moves it:
 
 1. **Metadata to every rank** (three broadcasts of ``[S]``-sized tensors: lengths, rewards, a header). Every rank
-   then computes every data-parallel rank's share (:func:`~megatron_pacs.data.batching.mini_batch_shares`): the
-   same function of the lengths everywhere, so no rank lists are sent.
+   then computes every data-parallel rank's share (:func:`~megatron_pacs.data.layout.rank_rows`, from the same
+   function of the lengths as the update's layout), so no rank lists are sent.
 2. **Tokens to each data-parallel rank's leader** (its model-parallel group's first member): the share's
    sequences as one flat int32 tensor, and its engine log-probs as one float32 tensor, point to point from the
    driver (which is the leader of data-parallel rank 0).
@@ -24,16 +27,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_pacs.config import BatchConfig
-from megatron_pacs.data.batching import RolloutBatch, mini_batch_shares
+from megatron_pacs.data.batching import RolloutBatch
+from megatron_pacs.data.layout import rank_rows
 from megatron_pacs.mcore.parallel import ParallelGroups
 
-__all__ = ["distribute_rollouts", "rank_rows"]
-
-
-def rank_rows(lengths: list[int], cfg: BatchConfig, group_size: int, dp_size: int) -> list[list[int]]:
-    """Each data-parallel rank's responses over every mini-batch of the step, in increasing order."""
-    shares = mini_batch_shares(lengths, group_size, cfg.ppo_mini_batch_size, dp_size, balanced=cfg.sequence_packing)
-    return [sorted(i for mini in shares for i in mini[r]) for r in range(dp_size)]
+__all__ = ["distribute_rollouts"]
 
 
 def _device() -> torch.device:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pacs.mcore.cpu_support import apply_cpu_support
-from megatron_pacs.mcore.train_checkpoint import (
+from megatron_pacs.mcore.training_checkpoint import (
     TRACKER,
     find_latest_checkpoint,
     load_training_checkpoint,

@@ -1,5 +1,5 @@
-"""Checkpoints: Megatron distributed checkpoints of the model (any TP/PP layout in or out) and Hugging Face
-safetensors directories, both written to a temporary folder and renamed only when complete."""
+"""Model checkpoints (weights only): Megatron distributed checkpoints of the model (any TP/PP layout in or out)
+and Hugging Face safetensors directories, both written to a temporary folder and renamed only when complete."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Launched by tests/test_transport.py (one process per rank, see ensure_world): rank 0's rollouts reach every
+"""Launched by tests/test_distribute.py (one process per rank, see ensure_world): rank 0's rollouts reach every
 rank as its data-parallel share, exactly.
 
-Usage: python tests/transport_checks.py --out DIR --world 4 [--tp T] [--pp P]
+Usage: python tests/distribute_checks.py --out DIR --world 4 [--tp T] [--pp P]
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def main() -> int:
     import torch.distributed as dist
 
     from megatron_pacs.config import BatchConfig, ParallelConfig
+    from megatron_pacs.data.layout import rank_rows
+    from megatron_pacs.distribute import distribute_rollouts
     from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
-    from megatron_pacs.transport import distribute_rollouts, rank_rows
 
     groups = init_parallel(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
     full = synthetic_batch()
