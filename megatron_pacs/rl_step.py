@@ -29,7 +29,7 @@ from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.optim import StepResult
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.reference import ReferencePolicy
-from megatron_pacs.utils.metrics import PhaseTimer
+from megatron_pacs.utils.timing import PhaseTimer
 
 __all__ = ["step_layout", "truncated_importance", "update_policy"]
 

@@ -40,7 +40,8 @@ from megatron_pacs.rollout.colocate import Colocation
 from megatron_pacs.sources import StepRollouts, collect_rollouts
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.logging import get_logger
-from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer
+from megatron_pacs.utils.sinks import MetricsWriter
+from megatron_pacs.utils.timing import PhaseTimer
 from megatron_pacs.validation import validate
 
 __all__ = ["Trainer"]

@@ -44,11 +44,34 @@ from gpu_report import write_report  # noqa: E402 - the sibling module, importab
 PY = sys.executable
 
 # Qwen2.5-0.5B's shape (random init; the vocabulary is the local tokenizer's).
-E2E_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)  # fmt: skip
-E2E_FLAGS = ["--train-iters", "3", "--global-batch-size", "8", "--ppo-mini-batch-size", "4", "--group-size", "4",
-             "--max-prompt-length", "128", "--max-response-length", "128", "--bf16", "--rollout-dtype", "bfloat16",
-             "--reward-workers", "2"]  # fmt: skip
+E2E_SHAPE = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+E2E_FLAGS = [
+    "--train-iters",
+    "3",
+    "--global-batch-size",
+    "8",
+    "--ppo-mini-batch-size",
+    "4",
+    "--group-size",
+    "4",
+    "--max-prompt-length",
+    "128",
+    "--max-response-length",
+    "128",
+    "--bf16",
+    "--rollout-dtype",
+    "bfloat16",
+    "--reward-workers",
+    "2",
+]
 
 
 def no_cuda_message() -> str | None:
@@ -84,15 +107,19 @@ def environment() -> dict:
         "python": sys.version.split()[0],
     }
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, IndexError):
         pass
     for dist in ("transformer-engine", "transformer-engine-torch", "vllm", "megatron-core", "mbridge", "triton", "ray"):
         env[dist] = _version(dist)
     if env["vllm"]:
-        probe = "from megatron_pacs.rollout.engine import vllm_features as f; import json; print(json.dumps(f()))"
+        probe = "from megatron_pacs.rollout.vllm_engine import vllm_features as f; import json; print(json.dumps(f()))"
         out = subprocess.run([PY, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
         env["vllm_features"] = out.stdout.strip().splitlines()[-1] if out.returncode == 0 else out.stderr[-300:]
     return env
@@ -174,8 +201,14 @@ class Check:
             stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
             stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
         (self.out / "logs" / f"{name}.log").write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr\n{stderr}")
-        step = {"status": status, "reason": reason, "seconds": time.time() - started, "cmd": " ".join(cmd),
-                "stdout": stdout[-20000:], **extra}  # fmt: skip
+        step = {
+            "status": status,
+            "reason": reason,
+            "seconds": time.time() - started,
+            "cmd": " ".join(cmd),
+            "stdout": stdout[-20000:],
+            **extra,
+        }
         self.results["steps"][name] = step
         print(f"== {name}: {status} in {step['seconds']:.0f} s {reason[:200]}", flush=True)
         self.save()
@@ -185,8 +218,11 @@ class Check:
 
     def gpu_tests(self) -> None:
         xml = self.out / "gpu-tests.xml"
-        step = self.run("gpu_tests", [PY, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rA", f"--junitxml={xml}",
-                                      "-p", "no:cacheprovider"], 420)  # fmt: skip
+        step = self.run(
+            "gpu_tests",
+            [PY, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rA", f"--junitxml={xml}", "-p", "no:cacheprovider"],
+            420,
+        )
         if step and xml.exists():
             step["tests"] = junit_results(xml)
             if step["status"] == "failed" and all(t["status"] != "error" for t in step["tests"]):
@@ -208,13 +244,37 @@ class Check:
         work = str(self.out / "work")
         if env.get("transformer-engine") is not None:
             if memory >= 70:
-                self.run("train_step_7b_fp8", [PY, "benchmarks/bench_train_step.py", "--shape", "7b", "--impl", "te",
-                         "--variants", "fwd_bwd", "--layouts", "padded", "--micro-batch-size", "1", "--fp8",
-                         "delayed", "tensorwise", "blockwise", "--iters", "3", "--workdir", work], 240)  # fmt: skip
+                self.run(
+                    "train_step_7b_fp8",
+                    [
+                        PY,
+                        "benchmarks/bench_train_step.py",
+                        "--shape",
+                        "7b",
+                        "--impl",
+                        "te",
+                        "--variants",
+                        "fwd_bwd",
+                        "--layouts",
+                        "padded",
+                        "--micro-batch-size",
+                        "1",
+                        "--fp8",
+                        "delayed",
+                        "tensorwise",
+                        "blockwise",
+                        "--iters",
+                        "3",
+                        "--workdir",
+                        work,
+                    ],
+                    240,
+                )
             else:
                 self.skip("train_step_7b_fp8", f"{memory} GiB of GPU memory; the 7B fwd+bwd needs about 70")
-            self.run("bench_fp8_drift", [PY, "benchmarks/bench_fp8_drift.py", "--workdir", work,
-                     "--sequences", "4"], 240)  # fmt: skip
+            self.run(
+                "bench_fp8_drift", [PY, "benchmarks/bench_fp8_drift.py", "--workdir", work, "--sequences", "4"], 240
+            )
             self.run("diag_te_fp32", [PY, "benchmarks/diag_te_fp32.py"], 90)
         else:
             for name in ("train_step_7b_fp8", "bench_fp8_drift", "diag_te_fp32"):
@@ -234,8 +294,9 @@ class Check:
             return
         base = ["--hf-model", str(setup / "model"), "--train-data", str(setup / "train.jsonl"), *E2E_FLAGS]
         train = [PY, "-m", "megatron_pacs.train"]
-        self._rl("rl_colocated", [*train, *base, "--colocate", "--weight-sync", "ipc",
-                                  "--offload-optimizer-during-rollout"])  # fmt: skip
+        self._rl(
+            "rl_colocated", [*train, *base, "--colocate", "--weight-sync", "ipc", "--offload-optimizer-during-rollout"]
+        )
         if env.get("gpu_count", 1) >= 2:
             self._rl("rl_broadcast", [*train, *base, "--num-engines", "1", "--weight-sync", "broadcast"])
         else:
@@ -284,8 +345,11 @@ def junit_results(path: Path) -> list[dict]:
             child = case.find(tag)
             if child is not None:
                 status = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                reason = (child.get("message") or child.text or "").strip().splitlines()[0][:300] if (
-                    child.get("message") or child.text) else ""  # fmt: skip
+                reason = (
+                    (child.get("message") or child.text or "").strip().splitlines()[0][:300]
+                    if (child.get("message") or child.text)
+                    else ""
+                )
                 break
         tests.append({"id": test_id, "status": status, "reason": reason})
     return tests

@@ -1,7 +1,7 @@
 """PACS and GRPO as pure PyTorch (no torch.distributed, Megatron, Ray or vLLM): usable from any backend."""
 
-from megatron_pacs.algo.common import LossOutput, masked_sequence_sum
 from megatron_pacs.algo.grpo import grpo_advantages, grpo_loss
+from megatron_pacs.algo.loss_contract import LossOutput
 from megatron_pacs.algo.metrics import pacs_metrics, reduce_metrics, reduction_of
 from megatron_pacs.algo.pacs import (
     ADVANTAGES,
@@ -15,6 +15,7 @@ from megatron_pacs.algo.pacs import (
     pacs_surrogate,
 )
 from megatron_pacs.algo.passk import pass_at_k, pass_at_k_curve, powers_of_two_up_to
+from megatron_pacs.algo.tokens import masked_sequence_sum
 
 __all__ = [
     "ADVANTAGES",

@@ -18,16 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_pacs.algo.common import (
-    LossOutput,
-    as_float_vector,
-    check_1d,
-    check_finite,
-    check_groups,
-    check_rewards,
-    mean_entry,
-    stat_entries,
-)
+from megatron_pacs.algo.checks import as_float_vector, check_1d, check_finite, check_groups, check_rewards
+from megatron_pacs.algo.loss_contract import LossOutput, mean_entry, stat_entries
 
 __all__ = ["grpo_advantages", "grpo_loss", "grpo_token_loss"]
 

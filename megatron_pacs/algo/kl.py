@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_pacs.algo.common import check_choice
+from megatron_pacs.algo.checks import check_choice
 
 __all__ = ["KL_ESTIMATORS", "kl_estimate"]
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from megatron_pacs.algo.common import mean_entry, stat_entries
+from megatron_pacs.algo.loss_contract import mean_entry, stat_entries
 
 __all__ = ["pacs_metrics", "reduce_metrics", "reduction_of"]
 

@@ -28,9 +28,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from megatron_pacs.algo.common import stat_entries
 from megatron_pacs.algo.grpo import grpo_advantages, grpo_token_loss
 from megatron_pacs.algo.kl import kl_estimate
+from megatron_pacs.algo.loss_contract import stat_entries
 from megatron_pacs.algo.metrics import pacs_metrics
 from megatron_pacs.algo.pacs import (
     compute_scores,

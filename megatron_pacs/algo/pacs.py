@@ -25,16 +25,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_pacs.algo.common import (
-    LossOutput,
+from megatron_pacs.algo.checks import (
     as_float_vector,
     check_1d,
     check_choice,
     check_finite,
     check_groups,
     check_rewards,
-    mean_entry,
 )
+from megatron_pacs.algo.loss_contract import LossOutput, mean_entry
 from megatron_pacs.algo.metrics import pacs_metrics
 from megatron_pacs.algo.registry import Registry
 from megatron_pacs.utils.logging import get_logger

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MicroBatch", "TokenLogprobs", "TokenStore", "make_micro_batches"]
+__all__ = ["MicroBatch", "TokenLogprobs", "TokenStore", "make_micro_batches", "masked_sequence_sum"]
 
 
 @dataclass
@@ -223,3 +223,22 @@ def make_micro_batches(tokens: torch.Tensor, score_mask: torch.Tensor, micro_bat
             MicroBatch(tokens[rows.to(tokens.device)], score_mask[rows.to(score_mask.device)].bool() & keep, index)
         )
     return out
+
+
+def masked_sequence_sum(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum token log-probs over each response's real tokens.
+
+    Padding never contributes, whatever value it holds (the reference sums unmasked; docs/algorithm.md §9.2).
+
+    Args:
+        token_logp: ``[S, T]`` per-token log-probs.
+        mask: ``[S, T]`` bool or 0/1 mask of response tokens.
+
+    Returns:
+        ``[S]`` per-response sums, accumulated in float64 (a PACS score is a difference of two such sums:
+        docs/algorithm.md §2.1).
+    """
+    if token_logp.shape != mask.shape:
+        raise ValueError(f"token_logp {tuple(token_logp.shape)} and mask {tuple(mask.shape)} must have one shape")
+    # where() rather than a product so that -inf/NaN at padded positions cannot leak into the sum.
+    return torch.where(mask.bool(), token_logp, torch.zeros_like(token_logp)).sum(dim=-1, dtype=torch.float64)

@@ -8,6 +8,8 @@ from megatron_pacs.config.base import bad, is_set
 
 __all__ = ["LossConfig"]
 
+# The names algo/ registers (objectives, advantages, weights, scores, KL estimators), spelled out so that config/
+# imports nothing heavy; tests/config/test_loss.py proves they agree.
 CHOICES = {
     "loss": ("pacs", "grpo"),
     "pacs_score": ("log_ratio", "mean_logp"),

@@ -11,8 +11,8 @@ import torch
 from megatron_pacs.config import TrainConfig
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
-from megatron_pacs.utils.metrics import PhaseTimer
 from megatron_pacs.utils.seeding import SAMPLING_STREAM, derive_seed
+from megatron_pacs.utils.timing import PhaseTimer
 
 __all__ = ["StepRollouts", "collect_rollouts"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from megatron_pacs.utils.metrics import METRICS_FILE, read_metrics
+from megatron_pacs.utils.sinks import METRICS_FILE, read_metrics
 
 DEFAULT_KEYS = ("rollout/reward_mean", "train/loss", "pacs/critic_acc", "rollout/response_len_mean")
 # A panel for one of these keys shows, per run, the first alternative that run logged.

@@ -97,12 +97,16 @@ def test_fetch_checks_sha256_and_manifest_lists_every_file(lock, tmp_path):
     digest = hashlib.sha256(src.read_bytes()).hexdigest()
     plan = {
         "install": [
-            {"metadata": {"name": "demo-pkg", "version": "1.2.3"},
-             "download_info": {"url": src.as_uri(), "archive_info": {"hashes": {"sha256": digest}}}},
-            {"metadata": {"name": "megatron-pacs", "version": "0.1.0"},
-             "download_info": {"url": ROOT.as_uri(), "dir_info": {"editable": True}}},
+            {
+                "metadata": {"name": "demo-pkg", "version": "1.2.3"},
+                "download_info": {"url": src.as_uri(), "archive_info": {"hashes": {"sha256": digest}}},
+            },
+            {
+                "metadata": {"name": "megatron-pacs", "version": "0.1.0"},
+                "download_info": {"url": ROOT.as_uri(), "dir_info": {"editable": True}},
+            },
         ]
-    }  # fmt: skip
+    }
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     dest = tmp_path / "wheelhouse"
     fetched = _cli("fetch", str(tmp_path / "plan.json"), str(dest))
@@ -114,8 +118,13 @@ def test_fetch_checks_sha256_and_manifest_lists_every_file(lock, tmp_path):
     manifest = json.loads((dest / "manifest.json").read_text())
     rows = {r["name"]: r for r in manifest["files"]}
     assert manifest["target"] == "cpu" and set(rows) == {"demo-pkg", "demo-build"}
-    assert rows["demo-pkg"] == {"file": src.name, "name": "demo-pkg", "version": "1.2.3", "sha256": digest,
-                                "bytes": src.stat().st_size}  # fmt: skip
+    assert rows["demo-pkg"] == {
+        "file": src.name,
+        "name": "demo-pkg",
+        "version": "1.2.3",
+        "sha256": digest,
+        "bytes": src.stat().st_size,
+    }
     assert manifest["bytes"] == src.stat().st_size + len(b"not really a tarball")
     assert (dest / "manifest.tsv").read_text().splitlines()[0] == "file\tname\tversion\tsha256\tbytes"
 

@@ -109,7 +109,7 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
     from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.rl_step import step_layout, update_policy
-    from megatron_pacs.utils.metrics import PhaseTimer
+    from megatron_pacs.utils.timing import PhaseTimer
 
     if (why := _supported(recipe)) is not None:
         pytest.skip(why)
@@ -150,7 +150,7 @@ def test_gpu_fp8_direct_pacs_with_fp8_scores(setup):
     from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.rl_step import update_policy
-    from megatron_pacs.utils.metrics import PhaseTimer
+    from megatron_pacs.utils.timing import PhaseTimer
 
     path, groups = setup
     actor = Actor(_model(path, fp8_score_precision="fp8"), groups, OptimConfig(lr=1e-5))
@@ -179,7 +179,7 @@ def test_gpu_fp8_with_the_reference_policy(setup, objective, first_last_bf16):
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.mcore.reference import ReferencePolicy
     from megatron_pacs.rl_step import update_policy
-    from megatron_pacs.utils.metrics import PhaseTimer
+    from megatron_pacs.utils.timing import PhaseTimer
 
     path, groups = setup
     model = _model(path, first_last_layers_bf16=first_last_bf16)

@@ -116,9 +116,22 @@ def test_ipc_handle_is_plain_msgpack_data_and_rebuilds_the_same_cuda_tensor_simu
     buffer = torch.zeros(4096, dtype=torch.uint8)
     # what reduce_tensor returns for a CUDA buffer (rebuild_cuda_tensor's parameters, torch's order)
     raw_args = (
-        torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3,
-        b"\x01cuda-ipc-handle", 8192, 512, False, b"refcount-handle", 16, b"event-handle", True,
-    )  # fmt: skip
+        torch.Tensor,
+        torch.Size([4096]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        3,
+        b"\x01cuda-ipc-handle",
+        8192,
+        512,
+        False,
+        b"refcount-handle",
+        16,
+        b"event-handle",
+        True,
+    )
     rebuilt = []
     monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, raw_args))
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: rebuilt.append(a) or "mapped")

@@ -116,11 +116,24 @@ def test_the_train_step_table_is_read_as_bench_train_step_prints_it(report, caps
     bench = _load("bench_train_step", ROOT / "benchmarks" / "bench_train_step.py")
 
     def row(variant, layout, precision, seconds, mfu):
-        return dict(variant=variant, layout=layout, precision=precision, seconds=seconds, tokens_per_s=1e5 / seconds,
-                    tflops=400 * mfu, mfu=mfu, peak_gib=40.0, padding=0.1, device="NVIDIA H100")  # fmt: skip
+        return dict(
+            variant=variant,
+            layout=layout,
+            precision=precision,
+            seconds=seconds,
+            tokens_per_s=1e5 / seconds,
+            tflops=400 * mfu,
+            mfu=mfu,
+            peak_gib=40.0,
+            padding=0.1,
+            device="NVIDIA H100",
+        )
 
-    rows = [row("hf", "padded", "bf16", 0.14, 0.335), row("train", "padded", "bf16", 0.30, 0.40),
-            row("train", "packed", "bf16", 0.15, 0.47)]  # fmt: skip
+    rows = [
+        row("hf", "padded", "bf16", 0.14, 0.335),
+        row("train", "padded", "bf16", 0.30, 0.40),
+        row("train", "packed", "bf16", 0.15, 0.47),
+    ]
     args = argparse.Namespace(shape="1.5b", prompts=8, group_size=8, scale=1, micro_batch_size=2, fp8=[])
     bench.print_table(rows, args)
     step = {"status": "ok", "stdout": capsys.readouterr().out}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pacs.utils.metrics import MetricsWriter
+from megatron_pacs.utils.sinks import MetricsWriter
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "plot_metrics.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

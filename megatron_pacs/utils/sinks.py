@@ -1,4 +1,4 @@
-"""Metric logging: one :class:`MetricsWriter` fanning out to the console, TensorBoard, W&B and a JSONL file.
+"""Metric sinks: one :class:`MetricsWriter` fanning out to the console, TensorBoard, W&B and a JSONL file.
 
 The JSONL file (``<log_dir>/metrics.jsonl``) is the durable record: one flat line per :meth:`MetricsWriter.log`
 call, ``{"step": 3, "rollout/reward_mean": 0.41, ...}``, appended and flushed at once so a crashed run keeps
@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -22,7 +19,7 @@ import torch
 
 from megatron_pacs.utils.logging import get_logger
 
-__all__ = ["CONSOLE_FIELDS", "METRICS_FILE", "MetricsWriter", "PhaseTimer", "read_metrics"]
+__all__ = ["CONSOLE_FIELDS", "METRICS_FILE", "MetricsWriter", "read_metrics"]
 
 logger = get_logger(__name__)
 
@@ -301,61 +298,6 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class PhaseTimer:
-    """Accumulate wall-clock seconds per named phase of a step.
-
-    Example::
-
-        timer = PhaseTimer()
-        with timer.phase("generate"):
-            ...
-        metrics.update(timer.collect())  # {"perf/time/generate": 12.3}
-
-    Phases may nest; each is timed on its own (an outer phase includes its inner ones). Re-entering a phase that
-    is already open counts the overlap twice.
-
-    Args:
-        cuda_sync (bool): Call ``torch.cuda.synchronize()`` at each phase boundary (when CUDA is available) so
-            asynchronous GPU work is charged to the phase that launched it.
-        clock (Callable[[], float]): Seconds source; ``time.perf_counter`` unless a test injects one.
-    """
-
-    def __init__(self, *, cuda_sync: bool = False, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.cuda_sync = cuda_sync and torch.cuda.is_available()
-        self._clock = clock
-        self._seconds: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time the ``with`` body and add it to ``name`` (also when the body raises).
-
-        Args:
-            name (str): Phase name, e.g. ``"generate"``.
-        """
-        if self.cuda_sync:
-            torch.cuda.synchronize()
-        start = self._clock()
-        try:
-            yield
-        finally:
-            if self.cuda_sync:
-                torch.cuda.synchronize()
-            self._seconds[name] += self._clock() - start
-
-    def collect(self, prefix: str = "perf/time/") -> dict[str, float]:
-        """Return the accumulated seconds per phase and reset them.
-
-        Args:
-            prefix (str): Prepended to each phase name.
-
-        Returns:
-            dict[str, float]: ``prefix + name -> seconds`` for every phase timed since the last collect.
-        """
-        out = {prefix + name: secs for name, secs in self._seconds.items()}
-        self._seconds.clear()
-        return out
 
 
 def read_metrics(path_or_run_dir: str | Path) -> list[dict[str, Any]]:

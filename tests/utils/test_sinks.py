@@ -1,4 +1,4 @@
-"""MetricsWriter (JSONL, resume, TensorBoard, W&B offline, console), PhaseTimer and read_metrics."""
+"""MetricsWriter (JSONL, resume, TensorBoard, W&B offline, console) and read_metrics."""
 
 import json
 import logging
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from megatron_pacs.utils.metrics import MetricsWriter, PhaseTimer, read_metrics
+from megatron_pacs.utils.sinks import MetricsWriter, read_metrics
 
 
 def raw_lines(run_dir):
@@ -160,30 +160,3 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
             ids.append(w._wandb.id)
         assert (run / "wandb_run_id.txt").read_text().strip() == ids[-1]
     assert ids[1] == ids[0] and ids[2] != ids[0]
-
-
-def test_phase_timer_sums_nested_phases_and_resets():
-    now = [0.0]
-    timer = PhaseTimer(clock=lambda: now[0])
-    with timer.phase("step"):
-        with timer.phase("generate"):
-            now[0] += 2.0
-        now[0] += 1.0
-        with timer.phase("generate"):
-            now[0] += 3.0
-        with pytest.raises(RuntimeError):
-            with timer.phase("train"):
-                now[0] += 4.0
-                raise RuntimeError
-    assert timer.collect() == {"perf/time/step": 10.0, "perf/time/generate": 5.0, "perf/time/train": 4.0}
-    assert timer.collect() == {}
-    with timer.phase("x"):
-        now[0] += 0.5
-    assert timer.collect(prefix="t/") == {"t/x": 0.5}
-
-
-def test_phase_timer_measures_wall_time():
-    timer = PhaseTimer()
-    with timer.phase("sleep"):
-        time.sleep(0.05)
-    assert 0.05 <= timer.collect()["perf/time/sleep"] < 5.0
