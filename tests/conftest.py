@@ -1,8 +1,9 @@
-"""Shared fixtures: the ../shared data folder (optional) and a locally built tokenizer."""
+"""Shared fixtures: the ../shared data folder (optional), a locally built tokenizer, and the session's launch queue."""
 
 from pathlib import Path
 
 import pytest
+from launch_queue import LaunchQueue
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -13,6 +14,30 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "math500.jsonl").is_file():
         pytest.skip(f"{SHARED_DATA} is absent (the evaluation sets live beside the checkout in development only)")
     return SHARED_DATA
+
+
+_LAUNCHING = pytest.StashKey[list]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The selected modules that declare trainer launches (``LAUNCHES``), in the order pytest runs them."""
+    modules = []
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "LAUNCHES") and module not in modules:
+            modules.append(module)
+    session.config.stash[_LAUNCHING] = modules
+
+
+@pytest.fixture(scope="session")
+def launch_queue(request, tmp_path_factory):
+    """Every selected module's launches, queued when the first of them is needed (tests/launch_queue.py)."""
+    queue = LaunchQueue(workers=2)
+    for module in request.config.stash.get(_LAUNCHING, []):
+        root = tmp_path_factory.mktemp(module.__name__.rsplit(".", 1)[-1])
+        queue.plan(module.__name__, module.prepare, module.LAUNCHES, root)
+    yield queue
+    queue.close()
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -121,14 +121,18 @@ def _assert_equal_to_rounding(got: list[dict], want: list[dict], what: str) -> N
                 assert p[key] == pytest.approx(q[key], rel=ROUNDING_REL_TOL, abs=1e-7), (what, p["step"], key)
 
 
-@pytest.fixture(scope="module")
-def traces(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("golden")
+def prepare(root: Path) -> Path:
     shutil.copytree(GOLDEN.parent / "model", root / "model")
     shutil.copy(GOLDEN.parent / "train.jsonl", root / "train.jsonl")
-    # Two launches at a time: each is mostly single-threaded start-up (Ray, vLLM, Megatron) on a 2-core machine.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(RUNS, pool.map(lambda n: _run(root, n), RUNS), strict=True))
+    return root
+
+
+LAUNCHES = {name: partial(_run, name=name) for name in RUNS}  # queued for the session (tests/launch_queue.py)
+
+
+@pytest.fixture(scope="module")
+def traces(launch_queue) -> dict[str, list[dict]]:
+    results = {name: future.result() for name, future in launch_queue.futures(__name__).items()}
     if RECORD:
         GOLDEN.parent.mkdir(exist_ok=True)
         golden = {"platform": cpu_platform(), "runs": results}

@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -36,21 +36,26 @@ WORLD = {"grpo_tis_pp2": 2}
 KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm", "pacs/loss")
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
-    root = tmp_path_factory.mktemp("overlap")
+def prepare(root: Path) -> Path:
     shutil.copytree(GOLDEN / "model", root / "model")
     shutil.copy(GOLDEN / "train.jsonl", root / "train.jsonl")
+    return root
+
+
+def _launch(root: Path, name: str) -> list[dict]:
     base = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
+    flags = [str(root / f"{name}_ckpt") if a == "CKPT" else a for a in RUNS[name]]
+    history = run_train([*base, *flags], log_dir=root / name, cwd=root, world=WORLD.get(name, 1))
+    return [m for m in history if "train/loss" in m]
 
-    def launch(name: str) -> list[dict]:
-        flags = [str(root / f"{name}_ckpt") if a == "CKPT" else a for a in RUNS[name]]
-        history = run_train([*base, *flags], log_dir=root / name, cwd=root, world=WORLD.get(name, 1))
-        return [m for m in history if "train/loss" in m]
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        out = dict(zip(RUNS, pool.map(launch, RUNS), strict=True))
-    return root, out
+LAUNCHES = {name: partial(_launch, name=name) for name in RUNS}  # queued for the session (tests/launch_queue.py)
+
+
+@pytest.fixture(scope="module")
+def launched(launch_queue) -> tuple[Path, dict[str, list[dict]]]:
+    out = {name: future.result() for name, future in launch_queue.futures(__name__).items()}
+    return launch_queue.root(__name__), out
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -59,21 +59,27 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
-    root = tmp_path_factory.mktemp("reference")
+def prepare(root: Path) -> tuple[Path, Path]:
     shutil.copytree(GOLDEN / "model", root / "model")
     shutil.copy(GOLDEN / "train.jsonl", root / "train.jsonl")
-    ref = _perturbed_reference(root)
+    return root, _perturbed_reference(root)
 
-    def launch(name: str) -> list[dict]:
-        world, extra = RUNS[name]
-        extra = [str(ref) if a == "REF" else a for a in extra]
-        flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
-        return run_train([*flags, "--micro-batch-size", "3", *extra], log_dir=root / name, cwd=root, world=world)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:  # start-up dominates; two launches share the 2 cores
-        return root, dict(zip(RUNS, pool.map(launch, RUNS), strict=True))
+def _launch(prepared: tuple[Path, Path], name: str) -> list[dict]:
+    root, ref = prepared
+    world, extra = RUNS[name]
+    extra = [str(ref) if a == "REF" else a for a in extra]
+    flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
+    return run_train([*flags, "--micro-batch-size", "3", *extra], log_dir=root / name, cwd=root, world=world)
+
+
+LAUNCHES = {name: partial(_launch, name=name) for name in RUNS}  # queued for the session (tests/launch_queue.py)
+
+
+@pytest.fixture(scope="module")
+def runs(launch_queue) -> tuple[Path, dict[str, list[dict]]]:
+    out = {name: future.result() for name, future in launch_queue.futures(__name__).items()}
+    return launch_queue.root(__name__), out
 
 
 def _steps(history: list[dict]) -> list[dict]:

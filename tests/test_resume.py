@@ -8,10 +8,10 @@ checkpoint's weights (checked against tools/convert_checkpoint.py mcore-to-hf).
 """
 
 import json
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -23,21 +23,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_rl_setup(tmp_path_factory.mktemp("resume"), tied=False, num_problems=32)
+def prepare(root: Path) -> Path:
+    return make_rl_setup(root, tied=False, num_problems=32)
 
 
 @pytest.fixture(scope="module")
-def launched(setup) -> Iterator[dict[str, Future]]:
-    """Each test's launches (a chain: the continuous run, the first half, the resume) started for the whole module,
-    two at a time: each launch is mostly single-threaded start-up on a 2-core machine. A test reads its own chain's
-    result, so a failed launch fails the test it belongs to, with the launch's output."""
-    chains = {"resume": _resume_chain, "resets": _resets_chain, "in_flight": _in_flight_chain, "tp2": _tp2_chain}
-    pool = ThreadPoolExecutor(max_workers=2)
-    futures = {name: pool.submit(chain, setup) for name, chain in chains.items()}
-    yield futures
-    pool.shutdown(wait=True, cancel_futures=True)
+def launched(launch_queue) -> dict[str, Future]:
+    """Each test's chain of launches (the continuous run, then the resume from its own checkpoint), queued for the
+    session (tests/launch_queue.py); a test reads its own chain's result."""
+    return launch_queue.futures(__name__)
+
+
+@pytest.fixture(scope="module")
+def setup(launch_queue) -> Path:
+    return launch_queue.root(__name__)
 
 
 def _train(root, name, *extra, world=1):
@@ -61,21 +60,24 @@ def _weights(path):
 
 
 def _resume_chain(root):
-    _train(root, "straight", "--train-iters", "4", "--save", str(root / "ckpt_a"), "--save-hf")
-    _train(root, "split", "--train-iters", "2", "--save", str(root / "ckpt_b"), "--save-interval", "2")
-    # A write killed half-way (temporary folder) and a folder without metadata must both be ignored.
+    """The continuous run (checkpoints at steps 2 and 4), then a resume from a copy of its step-2 checkpoint beside
+    a write killed half-way (a temporary folder) and a folder without metadata, which must both be ignored."""
+    _train(root, "straight", "--train-iters", "4", "--save", str(root / "ckpt_a"), "--save-interval", "2", "--save-hf")
+    shutil.copytree(root / "ckpt_a" / "iter_0000002", root / "ckpt_b" / "iter_0000002")
+    (root / "ckpt_b" / "latest_checkpointed_iteration.txt").write_text("2\n")
     (root / "ckpt_b" / ".iter_0000003.tmp-crash").mkdir()
     (root / "ckpt_b" / "iter_0000003").mkdir()
     (root / "ckpt_b" / "iter_0000003" / "__0_0.distcp").write_bytes(b"partial")
-    return _train(
+    history = _train(
         root, "split", "--train-iters", "4", "--save", str(root / "ckpt_b"), "--load", str(root / "ckpt_b"), "--save-hf"
     )
+    return history
 
 
 def test_resume_equals_continuous_and_ignores_interrupted_writes(setup, launched):
     root = setup
     history = launched["resume"].result()
-    assert [m["step"] for m in history][-2:] == [3, 4]
+    assert [m["step"] for m in history] == [3, 4]
     a = _weights(root / "ckpt_a" / "iter_0000004" / "hf")
     b = _weights(root / "ckpt_b" / "iter_0000004" / "hf")
     initial = _weights(root / "model")
@@ -88,20 +90,22 @@ V2 = ["--pacs-score-reference", "ref", "--ref-reset-interval", "2", "--kl-coef",
 
 
 def _resets_chain(root):
-    straight = _train(root, "v2_straight", "--train-iters", "4", "--save", str(root / "ckpt_v2a"), "--save-hf", *V2)
-    _train(root, "v2_split", "--train-iters", "2", "--save", str(root / "ckpt_v2b"), *V2)
-    meta = json.loads((root / "ckpt_v2b" / "iter_0000002" / "megatron_pacs.json").read_text())
-    split = _train(
+    straight = _train(
         root,
-        "v2_split",
+        "v2_straight",
         "--train-iters",
         "4",
         "--save",
-        str(root / "ckpt_v2b"),
-        "--load",
-        str(root / "ckpt_v2b"),
+        str(root / "ckpt_v2a"),
+        "--save-interval",
+        "2",
         "--save-hf",
         *V2,
+    )
+    mid = root / "ckpt_v2a" / "iter_0000002"
+    meta = json.loads((mid / "megatron_pacs.json").read_text())
+    split = _train(
+        root, "v2_split", "--train-iters", "4", "--load", str(mid), "--save", str(root / "ckpt_v2b"), "--save-hf", *V2
     )
     return straight, meta, split
 
@@ -113,7 +117,7 @@ def test_resume_with_reference_resets_equals_continuous(setup, launched):
     straight, meta, split = launched["resets"].result()
     # written right after the reset: the reference equals the actor, so the resumed step 3 takes s = 0 exactly too
     assert meta["reference"] == {"resets": 1, "equals_actor": True}
-    assert (root / "ckpt_v2b" / "iter_0000002" / "reference").is_dir()
+    assert (root / "ckpt_v2a" / "iter_0000002" / "reference").is_dir()
     assert [m["ref/resets"] for m in split if "ref/resets" in m][-2:] == [1.0, 2.0]
     assert [m["ref/kl"] for m in straight[-2:]] == [m["ref/kl"] for m in split[-2:]]
     a = _weights(root / "ckpt_v2a" / "iter_0000004" / "hf")
@@ -220,3 +224,6 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(setup, launched):
     assert history[-1]["step"] == 3 and history[-1]["train/skipped_steps"] == 0.0
     meta = json.loads((root / "ckpt_tp2" / "iter_0000003" / "megatron_pacs.json").read_text())
     assert meta["step"] == 3 and meta["world_size"] == 1 and meta["loader"]["position"] == 12
+
+
+LAUNCHES = {"resume": _resume_chain, "resets": _resets_chain, "in_flight": _in_flight_chain, "tp2": _tp2_chain}

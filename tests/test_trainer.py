@@ -26,9 +26,12 @@ TOL = 2e-5  # between Megatron layouts
 REF_MAX, REF_SHARE = 1e-4, 1e-4
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    root = make_rl_setup(tmp_path_factory.mktemp("trainer"), tied=True, num_problems=8)
+def prepare(root: Path) -> Path:
+    return make_rl_setup(root, tied=True, num_problems=8)
+
+
+def _checks(root: Path) -> Path:
+    """trainer_checks.py's two launches, in order (``tp2`` reuses the rollouts ``rollouts`` wrote)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for mode in ("rollouts", "tp2"):
         cmd = [
@@ -45,6 +48,14 @@ def work(tmp_path_factory):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     return root
+
+
+LAUNCHES = {"checks": _checks}  # queued for the session (tests/launch_queue.py)
+
+
+@pytest.fixture(scope="module")
+def work(launch_queue) -> Path:
+    return launch_queue.futures(__name__)["checks"].result()
 
 
 def _seq_logp(model, batch, rows):

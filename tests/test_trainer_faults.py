@@ -13,8 +13,8 @@ import os
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,17 +26,14 @@ HERE = Path(__file__).parent
 GROUP = 4  # trainer_checks._config: 4 prompts x 4 responses per step
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_rl_setup(tmp_path_factory.mktemp("trainer_faults"), tied=True, num_problems=8)
+def prepare(root: Path) -> Path:
+    return make_rl_setup(root, tied=True, num_problems=8)
 
 
 @pytest.fixture(scope="module")
-def launched(setup) -> Iterator[dict[str, Future]]:
-    """Both launches at once (each is mostly single-threaded start-up on a 2-core machine); a test reads its own."""
-    pool = ThreadPoolExecutor(max_workers=2)
-    yield {mode: pool.submit(_launch, setup, mode) for mode in ("kill", "colocate")}
-    pool.shutdown(wait=True, cancel_futures=True)
+def launched(launch_queue) -> dict[str, Future]:
+    """Both launches, queued for the session (tests/launch_queue.py); a test reads its own."""
+    return launch_queue.futures(__name__)
 
 
 def _launch(root: Path, mode: str) -> dict:
@@ -87,3 +84,6 @@ def test_engine_killed_during_an_overlapped_generation_loses_and_duplicates_noth
     # identical to an undisturbed generation of the same prompts (frozen weights, seeded sampling)
     assert result["sequences"] == result["again_sequences"]
     assert [r["output"] for r in result["records"]] == [r["output"] for r in result["again_records"]]
+
+
+LAUNCHES = {mode: partial(_launch, mode=mode) for mode in ("kill", "colocate")}

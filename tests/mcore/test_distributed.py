@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,32 +36,39 @@ MODELS = {
 FP32_TOL = 1e-5
 
 
+def _launch(work: Path, tp: int, pp: int, vpp: int | None) -> dict:
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}"]
+    cmd = [
+        *launcher,
+        f"--master-port={free_port()}",
+        str(HERE / "dist_checks.py"),
+        "--workdir",
+        str(work),
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        *(["--vpp", str(vpp)] if vpp else []),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, f"TP={tp} PP={pp} VPP={vpp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    suffix = f"_vpp{vpp}" if vpp else ""
+    return json.loads((work / f"results_tp{tp}_pp{pp}{suffix}.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Every layout's checks, two launches at a time; TP=1 waits for TP=2, whose checkpoint it reshards."""
     work = tmp_path_factory.mktemp("mcore_dist")
     for name, (family, tied) in MODELS.items():
         build_tiny_model(str(work / "models" / name), tiny_hf_config(family, tied=tied, layers=4), seed=1, scale=3.0)
-    out = {}
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for tp, pp, vpp in LAYOUTS:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}"]
-        cmd = [
-            *launcher,
-            f"--master-port={free_port()}",
-            str(HERE / "dist_checks.py"),
-            "--workdir",
-            str(work),
-            "--tp",
-            str(tp),
-            "--pp",
-            str(pp),
-            *(["--vpp", str(vpp)] if vpp else []),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-        assert proc.returncode == 0, f"TP={tp} PP={pp} VPP={vpp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        suffix = f"_vpp{vpp}" if vpp else ""
-        out[(tp, pp, vpp)] = json.loads((work / f"results_tp{tp}_pp{pp}{suffix}.json").read_text())
-    return out
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {layout: pool.submit(_launch, work, *layout) for layout in LAYOUTS if layout != (1, 1, None)}
+        first = futures[(2, 1, None)]
+        # TP=1 reshards TP=2's checkpoint: queued last, it starts long after TP=2 (the first launch) has finished
+        futures[(1, 1, None)] = pool.submit(lambda: (first.result(), _launch(work, 1, 1, None))[1])
+        return {layout: futures[layout].result() for layout in LAYOUTS}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)

@@ -1,0 +1,85 @@
+"""One launch queue for the whole pytest session: every module's trainer launches, two at a time, in test order.
+
+A launch (the real trainer, its fleet and its reward pool) is mostly single-threaded start-up on a 2-core machine,
+so two run at once. With a pool per module, the last launch of each module ran alone while the other core idled,
+and the next module's launches waited for it. Here every selected module that declares launches has them queued
+when the first of them is needed, in the order pytest runs the modules, so a core freed by one module's last
+launch starts the next module's first one.
+
+A module declares, at module level:
+
+- ``prepare(root: Path) -> Any``: builds its inputs under ``root`` (its own temporary folder); it runs once, in the
+  module's first launch to start, and its result is handed to every launch of the module;
+- ``LAUNCHES: dict[str, Callable[[Any], Any]]``: each launch, by name, from ``prepare``'s result.
+
+Its tests take the ``launched`` fixture of the module (``launch_queue.futures(__name__)``) and read their own
+launches' futures: a failed launch fails the tests that read it, with the launch's output.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LaunchQueue"]
+
+
+class _Prepared:
+    """A module's ``prepare(root)``, run once by whichever of its launches starts first."""
+
+    def __init__(self, prepare: Callable[[Path], Any], root: Path) -> None:
+        self._prepare, self._root = prepare, root
+        self._lock = threading.Lock()
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def get(self) -> Any:
+        with self._lock:
+            if not self._done:
+                try:
+                    self._value = self._prepare(self._root)
+                except Exception as exc:  # noqa: BLE001 - kept: every launch of the module reports it
+                    self._error = exc
+                self._done = True
+        if self._error is not None:
+            raise RuntimeError(f"prepare({self._root}) failed") from self._error
+        return self._value
+
+
+class LaunchQueue:
+    """Runs the session's launches ``workers`` at a time, first come first served.
+
+    Args:
+        workers: Launches at once.
+    """
+
+    def __init__(self, workers: int = 2) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="launch")
+        self._futures: dict[str, dict[str, Future]] = {}
+        self._roots: dict[str, Path] = {}
+
+    def plan(self, module: str, prepare: Callable[[Path], Any], launches: dict[str, Callable[[Any], Any]], root: Path):
+        """Queue every launch of ``module`` (after all that were queued before)."""
+        prepared = _Prepared(prepare, root)
+        self._roots[module] = root
+
+        def run(launch: Callable[[Any], Any]) -> Any:
+            return launch(prepared.get())
+
+        self._futures[module] = {name: self._pool.submit(run, launch) for name, launch in launches.items()}
+
+    def futures(self, module: str) -> dict[str, Future]:
+        """``module``'s launches by name (queued when the session's first launching module started)."""
+        return self._futures[module]
+
+    def root(self, module: str) -> Path:
+        """The folder ``module``'s ``prepare`` builds under (its launches' results are complete once read)."""
+        return self._roots[module]
+
+    def close(self) -> None:
+        """Drop the launches that have not started; wait for those running (each has its own time-out)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
