@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_pacs.config import parse_config
+from megatron_pacs.config import TrainConfig, parse_config
+from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +26,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return dry_run(cfg)
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before any model, engine or process group exists
+    lock = None
+    if cfg.checkpoint.save is not None and int(os.environ.get("RANK", "0")) == 0:
+        from megatron_pacs.utils.checkpoint_dirs import remove_stale_temp_folders
+        from megatron_pacs.utils.run_lock import RunLock
+
+        lock = RunLock(cfg.checkpoint.save)  # one run per --save, held for the whole run
+        lock.acquire()
+        remove_stale_temp_folders(cfg.checkpoint.save)  # the lock proves no other run is writing them
+    try:
+        return _train(cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig) -> int:
     from transformers import AutoTokenizer
 
     from megatron_pacs.data.loader import PromptLoader
@@ -34,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     train_rows, val_rows = load_prompts(cfg.data, tokenizer, cfg.batch.max_prompt_length)
 
     loader = PromptLoader(train_rows, cfg.batch.global_batch_size, seed=cfg.run.seed)
+    if cfg.checkpoint.load is not None:
+        from megatron_pacs.checkpointing import plan_resume
+
+        plan_resume(cfg, loader)  # a changed seed or data set, damaged metadata: refused before any model is built
 
     from megatron_pacs.trainer import Trainer
 
@@ -61,3 +82,6 @@ if __name__ == "__main__":
     except ValueError as exc:  # bad flags or data: the message names the flag and the fix
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except CheckpointWriteError as exc:  # a full disk: the message names the step, the directory and what resumes
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -7,7 +7,10 @@ Examples:
         --tensor-model-parallel-size 2
     # Megatron (any layout) -> HF directory loadable by transformers and vLLM
     python tools/convert_checkpoint.py mcore-to-hf --load ckpt/qwen7b-tp2 --hf-config /models/Qwen2.5-7B \\
-        --out hf/qwen7b-step300
+        --out hf/qwen7b
+    # a training run's --save directory: the checkpoint the tracker names (as the trainer's --load), or --ckpt-step
+    python tools/convert_checkpoint.py mcore-to-hf --load ckpt/run1 --ckpt-step 300 --hf-config /models/Qwen2.5-7B \\
+        --out hf/run1-step300
 """
 
 from __future__ import annotations
@@ -33,7 +36,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     a.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype of the checkpoint")
     b = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint (any layout) -> HF directory")
-    b.add_argument("--load", required=True, help="checkpoint directory (written by hf-to-mcore or the trainer)")
+    b.add_argument(
+        "--load",
+        required=True,
+        help="a checkpoint folder (hf-to-mcore's --out, a trainer's iter_* folder) or a trainer's --save directory "
+        "(the checkpoint its tracker names, as the trainer's --load resumes)",
+    )
+    b.add_argument("--ckpt-step", type=int, default=None, help="with a --save directory: convert iter_<this step>")
     b.add_argument("--hf-config", required=True, help="HF directory with the config and tokenizer files")
     b.add_argument("--out", required=True, help="HF directory to write")
     b.add_argument("--tensor-model-parallel-size", type=int, default=1, help="ranks to load with (resharded)")
@@ -49,6 +58,41 @@ def _check_output(out: str, force: bool) -> None:
     path = Path(out)
     if path.exists() and any(path.iterdir()) and not force:
         raise ValueError(f"output {out} exists and is not empty; pass --force to overwrite it")
+
+
+def resolve_load(load: str, ckpt_step: int | None) -> Path:
+    """The checkpoint folder ``--load`` (and ``--ckpt-step``) name, as the trainer's ``--load`` reads them.
+
+    Raises:
+        ValueError: naming the file or flag, when there is no such complete checkpoint.
+    """
+    from megatron_pacs.utils.checkpoint_dirs import META_FILE, checkpoint_dir, choose_checkpoint, read_metadata
+
+    root = Path(load)
+    if ckpt_step is not None:
+        if (root / META_FILE).exists():
+            raise ValueError(f"--ckpt-step: --load {load} is a checkpoint folder already; drop one of the two")
+        ckpt = checkpoint_dir(root, ckpt_step)
+        if not ckpt.is_dir():
+            steps = sorted(p.name for p in root.glob("iter_*"))
+            raise ValueError(f"--ckpt-step: {ckpt} does not exist (there: {', '.join(steps) or 'no checkpoints'})")
+        read_metadata(ckpt)
+        return ckpt
+    choice = choose_checkpoint(root)
+    for note in choice.notes:
+        print(f"convert_checkpoint: warning: {note}", file=sys.stderr)
+    if choice.checkpoint is None:
+        damaged = f": {'; '.join(choice.damaged)}" if choice.damaged else ""
+        raise ValueError(f"--load: {load} holds no complete checkpoint{damaged}")
+    return choice.checkpoint
+
+
+def _stored_dtype(meta: dict) -> torch.dtype:
+    """The weights' dtype: hf-to-mcore records it; a training checkpoint records its run's --bf16."""
+    if "dtype" in meta:
+        return DTYPES.get(meta["dtype"], torch.float32)
+    bf16 = meta.get("config", {}).get("model", {}).get("bf16", False)
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def _setup(args):
@@ -93,11 +137,11 @@ def mcore_to_hf(args) -> None:
     from megatron_pacs.mcore.model_checkpoint import load_model_checkpoint, read_checkpoint_metadata, save_hf_checkpoint
     from megatron_pacs.mcore.weights import export_hf_weights, hf_state_dict_shapes
 
-    meta = read_checkpoint_metadata(args.load)
+    ckpt = resolve_load(args.load, args.ckpt_step)
+    meta = read_checkpoint_metadata(ckpt)
     groups, hf_config = _setup(args)
-    stored = DTYPES.get(meta.get("dtype", "fp32"), torch.float32)
-    models = build_gpt_model(hf_config, groups, dtype=stored, spec="local")
-    load_model_checkpoint(models, args.load)
+    models = build_gpt_model(hf_config, groups, dtype=_stored_dtype(meta), spec="local")
+    load_model_checkpoint(models, ckpt)
     save_hf_checkpoint(
         export_hf_weights(models, groups, hf_config),
         args.out,
@@ -107,7 +151,7 @@ def mcore_to_hf(args) -> None:
         total=len(hf_state_dict_shapes(hf_config)),
     )
     if torch.distributed.get_rank() == 0:
-        print(f"wrote HF checkpoint {args.out}")
+        print(f"wrote HF checkpoint {args.out} (from {ckpt})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_output(args.out, args.force)
         if args.command == "mcore-to-hf":
-            from megatron_pacs.mcore.model_checkpoint import read_checkpoint_metadata
-
-            read_checkpoint_metadata(args.load)
+            args.load, args.ckpt_step = str(resolve_load(args.load, args.ckpt_step)), None
     except ValueError as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2

@@ -27,12 +27,18 @@ class CheckpointConfig:
     """Checkpoint directory. One that already holds checkpoints needs --load pointing at it (or at one of its
     checkpoints): a fresh run would overwrite checkpoints of the same step."""
     load: str | None = None
-    """Resume from the checkpoint written last here (latest_checkpointed_iteration.txt), or from this checkpoint
-    folder. A directory without a checkpoint is refused (a mistyped path would train from scratch) unless it is
-    --save's own directory (a requeued job's first start) or --load-optional is given."""
+    """Resume from the checkpoint written last here (latest_checkpointed_iteration.txt; when its metadata is damaged,
+    the newest complete checkpoint of its lineage), or from this checkpoint folder. A directory without a
+    checkpoint is refused (a mistyped path would train from scratch) unless it is --save's own directory (a
+    requeued job's first start) or --load-optional is given; one whose checkpoints are all damaged is refused
+    naming every damaged file, unless --load-optional is given."""
     load_optional: bool = False
-    """With --load: a directory that does not exist or holds no checkpoint yet starts from --hf-model instead of
-    being refused."""
+    """With --load: a directory that does not exist, holds no checkpoint yet, or holds only damaged ones starts
+    from --hf-model instead of being refused."""
+    allow_changed_rows: bool = False
+    """With --load: resume although rows of --train-data changed content since the checkpoint (same ids, same
+    order; e.g. a corrected answer). Without it such a resume is refused: the record would not say what was
+    trained on."""
     save_interval: int = 0
     """Steps between checkpoints (0: only at the end when --save is set)."""
     keep_last: int = 2
@@ -49,8 +55,9 @@ class CheckpointConfig:
             for name in ("save_interval", "keep_last", "save_hf"):
                 if is_set(self, name):
                     raise bad(name, "only applies with --save DIR; add it or drop this flag")
-        if self.load_optional and self.load is None:
-            raise bad("load_optional", "only applies with --load DIR; add it or drop this flag")
+        for name in ("load_optional", "allow_changed_rows"):
+            if getattr(self, name) and self.load is None:
+                raise bad(name, "only applies with --load DIR; add it or drop this flag")
 
 
 @dataclass(kw_only=True)

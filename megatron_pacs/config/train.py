@@ -6,7 +6,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -20,6 +19,7 @@ from megatron_pacs.config.parallel import ParallelConfig
 from megatron_pacs.config.reference import ReferenceConfig
 from megatron_pacs.config.rollout import RolloutConfig
 from megatron_pacs.config.run import CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig
+from megatron_pacs.config.source import SourceConfig, check_source_flags
 
 __all__ = ["TrainConfig"]
 
@@ -42,6 +42,8 @@ class TrainConfig:
     """Reference policy."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Fleet and sampling."""
+    source: SourceConfig = field(default_factory=SourceConfig)
+    """Where the rollouts come from."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompt data."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -80,6 +82,8 @@ class TrainConfig:
                         "no reference policy is built without --kl-coef > 0 or --pacs-score-reference ref; drop it "
                         "or ask for one of those",
                     )
+        sections = {"rollout": self.rollout, "loss": self.loss, "reward": self.reward, "eval": self.eval}
+        check_source_flags(self.source, {**sections, "data": self.data})
         r = self.rollout
         if self.loss.off_policy_correction == "tis" and (r.temperature != 1.0 or r.top_p < 1.0 or r.top_k != -1):
             raise bad(
@@ -194,16 +198,32 @@ class TrainConfig:
             )
 
     def _check_checkpoint_dirs(self) -> None:
-        """A mistyped --load must not train from scratch, and a fresh run must not overwrite --save's checkpoints."""
+        """A mistyped or damaged --load must not train from scratch, and a fresh run must not overwrite --save's
+        checkpoints; which checkpoint --load resumes is decided here, so damaged metadata is named before anything
+        is built (:mod:`megatron_pacs.utils.checkpoint_dirs`)."""
+        from megatron_pacs.utils.checkpoint_dirs import choose_checkpoint
+
         ck = self.checkpoint
         same = ck.load is not None and ck.save is not None and _same_path(ck.load, ck.save)
-        if ck.load is not None and not (ck.load_optional or same) and not _holds_checkpoint(ck.load):
-            raise bad(
-                "load",
-                f"{ck.load!r} holds no complete checkpoint (mistyped?); pass a checkpoint directory, or add "
-                "--load-optional to start from --hf-model when it holds none yet",
-            )
-        if ck.save is not None and _holds_checkpoint(ck.save):
+        if ck.load is not None:
+            try:
+                choice = choose_checkpoint(ck.load)
+            except ValueError as exc:
+                raise bad("load", str(exc)) from None
+            if choice.checkpoint is None and choice.holds_checkpoints and not ck.load_optional:
+                damaged = "; ".join(choice.damaged) or "its iter_* folders hold no metadata"
+                raise bad(
+                    "load",
+                    f"{ck.load!r} holds checkpoints but none is readable and complete: {damaged}. Repair or move "
+                    "them aside and --load one that is complete, or add --load-optional to start from --hf-model",
+                )
+            if choice.checkpoint is None and not choice.holds_checkpoints and not (ck.load_optional or same):
+                raise bad(
+                    "load",
+                    f"{ck.load!r} holds no complete checkpoint (mistyped?); pass a checkpoint directory, or add "
+                    "--load-optional to start from --hf-model when it holds none yet",
+                )
+        if ck.save is not None and _holds_checkpoints(ck.save):
             inside = ck.load is not None and (same or _same_path(os.path.dirname(os.path.abspath(ck.load)), ck.save))
             if not inside:
                 raise bad(
@@ -244,17 +264,14 @@ def _same_path(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _holds_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a complete training checkpoint or a directory holding one (the file names of
-    ``mcore/training_checkpoint.py``; that module imports Megatron, which configuration must not)."""
-    if os.path.isfile(os.path.join(path, "megatron_pacs.json")):
+def _holds_checkpoints(path: str) -> bool:
+    """Whether ``path`` holds ``iter_*`` folders or a tracker (complete or not: a fresh run would write over them)."""
+    from megatron_pacs.utils.checkpoint_dirs import choose_checkpoint
+
+    try:
+        return choose_checkpoint(path).holds_checkpoints
+    except ValueError:  # a damaged newest checkpoint: still checkpoints
         return True
-    if not os.path.isdir(path):
-        return False
-    return any(
-        re.fullmatch(r"iter_\d{7}", name) and os.path.isfile(os.path.join(path, name, "megatron_pacs.json"))
-        for name in os.listdir(path)
-    )
 
 
 @cache

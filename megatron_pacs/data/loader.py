@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -34,6 +36,7 @@ class PromptLoader(Generic[T]):
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
         self.fingerprint = _fingerprint(items)
+        self.content_fingerprint = _content_fingerprint(items)
 
     def _permutation(self, epoch: int) -> list[int]:
         rng = np.random.default_rng(seed_sequence(self.seed, LOADER_STREAM, epoch))
@@ -48,19 +51,29 @@ class PromptLoader(Generic[T]):
         return [self.items[i] for i in idx]
 
     def state_dict(self) -> dict[str, Any]:
-        """The position, with the data set's size and fingerprint (a position only means something for them)."""
+        """The position, with the data set's size and fingerprints (a position only means something for them)."""
         return {
             "epoch": self.epoch,
             "position": self.position,
             "num_items": len(self.items),
             "fingerprint": self.fingerprint,
+            "content_fingerprint": self.content_fingerprint,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a position saved for the same items in the same order (checked when the state records them).
+    def check_state_dict(self, state: dict[str, Any], *, allow_changed_rows: bool = False) -> bool:
+        """Check that a saved position belongs to these items (what the state records: states written before the
+        content fingerprint existed are checked by their ids only).
+
+        Args:
+            state: A :meth:`state_dict`.
+            allow_changed_rows: Accept rows whose content changed under the same ids in the same order.
+
+        Returns:
+            Whether the rows' content changed (accepted with ``allow_changed_rows``).
 
         Raises:
-            ValueError: naming --train-data, when the saved position belongs to other data.
+            ValueError: naming --train-data, when the saved position belongs to other data, or to rows whose content
+                changed (without ``allow_changed_rows``).
         """
         saved = state.get("fingerprint")
         if saved is not None and saved != self.fingerprint:
@@ -70,6 +83,25 @@ class PromptLoader(Generic[T]):
                 f"prompts, {self.fingerprint[:12]}): resuming would skip some prompts and repeat others; pass the "
                 "same prepared files in the same order, or start a new run"
             )
+        content = state.get("content_fingerprint")
+        if content is None or content == self.content_fingerprint:
+            return False
+        if not allow_changed_rows:
+            raise ValueError(
+                f"--train-data: the rows have the checkpoint's ids in its order, but their content changed "
+                f"(content fingerprint {content[:12]} in the checkpoint, {self.content_fingerprint[:12]} now): the "
+                "resumed run would train on other prompts or answers than the record says; pass the same prepared "
+                "files, or add --allow-changed-rows to resume on the changed rows (a corrected answer)"
+            )
+        return True
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_changed_rows: bool = False) -> None:
+        """Restore a position saved for the same items in the same order (:meth:`check_state_dict`).
+
+        Raises:
+            ValueError: naming --train-data, when the saved position belongs to other data.
+        """
+        self.check_state_dict(state, allow_changed_rows=allow_changed_rows)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation(self.epoch)
 
@@ -80,4 +112,16 @@ def _fingerprint(items: Sequence[Any]) -> str:
     for item in items:
         key = (getattr(item, "data_source", None), item.id) if hasattr(item, "id") else item
         h.update(repr(key).encode("utf-8") + b"\n")
+    return h.hexdigest()
+
+
+def _content_fingerprint(items: Sequence[Any]) -> str:
+    """SHA-256 of the items' content in order: every field of a dataclass row (canonical JSON), else ``repr``."""
+    h = hashlib.sha256()
+    for item in items:
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            text = json.dumps(dataclasses.asdict(item), sort_keys=True, default=repr)
+        else:
+            text = repr(item)
+        h.update(text.encode("utf-8") + b"\n")
     return h.hexdigest()

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
+from megatron_pacs.utils.checkpoint_dirs import META_FILE, read_metadata
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
 __all__ = ["HF_SIDE_FILES", "apply_model_state", "load_model_checkpoint", "save_hf_checkpoint", "save_model_checkpoint"]
 
-META_FILE = "megatron_pacs.json"
 HF_SIDE_FILES = (
     "config.json",
     "generation_config.json",
@@ -106,11 +106,13 @@ def save_model_checkpoint(models: Sequence[MegatronModule], ckpt_dir: str | os.P
 
 
 def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict:
-    """The ``megatron_pacs.json`` of a checkpoint, or a ``ValueError`` saying the folder is not one."""
-    path = Path(ckpt_dir) / META_FILE
-    if not path.is_file():
-        raise ValueError(f"{ckpt_dir} is not a complete megatron_pacs checkpoint (no {META_FILE})")
-    return json.loads(path.read_text())
+    """The ``megatron_pacs.json`` of a checkpoint.
+
+    Raises:
+        ValueError: one line naming the file when the folder is not a complete checkpoint or its metadata is
+            missing, empty or not a JSON object.
+    """
+    return read_metadata(ckpt_dir)
 
 
 def load_model_checkpoint(models: Sequence[MegatronModule], ckpt_dir: str | os.PathLike) -> dict:

@@ -1,18 +1,14 @@
 """A run's resumable state (training checkpoints): model + optimizer (Megatron distributed checkpointing, any layout in
 or out), RNG states, step, data position and config; written to a temporary folder and renamed into place only when
-complete.
+complete. What the directory holds is read by :mod:`megatron_pacs.utils.checkpoint_dirs` (no Megatron).
 
-Layout under ``--save``::
-
-    iter_0000020/                    a complete checkpoint (megatron_pacs.json written last, then the folder renamed)
-    .iter_0000040.tmp-XXXX/          an interrupted write: never loaded, removed by the next save
-    latest_checkpointed_iteration.txt  the step written last (Megatron-LM's and verl's tracker file)
-
-Resuming takes the checkpoint the tracker names, not the highest step: after a rollback (``--load`` of an earlier
-step) the new branch's checkpoints are the ones written last, and ``--keep-last`` deletes in write order, so the
-diverged branch goes first. The metadata and the tracker are fsynced before they count. A tracker that is missing,
-or names a checkpoint whose metadata is empty or corrupt, falls back with a warning to the complete checkpoint
-written last before it.
+Resuming takes the checkpoint the tracker names, not the highest step. Every checkpoint records its parent (the
+checkpoint its run resumed from, or saved before it), so after a rollback (``--load`` of an earlier step) a damaged
+newest checkpoint falls back along its own lineage only, ``--keep-last`` counts along that lineage, and the
+checkpoints of the branch the rollback left are set aside (renamed ``iter_N.abandoned-<time>``), never loaded nor
+deleted. The metadata and the tracker are fsynced before they count. A save only removes its own temporary folder;
+one that fails for lack of space or another I/O error raises :class:`CheckpointWriteError` naming the step, the
+directory, the OS error and the checkpoint that will resume.
 
 Checkpoints are trusted input: the RNG state loads with ``weights_only=True``, but the driver's pending rollouts
 (``pending_rollouts.pt``) are pickled Python objects, so load only checkpoints you or your job wrote.
@@ -23,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 import time
@@ -37,6 +32,18 @@ from megatron.core import dist_checkpointing
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.model_checkpoint import META_FILE, _barrier, _rank, apply_model_state, load_distributed
+from megatron_pacs.utils.checkpoint_dirs import (
+    LINEAGE_FILE,
+    TRACKER,
+    CheckpointWriteError,
+    checkpoint_dir,
+    choose_checkpoint,
+    complete_checkpoints,
+    lineage,
+    read_metadata,
+    read_parents,
+    set_aside,
+)
 from megatron_pacs.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -44,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRACKER",
+    "CheckpointWriteError",
     "complete_checkpoints",
     "find_latest_checkpoint",
     "load_training_checkpoint",
@@ -51,9 +59,6 @@ __all__ = [
 ]
 
 log = get_logger("checkpoint")
-
-_ITER = re.compile(r"^iter_(\d{7})$")
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _sharded(models: Sequence[MegatronModule], optimizer: Any, is_loading: bool) -> dict[str, Any]:
@@ -68,63 +73,17 @@ def _sharded(models: Sequence[MegatronModule], optimizer: Any, is_loading: bool)
     return state
 
 
-def checkpoint_dir(save: str | os.PathLike, step: int) -> Path:
-    return Path(save) / f"iter_{step:07d}"
-
-
-def _read_meta(ckpt: Path) -> dict[str, Any] | None:
-    """A checkpoint's metadata, or None when the file is missing, empty or not a JSON object."""
-    try:
-        meta = json.loads((ckpt / META_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def _written_at(ckpt: Path, meta: dict[str, Any]) -> float:
-    """When a checkpoint was completed: its recorded time, else (older checkpoints) its metadata file's mtime."""
-    written = meta.get("written_at")
-    return float(written) if isinstance(written, (int, float)) else (ckpt / META_FILE).stat().st_mtime
-
-
-def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """The complete checkpoints under ``root`` (readable metadata), oldest written first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        if _ITER.match(p.name) and (meta := _read_meta(p)) is not None:
-            found.append((_written_at(p, meta), int(p.name.removeprefix("iter_")), p))
-    return [p for *_, p in sorted(found)]
-
-
 def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The checkpoint written last under ``root``: the one the tracker file names, or None if there is none.
+    """The checkpoint to resume under ``root`` (:func:`~megatron_pacs.utils.checkpoint_dirs.choose_checkpoint`,
+    its notes logged as warnings), or None when it holds no complete checkpoint.
 
-    Temporary folders of interrupted writes and folders without metadata are ignored. When the tracker is missing
-    or names a checkpoint whose metadata is empty or corrupt, the complete checkpoint written last is taken, with
-    a warning.
+    Raises:
+        ValueError: naming the file, when the newest checkpoint is damaged and none of its lineage is complete.
     """
-    root = Path(root)
-    done = complete_checkpoints(root)
-    tracker = root / TRACKER
-    try:
-        named = checkpoint_dir(root, int(tracker.read_text().strip()))
-    except (OSError, ValueError):
-        named = None
-    if named is not None and named in done:
-        return named
-    if done and (named is not None or tracker.exists()):
-        log.warning(
-            "%s names %s, which is not a complete checkpoint (empty or corrupt %s?): resuming from %s, the complete "
-            "checkpoint written last",
-            tracker,
-            named.name if named is not None else "no step",
-            META_FILE,
-            done[-1],
-        )
-    return done[-1] if done else None
+    choice = choose_checkpoint(root)
+    for note in choice.notes:
+        log.warning("%s", note)
+    return choice.checkpoint
 
 
 def _fsync_dir(path: str | os.PathLike) -> None:
@@ -138,11 +97,15 @@ def _fsync_dir(path: str | os.PathLike) -> None:
 def _write_durably(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a fsynced temporary file and a rename (never a half-written file)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -153,6 +116,7 @@ def save_training_checkpoint(
     optimizer: Any,
     metadata: dict[str, Any],
     *,
+    parent: str | os.PathLike | None,
     keep_last: int = 2,
     extra_models: Mapping[str, Sequence[MegatronModule]] | None = None,
     driver_objects: dict[str, Any] | None = None,
@@ -165,23 +129,65 @@ def save_training_checkpoint(
         models: This rank's (DDP-wrapped) chunks.
         optimizer: The Megatron optimizer (its state is sharded like the model).
         metadata: JSON-able run state (step, data position, LR schedule, config); written last by rank 0.
-        keep_last: Complete checkpoints to keep (older ones are deleted after this one is in place).
+        parent: The checkpoint this state descends from (the one the run resumed from, or saved before this one),
+            None for a run started from scratch; recorded as the new checkpoint's parent (its lineage).
+        keep_last: Checkpoints of the new checkpoint's lineage to keep (older ones are deleted after it is in place;
+            complete checkpoints off the lineage are set aside, renamed ``<name>.abandoned-<time>``).
         extra_models: Other models to keep with it (name -> chunks, e.g. the reference policy), each a sharded
             checkpoint in a subfolder of that name.
         driver_objects: Rank 0's own state (name -> object, e.g. rollouts generated ahead), ``<name>.pt``.
+
+    Raises:
+        CheckpointWriteError: when the write fails with an OS error (a full disk, an I/O error); the temporary
+            folder is removed and the checkpoints already there are untouched.
     """
     final = checkpoint_dir(save, step)
     tmp = None
     if _rank() == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
-        for stale in final.parent.glob(".iter_*.tmp-*"):  # interrupted writes of earlier runs
-            shutil.rmtree(stale, ignore_errors=True)
         tmp = tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent)
     box = [tmp]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     tmp = box[0]
     assert tmp is not None, "rank 0 makes the folder and broadcasts its path"
+    parent_ref = _parent_ref(final.parent, parent)
+    try:
+        _write(tmp, models, optimizer, extra_models, driver_objects)
+        if _rank() == 0:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            meta = {**metadata, "step": step, "world_size": world, "written_at": time.time(), "parent": parent_ref}
+            with open(os.path.join(tmp, META_FILE), "w") as f:
+                json.dump(meta, f, indent=2, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+            _record_lineage(final, parent_ref)
+            _write_durably(final.parent / TRACKER, f"{step}\n")
+    except Exception as exc:
+        error = _os_error(exc) or _probe_write(final.parent)
+        if error is None:
+            raise
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_write_failure(save, step, error)) from exc
+    if _rank() == 0:
+        _prune(final, keep_last)
+    _barrier()
+    return final
+
+
+def _write(
+    tmp: str,
+    models: Sequence[MegatronModule],
+    optimizer: Any,
+    extra_models: Mapping[str, Sequence[MegatronModule]] | None,
+    driver_objects: dict[str, Any] | None,
+) -> None:
+    """Every rank's shards, RNG state and (rank 0) driver objects into ``tmp``."""
     with cuda_to_cpu():
         dist_checkpointing.save(_sharded(models, optimizer, is_loading=False), tmp)
         for name, chunks in (extra_models or {}).items():
@@ -200,24 +206,90 @@ def save_training_checkpoint(
         for name, obj in (driver_objects or {}).items():
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     _barrier()
-    if _rank() == 0:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        meta = {**metadata, "step": step, "world_size": world, "written_at": time.time()}
-        with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump(meta, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        _write_durably(final.parent / TRACKER, f"{step}\n")
-        # Oldest written first, the one just written last whatever the clock says.
-        complete = [p for p in complete_checkpoints(final.parent) if p != final] + [final]
-        for old in complete[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OS error behind a failed write: ``exc`` itself, its causes, or the per-rank failures that
+    torch.distributed.checkpoint collects (Megatron's ``Worker failure: [Errno 28] ...``); None when there is none."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(f for f in failures.values() if isinstance(f, BaseException))
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None
+
+
+def _probe_write(directory: Path) -> OSError | None:
+    """The OS error a 1 MiB write into ``directory`` meets now, or None: torch's zip writer reports a full disk as
+    ``RuntimeError: basic_ios::clear: iostream error`` or ``unexpected pos``, without the OS error."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+    except OSError as exc:
+        return exc
+    try:
+        os.write(fd, b"\0" * (1 << 20))
+        os.fsync(fd)
+    except OSError as exc:
+        return exc
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return None
+
+
+def _write_failure(save: str | os.PathLike, step: int, error: OSError) -> str:
+    """One line: the step, the directory, the OS error and what resumes instead."""
+    try:
+        last = choose_checkpoint(save).checkpoint
+    except ValueError:
+        last = None
+    resumes = f"--load {save} resumes from {last}, untouched" if last else "no complete checkpoint there resumes yet"
+    return (
+        f"--save: writing step {step}'s checkpoint to {save} failed: {error}; its temporary folder is removed and "
+        f"{resumes}; free space (or fix the device) and resume"
+    )
+
+
+def _parent_ref(root: Path, parent: str | os.PathLike | None) -> str | None:
+    """The parent as recorded: its folder name when it sits in ``root``, else its absolute path."""
+    if parent is None:
+        return None
+    parent = Path(parent)
+    inside = os.path.realpath(parent.parent) == os.path.realpath(root)
+    return parent.name if inside else str(parent.resolve())
+
+
+def _record_lineage(final: Path, parent: str | None) -> None:
+    """Add ``final``'s parent to the directory's lineage file (entries of folders that are gone dropped)."""
+    root = final.parent
+    parents = {k: v for k, v in read_parents(root).items() if (root / k).is_dir()}
+    parents[final.name] = parent
+    _write_durably(root / LINEAGE_FILE, json.dumps(dict(sorted(parents.items())), indent=1) + "\n")
+
+
+def _prune(final: Path, keep_last: int) -> None:
+    """Keep ``keep_last`` complete checkpoints of ``final``'s lineage; set aside the complete ones off it."""
+    chain = lineage(final.parent, final)
+    complete = set(complete_checkpoints(final.parent))
+    for old in [p for p in chain if p in complete][keep_last:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for other in sorted(complete - set(chain)):
+        moved = set_aside(other)
+        log.warning(
+            "set aside %s as %s: it is off the lineage of %s (a branch a rollback left); it is never loaded, "
+            "delete it when you no longer need it",
+            other.name,
+            moved.name,
+            final.name,
+        )
 
 
 def _load_models(ckpt: Path, models: Sequence[MegatronModule], optimizer: Any = None) -> dict[str, Any]:
@@ -253,18 +325,10 @@ def load_training_checkpoint(
         ValueError: when the folder is not a complete checkpoint or does not fit the model.
     """
     ckpt = Path(ckpt)
-    meta_path = ckpt / META_FILE
-    if not meta_path.is_file():
-        raise ValueError(
-            f"--load: {ckpt} is not a complete checkpoint (no {META_FILE}); it may be an interrupted "
-            "write: point --load at the checkpoint root to take the newest complete one"
-        )
-    metadata = _read_meta(ckpt)
-    if metadata is None:
-        raise ValueError(
-            f"--load: {meta_path} is empty or corrupt; point --load at the checkpoint root to resume from the "
-            "complete checkpoint written last"
-        )
+    try:
+        metadata = read_metadata(ckpt)
+    except ValueError as exc:
+        raise ValueError(f"--load: {exc}; point --load at another checkpoint, or at the checkpoint root") from None
     state = _load_models(ckpt, models, optimizer)
     if optimizer is not None:
         with cuda_to_cpu():

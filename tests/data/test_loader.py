@@ -183,3 +183,43 @@ def test_state_dict_is_a_copy():
     state = loader.state_dict()
     loader.next_batch()
     assert {k: state[k] for k in ("epoch", "position")} == {"epoch": 0, "position": 0}
+
+
+def _rows(n):
+    from megatron_pacs.data.prompts import PromptRow
+
+    return [
+        PromptRow(
+            id=str(i),
+            data_source="d",
+            prompt=[{"role": "user", "content": f"q{i}"}],
+            ground_truth=str(i),
+            question=f"q{i}",
+        )
+        for i in range(n)
+    ]
+
+
+def test_a_row_whose_content_changed_is_refused_unless_allowed():
+    """Issue 29.6: the fingerprint covers the rows' content: a corrected answer under the same id is refused on
+    resume (it would train on other data than the record says) unless ``allow_changed_rows``; a state written before
+    the content fingerprint (ids only) still resumes, its ids fingerprint computed as before."""
+    import dataclasses
+    import hashlib
+
+    rows = _rows(8)
+    loader = PromptLoader(rows, 4, seed=0)
+    loader.next_batch()
+    state = loader.state_dict()
+    changed = [*rows[:3], dataclasses.replace(rows[3], ground_truth="99"), *rows[4:]]
+    resumed = PromptLoader(changed, 4, seed=0)
+    with pytest.raises(ValueError, match=r"--train-data: .*content changed .*--allow-changed-rows"):
+        resumed.load_state_dict(state)
+    resumed.load_state_dict(state, allow_changed_rows=True)
+    assert resumed.position == 4 and resumed.next_batch() == take(PromptLoader(changed, 4, seed=0), 2)[1]
+    legacy = {k: v for k, v in state.items() if k != "content_fingerprint"}
+    PromptLoader(changed, 4, seed=0).load_state_dict(legacy)
+    ids = hashlib.sha256(b"".join(repr(("d", str(i))).encode() + b"\n" for i in range(8))).hexdigest()
+    assert state["fingerprint"] == ids
+    with pytest.raises(ValueError, match=r"another data set"):
+        PromptLoader(_rows(9)[1:], 4, seed=0).load_state_dict(legacy)
