@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_pacs.config import TrainConfig
-from megatron_pacs.utils.checkpoint_dirs import choose_checkpoint, read_metadata
+from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError, choose_checkpoint, read_metadata
 from megatron_pacs.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class RunCheckpoints:
             The checkpoint's folder (``iter_NNNNNNN``).
         """
         from megatron_pacs.mcore.model_checkpoint import save_hf_checkpoint
-        from megatron_pacs.mcore.training_checkpoint import save_training_checkpoint
+        from megatron_pacs.mcore.training_checkpoint import os_error_of, save_training_checkpoint
 
         ck, trainable = self.cfg.checkpoint, self._trainable
         meta: dict[str, Any] = {
@@ -164,11 +164,20 @@ class RunCheckpoints:
             extra_models=extra,
             driver_objects=driver_objects,
         )
-        if ck.save_hf:
-            save_hf_checkpoint(
-                self.actor.export_hf_weights(), path / "hf", side_files_from=self.cfg.model.hf_model, progress=False
-            )
         self.parent = path
+        if ck.save_hf:
+            try:
+                save_hf_checkpoint(
+                    self.actor.export_hf_weights(), path / "hf", side_files_from=self.cfg.model.hf_model, progress=False
+                )
+            except Exception as exc:
+                error = os_error_of(exc, path)
+                if error is None:
+                    raise
+                raise CheckpointWriteError(
+                    f"--save-hf: writing step {step}'s HF directory to {path / 'hf'} failed: {error}; the checkpoint "
+                    f"{path} itself is complete and --load {ck.save} resumes from it; free space and resume"
+                ) from exc
         return path
 
     def resume(self, loader: PromptLoader) -> Resumed:

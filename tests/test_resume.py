@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RUN_FLAGS, make_rl_setup, run_train
+from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, make_rl_setup, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -39,18 +39,18 @@ def setup(launch_queue) -> Path:
     return launch_queue.root(__name__)
 
 
-def _train(root, name, *extra, world=1):
+def _train(root, name, *extra, world=1, without_fleet_stack=False):
     flags = [
         "--hf-model",
         str(root / "model"),
         "--train-data",
         str(root / "train.jsonl"),
-        *TINY_RUN_FLAGS,
+        *(TINY_TRAIN_FLAGS if without_fleet_stack else TINY_RUN_FLAGS),
         "--micro-batch-size",
         "8",
         *extra,
     ]
-    return run_train(flags, log_dir=root / name, cwd=root, world=world)
+    return run_train(flags, log_dir=root / name, cwd=root, world=world, without_fleet_stack=without_fleet_stack)
 
 
 def _weights(path):
@@ -107,14 +107,30 @@ def _resets_chain(root):
     split = _train(
         root, "v2_split", "--train-iters", "4", "--load", str(mid), "--save", str(root / "ckpt_v2b"), "--save-hf", *V2
     )
-    return straight, meta, split
+    # the same resume, replaying the continuous run's dumps with no fleet (Ray, vLLM and math-verify absent)
+    replay = ["--rollout-source", "replay", "--replay-from", str(root / "v2_straight")]
+    replayed = _train(
+        root,
+        "v2_replay",
+        "--train-iters",
+        "4",
+        "--load",
+        str(mid),
+        "--save",
+        str(root / "ckpt_v2r"),
+        "--save-hf",
+        *V2,
+        *replay,
+        without_fleet_stack=True,
+    )
+    return straight, meta, split, replayed
 
 
 def test_resume_with_reference_resets_equals_continuous(setup, launched):
     """Resets at steps 2 and 4 (reference <- policy, Adam moments zeroed); the checkpoint at step 2 is written right
     after the first, so it holds the reset reference and the reset optimizer; resuming continues bit for bit."""
     root = setup
-    straight, meta, split = launched["resets"].result()
+    straight, meta, split, _ = launched["resets"].result()
     # written right after the reset: the reference equals the actor, so the resumed step 3 takes s = 0 exactly too
     assert meta["reference"] == {"resets": 1, "equals_actor": True}
     assert (root / "ckpt_v2a" / "iter_0000002" / "reference").is_dir()
@@ -123,6 +139,19 @@ def test_resume_with_reference_resets_equals_continuous(setup, launched):
     a = _weights(root / "ckpt_v2a" / "iter_0000004" / "hf")
     b = _weights(root / "ckpt_v2b" / "iter_0000004" / "hf")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+def test_a_replay_resumed_in_the_middle_equals_the_continuous_run_with_its_reference_reset(setup, launched):
+    """Issue 28: resumed at step 2 and replaying the continuous run's dumps (no fleet), steps 3 and 4 (the second
+    reference reset) give the run's rewards, losses, gradient norms, KL and final weights bit for bit."""
+    root = setup
+    straight, _, _, replayed = launched["resets"].result()
+    keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "ref/kl", "ref/resets", "pacs/loss")
+    assert [m["step"] for m in replayed] == [3, 4]
+    assert [{k: m[k] for k in keys} for m in replayed] == [{k: m[k] for k in keys} for m in straight[-2:]]
+    a = _weights(root / "ckpt_v2a" / "iter_0000004" / "hf")
+    b = _weights(root / "ckpt_v2r" / "iter_0000004" / "hf")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _in_flight_chain(root):
@@ -186,7 +215,7 @@ def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup, launch
         str(ROOT / "tools" / "convert_checkpoint.py"),
         "mcore-to-hf",
         "--load",
-        str(ckpt),
+        str(root / "ckpt_a"),  # the --save directory: the checkpoint its tracker names, as the trainer resumes (29.8)
         "--hf-config",
         str(root / "model"),
         "--out",
@@ -194,6 +223,7 @@ def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup, launch
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"(from {ckpt})" in proc.stdout
     saved, converted = _weights(ckpt / "hf"), _weights(out)
     assert set(saved) == set(converted)
     assert all(torch.equal(saved[k], converted[k]) for k in saved)
@@ -201,6 +231,9 @@ def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup, launch
     ids = torch.tensor([[1, 5, 9, 30, 60, 7]])
     ref = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert torch.equal(
+        ref.generate(ids, max_new_tokens=6, do_sample=False), model.generate(ids, max_new_tokens=6, do_sample=False)
+    )
 
 
 def _tp2_chain(root):

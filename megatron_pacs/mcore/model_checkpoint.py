@@ -195,37 +195,42 @@ def save_hf_checkpoint(
             shards.append((name, list(shard)))
         shard, shard_bytes = {}, 0
 
-    bar = tqdm(total=total, desc="export", unit="tensor", disable=not (writer and progress))
-    for name, tensor in named_tensors:
-        bar.update(1)
-        if not writer:
-            continue
-        t = tensor.detach().to("cpu", dtype=dtype or tensor.dtype).contiguous()
-        size = t.numel() * t.element_size()
-        if shard and shard_bytes + size > max_shard_bytes:
+    try:
+        bar = tqdm(total=total, desc="export", unit="tensor", disable=not (writer and progress))
+        for name, tensor in named_tensors:
+            bar.update(1)
+            if not writer:
+                continue
+            t = tensor.detach().to("cpu", dtype=dtype or tensor.dtype).contiguous()
+            size = t.numel() * t.element_size()
+            if shard and shard_bytes + size > max_shard_bytes:
+                flush()
+            shard[name] = t
+            shard_bytes += size
+            total_size += size
+        bar.close()
+        if tmp is not None:  # the writer
             flush()
-        shard[name] = t
-        shard_bytes += size
-        total_size += size
-    bar.close()
-    if tmp is not None:  # the writer
-        flush()
-        n = len(shards)
-        for i, (part, names) in enumerate(shards):
-            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(tmp / part, tmp / final)
-            weight_map.update(dict.fromkeys(names, final))
-        if n > 1:
-            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        if side_files_from is not None:
-            for fname in HF_SIDE_FILES:
-                src = Path(side_files_from) / fname
-                if src.is_file():
-                    shutil.copy2(src, tmp / fname)
-        if hf_config is not None:
-            hf_config.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+            n = len(shards)
+            for i, (part, names) in enumerate(shards):
+                final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                os.replace(tmp / part, tmp / final)
+                weight_map.update(dict.fromkeys(names, final))
+            if n > 1:
+                index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            if side_files_from is not None:
+                for fname in HF_SIDE_FILES:
+                    src = Path(side_files_from) / fname
+                    if src.is_file():
+                        shutil.copy2(src, tmp / fname)
+            if hf_config is not None:
+                hf_config.save_pretrained(tmp)
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+    except BaseException:
+        if tmp is not None:  # a full disk, an interrupt: no half-written directory left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()

@@ -55,6 +55,7 @@ __all__ = [
     "complete_checkpoints",
     "find_latest_checkpoint",
     "load_training_checkpoint",
+    "os_error_of",
     "save_training_checkpoint",
 ]
 
@@ -116,7 +117,7 @@ def save_training_checkpoint(
     optimizer: Any,
     metadata: dict[str, Any],
     *,
-    parent: str | os.PathLike | None,
+    parent: str | os.PathLike | None = None,
     keep_last: int = 2,
     extra_models: Mapping[str, Sequence[MegatronModule]] | None = None,
     driver_objects: dict[str, Any] | None = None,
@@ -130,7 +131,7 @@ def save_training_checkpoint(
         optimizer: The Megatron optimizer (its state is sharded like the model).
         metadata: JSON-able run state (step, data position, LR schedule, config); written last by rank 0.
         parent: The checkpoint this state descends from (the one the run resumed from, or saved before this one),
-            None for a run started from scratch; recorded as the new checkpoint's parent (its lineage).
+            None (the default) for a run started from scratch; recorded as the new checkpoint's parent (its lineage).
         keep_last: Checkpoints of the new checkpoint's lineage to keep (older ones are deleted after it is in place;
             complete checkpoints off the lineage are set aside, renamed ``<name>.abandoned-<time>``).
         extra_models: Other models to keep with it (name -> chunks, e.g. the reference policy), each a sharded
@@ -168,7 +169,7 @@ def save_training_checkpoint(
             _record_lineage(final, parent_ref)
             _write_durably(final.parent / TRACKER, f"{step}\n")
     except Exception as exc:
-        error = _os_error(exc) or _probe_write(final.parent)
+        error = os_error_of(exc, final.parent)
         if error is None:
             raise
         if _rank() == 0:
@@ -206,6 +207,12 @@ def _write(
         for name, obj in (driver_objects or {}).items():
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     _barrier()
+
+
+def os_error_of(exc: BaseException, directory: Path) -> OSError | None:
+    """The OS error behind a failed write into ``directory`` (:func:`_os_error`, else a probe write there), or None
+    when the failure is not one of the device."""
+    return _os_error(exc) or _probe_write(directory)
 
 
 def _os_error(exc: BaseException) -> OSError | None:

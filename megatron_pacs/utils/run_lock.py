@@ -37,7 +37,7 @@ class RunLock:
         heartbeat_s: How often the holder refreshes its record.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, stale_after_s: float = 600.0, heartbeat_s: float = 30.0):
+    def __init__(self, directory: str | os.PathLike, *, stale_after_s: float = 300.0, heartbeat_s: float = 20.0):
         self.directory = Path(directory)
         self.path = self.directory / LOCK_FILE
         self.stale_after_s, self.heartbeat_s = stale_after_s, heartbeat_s

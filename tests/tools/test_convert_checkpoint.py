@@ -1,5 +1,6 @@
 """tools/convert_checkpoint.py end to end: HF -> Megatron (TP=2) -> HF bitwise, and clear errors."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +79,36 @@ def test_truncated_and_misshaped_checkpoints_are_named(hf_dir, tmp_path):
     proc = convert(
         "mcore-to-hf", "--load", tmp_path / "nothing", "--hf-config", hf_dir, "--out", tmp_path / "o4", check=False
     )
-    assert proc.returncode == 2 and "not a complete megatron_pacs checkpoint" in proc.stderr
+    assert proc.returncode == 2 and "holds no complete checkpoint" in proc.stderr
+
+
+def test_load_takes_a_save_directory_like_the_trainers_load(tmp_path, capsys):
+    """Issue 29.8: --load takes what the trainer's --load takes: a --save directory converts the checkpoint its
+    tracker names, or --ckpt-step N's; a missing step or a
+    directory of damaged checkpoints is refused, before any rank starts, naming what is there. The conversion of a
+    trainer's --save directory itself, generating with transformers: tests/test_resume.py
+    (test_save_hf_loads_in_transformers_with_the_checkpoint_weights)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    root = tmp_path / "run"
+    for step in (2, 4):
+        (root / f"iter_{step:07d}").mkdir(parents=True)
+        (root / f"iter_{step:07d}" / "megatron_pacs.json").write_text(json.dumps({"step": step}))
+    (root / "latest_checkpointed_iteration.txt").write_text("2\n")
+    assert tool.resolve_load(str(root), None) == root / "iter_0000002"
+    assert tool.resolve_load(str(root), 4) == root / "iter_0000004"
+    assert tool.resolve_load(str(root / "iter_0000004"), None) == root / "iter_0000004"
+    args = ["mcore-to-hf", "--hf-config", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert tool.main([*args, "--load", str(root), "--ckpt-step", "7"]) == 2
+    assert "--ckpt-step: " in capsys.readouterr().err
+    for step in (2, 4):
+        (root / f"iter_{step:07d}" / "megatron_pacs.json").write_text("")
+    assert tool.main([*args, "--load", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "iter_0000002/megatron_pacs.json is empty" in err and "iter_0000004/megatron_pacs.json is empty" in err
 
 
 def test_compare_logprobs_tool_at_tp2(hf_dir, tmp_path):
