@@ -328,9 +328,11 @@ install-offline:
 # (tools/gpu_check.py). BASELINE=old/report.json adds each figure's change. Without CUDA it says so and fails.
 GPU_CHECK_PYTHON ?= $(PYTHON)
 BASELINE ?=
+# trainer: torch, megatron-core, mbridge and the project only (8 min on one H100); full: everything (25 min)
+TIER ?= full
 
 gpu-check:
-	$(GPU_CHECK_PYTHON) tools/gpu_check.py --out gpu-report $(if $(BASELINE),--baseline $(BASELINE))
+	$(GPU_CHECK_PYTHON) tools/gpu_check.py --tier $(TIER) --out gpu-report $(if $(BASELINE),--baseline $(BASELINE))
 
 bench: install
 	$(PY) benchmarks/bench_algo.py
@@ -338,6 +340,7 @@ bench: install
 	$(PY) benchmarks/bench_rollout.py
 	$(PY) benchmarks/bench_train_step.py
 	$(PY) benchmarks/bench_distribute.py
+	$(PY) benchmarks/bench_training_phase.py
 
 # The embedded default: tiny model + SFT warm-up + PACS through the real fleet, scorer and Megatron actor.
 demo: install

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,6 @@ from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow
 from megatron_pacs.distribute import distribute_rollouts
-from megatron_pacs.dumps import dump_rollouts
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.optim import Trainable, reset_optimizer_state
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
@@ -37,12 +37,23 @@ from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.overlap import Generated, RolloutProducer, overlap_metrics
 from megatron_pacs.rl_step import update_policy
 from megatron_pacs.rollout.colocate import Colocation
-from megatron_pacs.sources import StepRollouts, collect_rollouts
+from megatron_pacs.sources import (
+    DumpContext,
+    ReplaySource,
+    RolloutSource,
+    SyntheticSource,
+    dump_rollouts,
+    tokenizer_fingerprint,
+)
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.sinks import MetricsWriter
 from megatron_pacs.utils.timing import PhaseTimer
 from megatron_pacs.validation import validate
+
+if TYPE_CHECKING:
+    from megatron_pacs.rewards.scorer import RewardScorer
+    from megatron_pacs.rollout.fleet import RolloutFleet
 
 __all__ = ["Trainer"]
 
@@ -56,9 +67,20 @@ class Trainer:
     """Builds the actor, the fleet and the sinks; :meth:`fit` runs the steps. Use as a context manager."""
 
     def __init__(self, cfg: TrainConfig, val_rows: dict[str, list[PromptRow]] | None = None) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.cfg, self.val_rows = cfg, val_rows or {}
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
+        self.dump_context = DumpContext(
+            tokenizer_size=len(self.tokenizer),
+            tokenizer_sha256=tokenizer_fingerprint(self.tokenizer),
+            vocab_size=int(AutoConfig.from_pretrained(cfg.model.hf_model).vocab_size),
+            temperature=cfg.rollout.temperature,
+        )
+        self.replay: ReplaySource | None = None
+        if cfg.source.rollout_source == "replay":  # refused on every rank before anything is built
+            self.replay = ReplaySource(cfg, self.dump_context)
+            self.replay.check(range(1, cfg.run.train_iters + 1) if cfg.checkpoint.load is None else [])
         self.groups = init_parallel(cfg.parallel, seed=cfg.run.seed)
         self.rank = dist.get_rank()
         self.driver = self.rank == 0
@@ -71,10 +93,11 @@ class Trainer:
         self.objective = build_objective(cfg.loss, cfg.batch)
         for warning in cfg.warnings() if self.rank == 0 else ():
             log.warning(warning)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
         self.log_dir = Path(cfg.run.log_dir)
         self.timer = PhaseTimer(cuda_sync=torch.cuda.is_available())
-        self.fleet = self.scorer = None
+        self.source: RolloutSource | None = None
+        self.fleet: RolloutFleet | None = None
+        self.scorer: RewardScorer | None = None
         self.producer: RolloutProducer | None = None
         self.engine_version = 0  # the training step whose weights the engines hold
         self.pending_step: int | None = None  # a step whose rollouts are generated ahead (every rank knows)
@@ -84,7 +107,7 @@ class Trainer:
         if self.colocation is not None:
             self.colocation.start()
         if self.driver:
-            self._start_driver()
+            self._start_source()
         if self.colocation is not None:
             self.colocation.engine = self.fleet
         self.exit_signal: ExitSignal | None = None
@@ -100,38 +123,22 @@ class Trainer:
             return None
         return Colocation(None, self.actor if r.offload_optimizer_during_rollout else None)
 
-    def _start_driver(self) -> None:
-        from megatron_pacs.rewards.scorer import RewardScorer
-        from megatron_pacs.rollout.fleet import RolloutFleet
+    def _start_source(self) -> None:
+        """Driver: the rollout source (``--rollout-source``; only the fleet's imports Ray, vLLM and math-verify),
+        and the producer that runs it now or, one step off, in the background."""
+        cfg, kind = self.cfg, self.cfg.source.rollout_source
+        if kind == "fleet":
+            from megatron_pacs.sources.fleet import FleetSource
 
-        r, cfg = self.cfg.rollout, self.cfg
-        # vLLM's "auto" runs fp32 checkpoints in half precision; default to the trainer's own dtype instead.
-        dtype = r.rollout_dtype if r.rollout_dtype != "auto" else ("bfloat16" if cfg.model.bf16 else "float32")
-        rw = cfg.reward
-        self.scorer = RewardScorer(
-            num_workers=rw.reward_workers, timeout_s=rw.reward_timeout, max_chars=rw.reward_max_chars or None
-        )
-        self.fleet = RolloutFleet(
-            r,
-            model=cfg.model.hf_model,
-            dtype=dtype,
-            max_model_len=cfg.batch.seq_length,
-            seed=cfg.run.seed,
-            run_dir=str(self.log_dir),
-            progress=False,
-        )
-        self.producer = RolloutProducer(self._collect)
-
-    def _collect(self, rows: list[PromptRow], step: int) -> StepRollouts:
-        """Driver: generate, score and pack step ``step``'s rollouts (maybe in the producer's thread); their
-        ``perf/time/generate`` and ``perf/time/reward`` travel with them, so a step reports its own rollouts' times
-        whenever they were generated."""
-        timer = PhaseTimer()
-        rollouts = collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, timer)
-        assert self.fleet is not None, "the driver owns the fleet"
-        rollouts.metrics["rollout/engine_failures"] = float(self.fleet.num_restarts)  # engines lost in this run
-        rollouts.metrics.update(timer.collect())
-        return rollouts
+            fleet_source = FleetSource(cfg, self.tokenizer, str(self.log_dir))
+            self.fleet, self.scorer, self.source = fleet_source.fleet, fleet_source.scorer, fleet_source
+        elif kind == "replay":
+            assert self.replay is not None
+            self.source = self.replay
+        else:
+            vocab = min(self.dump_context.tokenizer_size, self.dump_context.vocab_size)
+            self.source = SyntheticSource(cfg, vocab)
+        self.producer = RolloutProducer(self.source.collect)
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -143,6 +150,8 @@ class Trainer:
         """
         cfg = self.cfg
         start_step = self._resume_and_sync(loader) if cfg.checkpoint.load else 0
+        if self.replay is not None and cfg.checkpoint.load:  # the steps left after the resume (every rank alike)
+            self.replay.check(range(start_step + 1, cfg.run.train_iters + 1))
         self.writer = MetricsWriter(
             self.log_dir,
             enabled=self.driver,
@@ -242,7 +251,8 @@ class Trainer:
         # with --max-logprob-diff every sync is probed and compared (the consistency check above sees only steps
         # whose rollouts came from the current weights: not those generated one step off or before a resume)
         bound = cfg.rollout.max_logprob_diff
-        if bound is not None or step == 1 or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0):
+        probe = bound is not None or step == 1 or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0)
+        if probe and cfg.source.rollout_source == "fleet":
             sync["sync/max_logprob_diff"] = probe_sync(self.actor, self.fleet, batch)
             check_logprob_bound(bound, sync, step)
         metrics.update(sync)
@@ -251,11 +261,12 @@ class Trainer:
             assert gen is not None
             elapsed = time.perf_counter() - started
             metrics.update(gen.rollouts.metrics)
-            metrics.update(overlap_metrics(ran, train, (started, started + elapsed), waited))
+            if cfg.source.rollout_source == "fleet":  # how long engines and trainer waited for each other
+                metrics.update(overlap_metrics(ran, train, (started, started + elapsed), waited))
             metrics["rollout/policy_lag"] = float(step - 1 - gen.version)
             metrics["perf/time/step"] = elapsed
             metrics["perf/tokens_per_sec"] = gen.rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
-            dump_rollouts(cfg.run, step, gen.rollouts.records)
+            dump_rollouts(cfg.run, step, gen.rollouts, self.dump_context)
         return metrics
 
     def _distribute(self, gen: Generated | None) -> RolloutBatch:
@@ -285,12 +296,12 @@ class Trainer:
         return out
 
     def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's weights into every engine (all ranks take part in the export)."""
+        """Stream the actor's weights into every engine (all ranks take part in the export). Without a fleet the
+        export still runs, with its TP/PP gathers, so ``perf/time/sync`` measures the trainer's side of a sync."""
         weights = self.actor.export_hf_weights()
-        if self.driver:
-            assert self.fleet is not None, "the driver owns the fleet"
+        if self.driver and self.fleet is not None:
             return self.fleet.update_weights(weights)
-        for _ in weights:
+        for _ in weights:  # the other ranks' part of the gathers; without a fleet, the export alone (timed)
             pass
         return {}
 
@@ -346,7 +357,7 @@ class Trainer:
             self.exit_signal.finish()
         # Bounded and exhaustive: a generation stuck in flight is waited for CLOSE_WAIT_S at most (stopping the
         # fleet then ends it), and a step that fails is logged without skipping the ones after it.
-        producer, writer, fleet, scorer = self.producer, self.writer, self.fleet, self.scorer
+        producer, writer, fleet, source = self.producer, self.writer, self.fleet, self.source
         steps: list[tuple[str, Callable[[], object]]] = []
         if producer is not None:
             steps.append(("wait for the generation in flight", lambda: producer.close(timeout=CLOSE_WAIT_S)))
@@ -356,8 +367,8 @@ class Trainer:
             steps.append(("shut the fleet down", fleet.shutdown))
         if producer is not None:
             steps.append(("stop the generation thread", lambda: producer.close(timeout=0.0)))
-        if scorer is not None:
-            steps.append(("stop the reward pool", scorer.close))
+        if source is not None:
+            steps.append(("close the rollout source", source.close))
         steps.append(("destroy the process groups", destroy_parallel))
         for what, step in steps:
             try:

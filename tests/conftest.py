@@ -68,8 +68,9 @@ def make_rl_setup(root: Path, *, tied: bool, num_problems: int) -> Path:
 
 
 #: The tiny RL run the CLI-level tests share (4 prompts x 4 responses per step, 2 optimizer steps, short texts);
-#: ``run_train`` callers add the model, data and their own flags.
-TINY_RUN_FLAGS = [
+#: ``run_train`` callers add the model, data and their own flags. ``TINY_TRAIN_FLAGS`` is the part a run without the
+#: fleet takes (``--rollout-source replay|synthetic`` refuses the reward pool's flags).
+TINY_TRAIN_FLAGS = [
     "--global-batch-size",
     "4",
     "--ppo-mini-batch-size",
@@ -82,9 +83,8 @@ TINY_RUN_FLAGS = [
     "96",
     "--lr",
     "1e-3",
-    "--reward-workers",
-    "1",
 ]
+TINY_RUN_FLAGS = [*TINY_TRAIN_FLAGS, "--reward-workers", "1"]
 
 
 #: Float results of a CPU run depend on which vector kernels torch, MKL and oneDNN pick for the machine's ISA
@@ -123,9 +123,16 @@ def cpu_platform() -> dict[str, str]:
     return info
 
 
-def run_train(flags: list[str], *, log_dir: Path, cwd: Path, world: int = 1) -> list[dict]:
+#: A PYTHONPATH entry under which Ray, vLLM and math-verify are absent (tests/no_fleet_stack/sitecustomize.py).
+NO_FLEET_STACK = str(Path(__file__).parent / "no_fleet_stack")
+
+
+def run_train(
+    flags: list[str], *, log_dir: Path, cwd: Path, world: int = 1, without_fleet_stack: bool = False
+) -> list[dict]:
     """``python -m megatron_pacs.train FLAGS --log-dir LOG_DIR`` (under torchrun for ``world > 1``); returns the
-    run's ``metrics.jsonl`` rows. Fails with the run's output when it exits non-zero."""
+    run's ``metrics.jsonl`` rows. Fails with the run's output when it exits non-zero. ``without_fleet_stack``: every
+    process of the run has Ray, vLLM and math-verify absent (:data:`NO_FLEET_STACK`)."""
     import json
     import os
     import subprocess
@@ -145,6 +152,8 @@ def run_train(flags: list[str], *, log_dir: Path, cwd: Path, world: int = 1) -> 
             "megatron_pacs.train",
         ]
     env = dict(os.environ, **PINNED_CPU_ENV)
+    if without_fleet_stack:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (NO_FLEET_STACK, env.get("PYTHONPATH")) if p)
     cmd = [*launcher, *flags, "--log-dir", str(log_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=cwd)
     assert proc.returncode == 0, f"{log_dir.name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"

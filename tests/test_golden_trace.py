@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RUN_FLAGS, cpu_platform, run_train
+from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, cpu_platform, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -70,15 +70,16 @@ def _weights_digest(hf_dir: Path) -> tuple[str, float]:
     return h.hexdigest(), square_sum**0.5
 
 
-def _run(root: Path, name: str) -> list[dict]:
-    world, extra = RUNS[name]
-    out, ckpt = root / name, root / f"{name}_ckpt"
+def _launch(root: Path, name: str, out_name: str, *extra: str, without_fleet_stack: bool = False):
+    """One run of ``RUNS[name]`` into ``root/out_name``; returns its trace and its metrics."""
+    world, flags = RUNS[name]
+    out, ckpt = root / out_name, root / f"{out_name}_ckpt"
     flags = [
         "--hf-model",
         str(root / "model"),
         "--train-data",
         str(root / "train.jsonl"),
-        *TINY_RUN_FLAGS,
+        *(TINY_TRAIN_FLAGS if without_fleet_stack else TINY_RUN_FLAGS),
         "--train-iters",
         str(STEPS),
         "--save",
@@ -92,16 +93,40 @@ def _run(root: Path, name: str) -> list[dict]:
         # order and sampling seeds by SeedSequence, step 3's prompts score 0 everywhere: no reward signal)
         "--seed",
         "3",
+        *flags,
         *extra,
     ]
-    history = run_train(flags, log_dir=out, cwd=root, world=world)
+    history = run_train(flags, log_dir=out, cwd=root, world=world, without_fleet_stack=without_fleet_stack)
     trace = []
     for m in (m for m in history if "train/loss" in m):
         row = {k: m[k] for k in KEYS}
         row["step"] = m["step"]
         row["weights_sha256"], row["weights_norm"] = _weights_digest(ckpt / f"iter_{m['step']:07d}" / "hf")
         trace.append(row)
-    return trace
+    return trace, history
+
+
+def _run(root: Path, name: str) -> list[dict]:
+    return _launch(root, name, name)[0]
+
+
+# Replayed from their own dumps, from the same initial weights, with Ray, vLLM and math-verify absent: PACS at TP=1
+# and GRPO at PP=2 (the reference policy with a reset, and a resume in the middle of a replay: tests/test_resume.py).
+REPLAYED = ("pacs_two_phase_tp1", "grpo_pp2")
+CONSISTENCY = ("consistency/logprob_abs_diff_max", "consistency/k3")
+
+
+def _run_and_replay(root: Path, name: str) -> dict[str, list[dict]]:
+    trace, history = _launch(root, name, name)
+    flags = ("--rollout-source", "replay", "--replay-from", str(root / name))
+    replay, replayed = _launch(root, name, f"{name}_replay", *flags, without_fleet_stack=True)
+    return {
+        "trace": trace,
+        "replay": replay,
+        "consistency": [{k: m[k] for k in CONSISTENCY} for m in history if "train/loss" in m],
+        "replay_consistency": [{k: m[k] for k in CONSISTENCY} for m in replayed if "train/loss" in m],
+        "replay_metrics": replayed,
+    }
 
 
 # Packed twins vs their padded runs: the same rollouts (rewards equal exactly), and losses and gradient norms equal to
@@ -127,12 +152,18 @@ def prepare(root: Path) -> Path:
     return root
 
 
-LAUNCHES = {name: partial(_run, name=name) for name in RUNS}  # queued for the session (tests/launch_queue.py)
+# queued for the session (tests/launch_queue.py)
+LAUNCHES = {name: partial(_run_and_replay if name in REPLAYED else _run, name=name) for name in RUNS}
 
 
 @pytest.fixture(scope="module")
-def traces(launch_queue) -> dict[str, list[dict]]:
-    results = {name: future.result() for name, future in launch_queue.futures(__name__).items()}
+def launched(launch_queue) -> dict:
+    return {name: future.result() for name, future in launch_queue.futures(__name__).items()}
+
+
+@pytest.fixture(scope="module")
+def traces(launched) -> dict[str, list[dict]]:
+    results = {name: out["trace"] if name in REPLAYED else out for name, out in launched.items()}
     if RECORD:
         GOLDEN.parent.mkdir(exist_ok=True)
         golden = {"platform": cpu_platform(), "runs": results}
@@ -165,3 +196,17 @@ def test_trace_is_not_trivial(traces):
         assert len({r["weights_sha256"] for r in trace}) == STEPS, name
         assert all(r["train/grad_norm"] > 0 for r in trace), name
         assert all(0 < r["rollout/reward_mean"] < 1 for r in trace), f"{name}: rewards must be mixed"
+
+
+@pytest.mark.parametrize("name", REPLAYED)
+def test_a_replay_of_the_runs_dumps_equals_the_run_bit_for_bit(launched, name):
+    """Issue 28: the same initial weights trained on the run's dumped rollouts, with no fleet (Ray, vLLM and
+    math-verify absent from every process), give the same rewards, losses, gradient norms and weights at every step,
+    bit for bit, and compare the trainer with the recorded engine log-probs exactly as the run did."""
+    out = launched[name]
+    assert out["replay"] == out["trace"]
+    assert out["replay_consistency"] == out["consistency"]
+    assert all(m["consistency/logprob_abs_diff_max"] < 1e-4 for m in out["replay_consistency"])
+    steps = [m for m in out["replay_metrics"] if "train/loss" in m]
+    assert all("sync/max_logprob_diff" not in m and m["perf/time/sync"] > 0 for m in steps)  # export, no engines
+    assert all("perf/time/generate" not in m and m["perf/time/load_rollouts"] > 0 for m in steps)

@@ -47,11 +47,11 @@ def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkey
 def test_rollout_dumps_follow_the_flag(tmp_path):
     """Issue 24.8: ``--no-dump-rollouts`` skips the per-step dump (about 45 MB per step at recipe scale)."""
     from megatron_pacs.config import parse_config
-    from megatron_pacs.dumps import dump_rollouts
+    from megatron_pacs.sources import StepRollouts, dump_rollouts
 
-    records = [{"prompt": "p", "response": "r", "reward": 1.0}]
+    rollouts = StepRollouts(None, [{"prompt": "p", "response": "r", "reward": 1.0}], {})  # type: ignore[arg-type]
     for argv, expected in (([], ["step_000003.jsonl"]), (["--no-dump-rollouts"], [])):
         log_dir = tmp_path / str(len(argv))
-        dump_rollouts(parse_config([*argv, "--log-dir", str(log_dir)]).run, 3, records)
+        dump_rollouts(parse_config([*argv, "--log-dir", str(log_dir)]).run, 3, rollouts)
         folder = log_dir / "rollouts"
         assert (sorted(p.name for p in folder.iterdir()) if folder.exists() else []) == expected

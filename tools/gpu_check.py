@@ -1,26 +1,33 @@
 #!/usr/bin/env python3
-"""``make gpu-check``: verify the whole GPU path on a machine with one or more CUDA GPUs, in one command.
+"""``make gpu-check``: verify the GPU path on a machine with one or more CUDA GPUs, in one command, in two tiers.
 
-Runs, each step in its own process with a time limit (all of it within ``--budget-min``, 25 minutes by default on
-one H100; a step the budget no longer allows is skipped with that reason), and records every result in
-``OUT/results.json`` as it goes (the order below; the 7B, drift and fp32 benchmarks run last, after the end-to-end
-runs):
+``--tier trainer`` (``make gpu-check TIER=trainer``; within 8 minutes on one H100, model creation included) needs only
+torch, megatron-core, mbridge, transformers and the project: no Transformer Engine, vLLM, Ray or math-verify. It runs
 
-1. the environment: GPUs, driver, torch/CUDA, Transformer Engine, vLLM (and what the engine detected in it),
-   Megatron-Core, mbridge;
-2. every ``gpu``-marked test (``pytest -m gpu``), each passed / failed / skipped with its reason;
-3. the benchmarks: ``bench_logprobs --device cuda``; ``bench_train_step`` at 1.5B without and with TE (padded and
-   packed, HF baseline); at 7B TE bf16 vs each FP8 recipe (fwd+bwd); ``bench_fp8_drift``; ``diag_te_fp32``;
-4. three PACS steps end to end with a real vLLM CUDA engine on a random-init Qwen2.5-0.5B-shaped model (local
-   tokenizer): (a) colocated on one GPU (sleep/wake, ``--weight-sync ipc``, ``--offload-optimizer-during-rollout``),
-   with the GPU memory timeline; (b) with two or more GPUs, the engine on its own GPU with the NCCL broadcast;
-   (c) an FP8 trainer.
+1. the environment: GPUs, driver, torch/CUDA, and whichever of TE, vLLM, Megatron-Core and mbridge are installed;
+2. every ``gpu``-marked test (those needing TE or vLLM skip with their reason), among them CUDA-IPC weight handles
+   (``sync.ipc_handle`` / ``rebuild_ipc``) between two processes on one GPU;
+3. fused vs naive log-probs at V=151,936, T=4,096 (``bench_logprobs --device cuda``);
+4. the 1.5B train step, packed vs padded vs HF (``bench_train_step --shape 1.5b``, MFU and peak memory), with
+   fewer iterations to fit;
+5. three PACS steps through the CLI with ``--rollout-source synthetic`` on a random Qwen2.5-0.5B-shaped model, with
+   the reference policy and a reset, a checkpoint every step, and a resume from step 2 that must equal the
+   continuous run on the GPU; the step's time split and the weight export's time (``perf/time/sync``).
 
+``--tier full`` (the default; 25 minutes on one H100) runs the trainer tier's steps and then the rest: the 1.5B step
+with TE; three PACS steps end to end with a real vLLM CUDA engine (colocated with sleep/wake, CUDA-IPC sync and
+optimizer offload, with the GPU memory timeline; the NCCL broadcast to an engine on its own GPU with two or more
+GPUs; an FP8 trainer); the 7B TE bf16 vs FP8 fwd+bwd, the FP8 score drift and TE's fp32 diagnosis.
+
+Every step runs in its own process under a time limit derived from the README's H100 baseline (see ``LIMITS``),
+within the tier's budget (``--budget-min``); a step the remaining budget no longer allows is skipped with that
+reason, and every result is written to ``OUT/results.json`` as it finishes, so a run cut short keeps what completed.
 Then ``OUT/report.md`` and ``OUT/report.json`` (tools/gpu_report.py): the figures beside their targets, every test,
-and every step that could not run with its reason (no TE, no vLLM, one GPU, too little memory, the time budget).
-``--baseline old/report.json`` adds the change of every figure. Without CUDA it says so and exits 2.
+and every step that could not run with its reason. ``--baseline old/report.json`` adds the change of every figure.
+Without CUDA it says so and exits 2.
 
-Usage: python tools/gpu_check.py [--out gpu-report] [--baseline old/report.json] [--budget-min 25] [--only STEP ...]
+Usage: python tools/gpu_check.py [--tier trainer|full] [--out gpu-report] [--baseline old/report.json]
+       [--budget-min M] [--only STEP ...]
 """
 
 from __future__ import annotations
@@ -53,6 +60,30 @@ E2E_SHAPE = dict(
     max_position_embeddings=2048,
     tie_word_embeddings=True,
 )
+# Three PACS steps without the fleet: the reference policy, reset at step 2, and a KL term (trainer tier).
+SYNTHETIC_FLAGS = [
+    "--rollout-source",
+    "synthetic",
+    "--train-iters",
+    "3",
+    "--global-batch-size",
+    "8",
+    "--group-size",
+    "8",
+    "--ppo-mini-batch-size",
+    "4",
+    "--max-prompt-length",
+    "256",
+    "--max-response-length",
+    "1024",
+    "--bf16",
+    "--pacs-score-reference",
+    "ref",
+    "--ref-reset-interval",
+    "2",
+    "--kl-coef",
+    "0.01",
+]
 E2E_FLAGS = [
     "--train-iters",
     "3",
@@ -72,6 +103,34 @@ E2E_FLAGS = [
     "--reward-workers",
     "2",
 ]
+
+
+# Each step's time limit (seconds) on one H100, from the README's H100 baseline (shared/gpu figures: a 1.5B
+# fwd+bwd 0.17-0.28 s, a full train step 0.25-0.38 s, a 7B fwd+bwd 0.31-0.42 s, a PACS step through the project
+# 1.8 s, the 1.5B weight export 0.26 s) plus what the baseline does not count: a process's start (CUDA context,
+# imports of torch, megatron-core and transformers: about 20 s), building a random model on the GPU (1.5B: about
+# 15 s; 7B: about 60 s) and the HF reference's load. The limit is about 2x that estimate.
+LIMITS = {
+    # pytest start (~20 s) and one CUDA process per distributed test (~20 s each, ~5 of them without TE/vLLM)
+    "gpu_tests": 240,
+    # 4 implementations x 13 timed passes of <= 20 ms, one process: start-up bound (~30 s)
+    "bench_logprobs": 90,
+    # 3 variants x 2 layouts in one process each (~20 s start + 15 s model + (1 + 3) x 0.4 s): ~6 x 37 s = 220 s
+    "train_step_1.5b": 420,
+    # (full tier) the TE train step: 2 layouts x (20 s + 15 s + 6 x 0.3 s)
+    "train_step_1.5b_te": 180,
+    # a 0.5B model built once (~30 s); a 3-step synthetic run: start 30 s, 3 x (0.6 s step + 3 s checkpoint)
+    "rl_setup": 120,
+    "rl_synthetic": 180,
+    "rl_synthetic_resumed": 120,
+    # (full tier) an end-to-end run with a vLLM CUDA engine: engine start (~60-90 s) + trainer + 3 steps
+    "rl_e2e": 300,
+    # (full tier) the 7B model on the GPU (~60 s), 3 FP8 recipes + bf16 x (1 + 3) x 0.4 s, per process ~90 s
+    "train_step_7b_fp8": 480,
+    "bench_fp8_drift": 240,
+    "diag_te_fp32": 90,
+}
+TIER_BUDGET_MIN = {"trainer": 8.0, "full": 25.0}
 
 
 def no_cuda_message() -> str | None:
@@ -221,7 +280,7 @@ class Check:
         step = self.run(
             "gpu_tests",
             [PY, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rA", f"--junitxml={xml}", "-p", "no:cacheprovider"],
-            420,
+            LIMITS["gpu_tests"],
         )
         if step and xml.exists():
             step["tests"] = junit_results(xml)
@@ -230,14 +289,43 @@ class Check:
             self.save()
 
     def benchmarks(self, env: dict) -> None:
-        """The quick benchmarks (log-probs, 1.5B train step); the long ones come after the end-to-end runs."""
-        self.run("bench_logprobs", [PY, "benchmarks/bench_logprobs.py", "--device", "cuda"], 120)
+        """The log-prob kernels and the 1.5B train step (packed vs padded vs HF); the TE step in the full tier."""
+        self.run("bench_logprobs", [PY, "benchmarks/bench_logprobs.py", "--device", "cuda"], LIMITS["bench_logprobs"])
         ts = [PY, "benchmarks/bench_train_step.py", "--shape", "1.5b", "--workdir", str(self.out / "work")]
-        self.run("train_step_1.5b_no_te", [*ts, "--impl", "sdpa"], 240)
+        sized = ["--variants", "hf", "train", "--warmup", "1", "--iters", "3"]
+        self.run("train_step_1.5b_no_te", [*ts, "--impl", "sdpa", *sized], LIMITS["train_step_1.5b"])
+        if self.args.tier == "trainer":
+            return
         if env.get("transformer-engine") is not None:
-            self.run("train_step_1.5b_te", [*ts, "--impl", "te", "--variants", "train"], 180)
+            self.run("train_step_1.5b_te", [*ts, "--impl", "te", "--variants", "train"], LIMITS["train_step_1.5b_te"])
         else:
             self.skip("train_step_1.5b_te", "Transformer Engine is not installed")
+
+    def rl_synthetic(self) -> None:
+        """Three PACS steps through the CLI without the fleet (``--rollout-source synthetic``), with the reference
+        and a reset, a checkpoint every step, and a resume from step 2 that must equal the continuous run."""
+        setup = self.out / "work" / "rl"
+        if not (setup / "model" / "config.json").exists():
+            prep = self.run(
+                "rl_setup", [PY, str(Path(__file__).resolve()), "--make-rl-setup", str(setup)], LIMITS["rl_setup"]
+            )
+            if prep.get("status") != "ok":
+                for name in ("rl_synthetic", "rl_synthetic_resumed"):
+                    self.skip(name, "the model and data could not be prepared (rl_setup)")
+                return
+        ckpt = self.out / "work" / "rl_synthetic_ckpt"
+        base = [PY, "-m", "megatron_pacs.train", "--hf-model", str(setup / "model")]
+        base += ["--train-data", str(setup / "train.jsonl"), *SYNTHETIC_FLAGS]
+        save = ["--save", str(ckpt), "--save-interval", "1", "--keep-last", "3", "--save-hf"]
+        self._rl("rl_synthetic", [*base, *save], LIMITS["rl_synthetic"])
+        resumed = self.out / "work" / "rl_synthetic_resumed_ckpt"
+        load = ["--load", str(ckpt / "iter_0000002"), "--save", str(resumed), "--save-hf"]
+        step = self._rl("rl_synthetic_resumed", [*base, *load], LIMITS["rl_synthetic_resumed"])
+        if step and step.get("status") == "ok":
+            step["resume_equals_continuous"] = _same_final_step(
+                self.results["steps"].get("rl_synthetic", {}), step, ckpt / "iter_0000003", resumed / "iter_0000003"
+            )
+            self.save()
 
     def long_benchmarks(self, env: dict) -> None:
         memory = env.get("gpu_memory_gib") or 0
@@ -268,14 +356,16 @@ class Check:
                         "--workdir",
                         work,
                     ],
-                    240,
+                    LIMITS["train_step_7b_fp8"],
                 )
             else:
                 self.skip("train_step_7b_fp8", f"{memory} GiB of GPU memory; the 7B fwd+bwd needs about 70")
             self.run(
-                "bench_fp8_drift", [PY, "benchmarks/bench_fp8_drift.py", "--workdir", work, "--sequences", "4"], 240
+                "bench_fp8_drift",
+                [PY, "benchmarks/bench_fp8_drift.py", "--workdir", work, "--sequences", "4"],
+                LIMITS["bench_fp8_drift"],
             )
-            self.run("diag_te_fp32", [PY, "benchmarks/diag_te_fp32.py"], 90)
+            self.run("diag_te_fp32", [PY, "benchmarks/diag_te_fp32.py"], LIMITS["diag_te_fp32"])
         else:
             for name in ("train_step_7b_fp8", "bench_fp8_drift", "diag_te_fp32"):
                 self.skip(name, "Transformer Engine is not installed")
@@ -287,7 +377,11 @@ class Check:
                 self.skip(name, "vLLM is not installed")
             return
         setup = self.out / "work" / "rl"
-        prep = self.run("rl_setup", [PY, str(Path(__file__).resolve()), "--make-rl-setup", str(setup)], 300)
+        prep = {"status": "ok"}
+        if not (setup / "model" / "config.json").exists():
+            prep = self.run(
+                "rl_setup", [PY, str(Path(__file__).resolve()), "--make-rl-setup", str(setup)], LIMITS["rl_setup"]
+            )
         if prep.get("status") != "ok":
             for name in names:
                 self.skip(name, "the model and data could not be prepared (rl_setup)")
@@ -308,31 +402,50 @@ class Check:
         else:
             self.skip("rl_fp8", "Transformer Engine is not installed (FP8 needs it)")
 
-    def _rl(self, name: str, cmd: list[str]) -> None:
+    def _rl(self, name: str, cmd: list[str], limit_s: float = LIMITS["rl_e2e"]) -> dict:
         log_dir = self.out / "work" / name
         with MemoryTimeline() as timeline:
-            step = self.run(name, [*cmd, "--log-dir", str(log_dir)], 300)
+            step = self.run(name, [*cmd, "--log-dir", str(log_dir)], limit_s)
         if not step:
-            return
+            return step
         metrics_file = log_dir / "metrics.jsonl"
         if metrics_file.exists():
             step["metrics"] = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
         step["memory"] = timeline.summary()
         self.save()
+        return step
 
     def main(self) -> int:
         self.t0 = time.time()
         env = self.results["environment"] = environment()
         self.save()
         self.gpu_tests()
+        self.rl_synthetic()
         self.benchmarks(env)
-        self.e2e(env)
-        self.long_benchmarks(env)
+        if self.args.tier == "full":
+            self.e2e(env)
+            self.long_benchmarks(env)
         baseline = json.loads(self.args.baseline.read_text()) if self.args.baseline else None
         md_path, _ = write_report(self.results, self.out, baseline)
         print(md_path.read_text(encoding="utf-8"))
         failed = [n for n, s in self.results["steps"].items() if s.get("status") in ("failed", "timeout")]
         return 1 if failed else 0
+
+
+def _same_final_step(continuous: dict, resumed: dict, a: Path, b: Path) -> bool:
+    """The resumed run's last step equals the continuous run's: its metrics and its exported weights, bit for bit."""
+    keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "ref/kl")
+    last = [m for m in continuous.get("metrics", []) if "train/loss" in m][-1:]
+    again = [m for m in resumed.get("metrics", []) if "train/loss" in m][-1:]
+    if not last or not again or any(last[0].get(k) != again[0].get(k) for k in keys):
+        return False
+    import hashlib
+
+    def digest(folder: Path) -> str:
+        files = sorted((folder / "hf").glob("*.safetensors"))
+        return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest() if files else ""
+
+    return digest(a) == digest(b) != ""
 
 
 def junit_results(path: Path) -> list[dict]:
@@ -374,10 +487,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "gpu-report")
     ap.add_argument("--baseline", type=Path, default=None, help="an earlier report.json: the change of every figure")
-    ap.add_argument("--budget-min", type=float, default=25.0, help="the whole check's time budget, minutes")
+    ap.add_argument("--tier", choices=sorted(TIER_BUDGET_MIN), default="full", help="trainer: no TE/vLLM/Ray needed")
+    ap.add_argument("--budget-min", type=float, default=None, help="the time budget, minutes (trainer 8, full 25)")
     ap.add_argument("--only", nargs="*", default=[], help="run only these steps (names as in the report)")
     ap.add_argument("--make-rl-setup", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.budget_min is None:
+        args.budget_min = TIER_BUDGET_MIN[args.tier]
     if args.make_rl_setup:
         make_rl_setup(args.make_rl_setup)
         return 0

@@ -212,6 +212,28 @@ def e2e_figures(name: str, step: dict | None, bound: float) -> list[dict]:
     return out
 
 
+def synthetic_figures(continuous: dict | None, resumed: dict | None) -> list[dict]:
+    """The trainer without the fleet: resume == continuous on the GPU, and the last step's time split."""
+    name = "RL synthetic (no fleet)"
+    problem = _step_problem(continuous)
+    if problem:
+        return [_missing(f"{name}: resume == continuous", "True", problem)]
+    out = []
+    problem = _step_problem(resumed)
+    if problem:
+        out.append(_missing(f"{name}: resume == continuous", "True", problem))
+    else:
+        same = bool(resumed.get("resume_equals_continuous")) if resumed else False
+        out.append(_figure(f"{name}: resume == continuous", same, "True", same))
+    steps = [m for m in (continuous or {}).get("metrics", []) if "train/loss" in m]
+    if steps:
+        last = steps[-1]
+        for key in sorted(k for k in last if k.startswith("perf/time/")):
+            out.append(_figure(f"{name}: {key} (last step)", last[key], "info", None, "s"))
+        out.append(_figure(f"{name}: ref/resets (last step)", last.get("ref/resets"), "info", None))
+    return out
+
+
 def figures(results: dict) -> list[dict]:
     """Every figure with its target (``ok``: True / False / None = informational or unmeasured)."""
     steps = results.get("steps", {})
@@ -219,6 +241,7 @@ def figures(results: dict) -> list[dict]:
     out += train_step_figures(steps.get("train_step_1.5b_no_te"), steps.get("train_step_1.5b_te"))
     out += fp8_figures(steps.get("train_step_7b_fp8"))
     out += drift_figures(steps.get("bench_fp8_drift"))
+    out += synthetic_figures(steps.get("rl_synthetic"), steps.get("rl_synthetic_resumed"))
     out += e2e_figures("colocated (ipc, sleep/wake, optimizer offload)", steps.get("rl_colocated"), BF16_SYNC_BOUND)
     out += e2e_figures("separate engines (NCCL broadcast)", steps.get("rl_broadcast"), BF16_SYNC_BOUND)
     out += e2e_figures("FP8 trainer", steps.get("rl_fp8"), FP8_SYNC_BOUND)

@@ -25,6 +25,7 @@ from megatron_pacs.config.parallel import ParallelConfig
 from megatron_pacs.config.reference import ReferenceConfig
 from megatron_pacs.config.rollout import RolloutConfig
 from megatron_pacs.config.run import CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig
+from megatron_pacs.config.source import SourceConfig
 from megatron_pacs.config.train import TrainConfig
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",
+    "SourceConfig",
     "TrainConfig",
     "add_section_flags",
     "bad",

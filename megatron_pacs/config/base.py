@@ -25,5 +25,6 @@ def is_set(section: DataclassInstance, name: str) -> bool:
     e.g. to refuse a setting whose switch is off rather than ignore it."""
     import dataclasses
 
-    default = next(f.default for f in dataclasses.fields(section) if f.name == name)
+    f = next(f for f in dataclasses.fields(section) if f.name == name)
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
     return getattr(section, name) != default

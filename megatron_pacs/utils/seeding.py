@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LOADER_STREAM", "SAMPLING_STREAM", "derive_seed", "seed_sequence"]
+__all__ = ["LOADER_STREAM", "SAMPLING_STREAM", "SYNTHETIC_STREAM", "derive_seed", "seed_sequence"]
 
 LOADER_STREAM = 0
 """Domain of the prompt loader's per-epoch permutations: keys ``(epoch,)``."""
 SAMPLING_STREAM = 1
 """Domain of the rollout sampling seeds: keys ``(step,)``."""
+SYNTHETIC_STREAM = 2
+"""Domain of the synthetic rollout source's lengths, tokens and rewards: keys ``(step,)``."""
 
 _SEED_BITS = 62
 """Derived seeds stay below 2**62, so ``seed + prompt * n + sample`` (vLLM adds the sample index) fits vLLM's int64

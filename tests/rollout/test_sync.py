@@ -161,3 +161,39 @@ def test_close_group_leaves_gloo_alone_and_aborts_other_backends():
     assert calls == ["abort"]
     close_group(standalone_group("gloo", "127.0.0.1", free_port(), 0, 1))
     close_group(None)
+
+
+def _map_and_write(handle, queue) -> None:
+    """Another process: map the sender's buffer from its plain-value handle, check it, and write into it."""
+    from megatron_pacs.rollout import sync
+
+    mapped = sync.rebuild_ipc(handle, device=0)
+    queue.put(mapped[:8].tolist())
+    mapped[:4] = 7  # the sender sees this: the two processes share one allocation
+    torch.cuda.synchronize()
+    queue.put("written")
+
+
+@pytest.mark.gpu
+def test_gpu_ipc_handles_map_the_senders_buffer_in_another_process():
+    """CUDA IPC without vLLM (the colocated weight sync's transport): a packed buffer's handle, sent as plain
+    values to a second process on the same GPU, maps the very same memory there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (CUDA IPC maps one process's GPU memory in another)")
+    from megatron_pacs.rollout import sync
+
+    buffer = torch.arange(64, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_map_and_write, args=(sync.ipc_handle(buffer), queue))
+    proc.start()
+    try:
+        assert queue.get(timeout=120) == list(range(8))
+        assert queue.get(timeout=60) == "written"
+        assert buffer[:4].tolist() == [7, 7, 7, 7] and buffer[4:8].tolist() == [4, 5, 6, 7]
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0

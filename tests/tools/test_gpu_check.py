@@ -200,3 +200,28 @@ def test_each_step_is_recorded_as_it_ends_and_the_budget_skips_the_rest(tmp_path
     assert slow["status"] == "timeout" and recorded["slow"]["reason"] == "stopped after 2 s"
     assert late["status"] == "skipped" and "budget is spent" in recorded["late"]["reason"]
     assert (tmp_path / "r" / "logs" / "broken.log").read_text().startswith("$ ")
+
+
+def test_the_trainer_tier_reports_resume_against_continuous_and_the_time_split(report, tmp_path):
+    """The trainer tier's synthetic runs: ``resume == continuous`` is a figure with its target, and a resumed run
+    that did not run is a line with its reason."""
+    step = {"train/loss": 0.5, "perf/time/step": 2.0, "perf/time/sync": 0.3, "ref/resets": 1.0}
+    continuous = {"status": "ok", "metrics": [step]}
+    figures = _by_name(report.synthetic_figures(continuous, {"status": "ok", "resume_equals_continuous": True}))
+    assert figures["RL synthetic (no fleet): resume == continuous"]["ok"] is True
+    assert figures["RL synthetic (no fleet): perf/time/sync (last step)"]["value"] == 0.3
+    missing = _by_name(report.synthetic_figures(continuous, {"status": "timeout", "reason": "stopped after 120 s"}))
+    assert "stopped after 120 s" in missing["RL synthetic (no fleet): resume == continuous"]["note"]
+
+
+def test_the_trainer_tier_needs_no_te_vllm_ray_or_math_verify_and_fits_its_budget(tmp_path):
+    """``--tier trainer``: 8 minutes by default, and its synthetic runs are valid runs without a fleet."""
+    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
+    assert gpu_check.TIER_BUDGET_MIN["trainer"] == 8.0
+    flags = " ".join(gpu_check.SYNTHETIC_FLAGS)
+    assert "--rollout-source synthetic" in flags and "--num-engines" not in flags
+    from megatron_pacs.config import parse_config
+
+    cfg = parse_config(["--hf-model", "m", "--train-data", "d", *gpu_check.SYNTHETIC_FLAGS])
+    cfg.validate(1, need_files=False)  # a valid run: no fleet flag among them
+    assert cfg.loss.needs_reference and cfg.reference.ref_reset_interval == 2

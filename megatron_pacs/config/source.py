@@ -1,0 +1,111 @@
+"""Where each step's rollouts come from: the fleet, an earlier run's dumps, or seeded synthetic sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_pacs.config.base import bad, flag, is_set
+
+__all__ = ["ROLLOUT_SOURCES", "SourceConfig", "check_source_flags"]
+
+ROLLOUT_SOURCES = ("fleet", "replay", "synthetic")
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    """The rollout source."""
+
+    rollout_source: str = "fleet"
+    """fleet: the engines generate and the reward pool scores. replay: an earlier run's dumped rollouts
+    (--replay-from), step by step, bit for bit (reproduce or bisect a step; train on rollouts made elsewhere).
+    synthetic: seeded random token sequences with an RL length mix and Bernoulli rewards (the training phase
+    alone, at any scale). replay and synthetic import no Ray, vLLM or math-verify."""
+    replay_from: str | None = None
+    """With --rollout-source replay: the --log-dir of the run whose rollouts/step_*.safetensors to replay."""
+    synthetic_reward_rate: float = 0.5
+    """With --rollout-source synthetic: the probability that a response's reward is 1 (else 0)."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_source not in ROLLOUT_SOURCES:
+            raise bad("rollout_source", f"{self.rollout_source!r} is not one of {list(ROLLOUT_SOURCES)}")
+        if (self.rollout_source == "replay") != (self.replay_from is not None):
+            raise bad(
+                "replay_from",
+                "names the run to replay and goes with --rollout-source replay (and only with it); give both or "
+                "neither",
+            )
+        if not 0.0 <= self.synthetic_reward_rate <= 1.0:
+            raise bad("synthetic_reward_rate", f"{self.synthetic_reward_rate} must lie in [0, 1]")
+        if is_set(self, "synthetic_reward_rate") and self.rollout_source != "synthetic":
+            raise bad("synthetic_reward_rate", "only applies with --rollout-source synthetic; drop it")
+
+
+# What only a fleet (engines, sampling, the weight-sync transports, colocation, overlap) or the reward pool and
+# validation would use: refused with the other sources, never silently ignored.
+_FLEET_ONLY = {
+    "rollout": (
+        "rollout_backend",
+        "num_engines",
+        "rollout_tensor_parallel_size",
+        "top_p",
+        "top_k",
+        "rollout_dtype",
+        "ray_address",
+        "ray_object_store_gb",
+        "colocate",
+        "gpu_memory_utilization",
+        "kv_cache_gb",
+        "weight_sync",
+        "weight_sync_address",
+        "weight_sync_bucket_mb",
+        "keep_weights_for_restart",
+        "chunks_per_engine",
+        "max_engine_restarts",
+        "engine_call_timeout_seconds",
+        "off_policy_steps",
+        "offload_optimizer_during_rollout",
+    ),
+    "reward": ("reward_workers", "reward_timeout", "reward_max_chars"),
+    "eval": ("eval_interval", "val_n", "val_temperature"),
+    "data": ("val_data",),
+}
+
+
+def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
+    """Refuse, naming the flag, every setting that only a fleet would use when the rollouts come from elsewhere.
+
+    Args:
+        source: The rollout source.
+        sections: The run's other sections by name (``rollout``, ``loss``, ``reward``, ``eval``, ``data``).
+
+    Raises:
+        ValueError: naming the flag and the source.
+    """
+    kind = source.rollout_source
+    if kind == "fleet":
+        return
+    for section, names in _FLEET_ONLY.items():
+        values = sections[section]
+        for name in names:
+            if hasattr(values, name) and is_set(values, name):
+                raise bad(
+                    name,
+                    f"only a fleet uses it, and --rollout-source {kind} runs none (no engines, sampling, weight "
+                    "sync or validation); drop it",
+                )
+    if kind == "synthetic":
+        for section, name, why in (
+            (
+                "rollout",
+                "max_logprob_diff",
+                "compares with the engines' log-probs, which synthetic rollouts have none of",
+            ),
+            (
+                "loss",
+                "off_policy_correction",
+                "weights by the engines' log-probs, which synthetic rollouts have none of",
+            ),
+        ):
+            if is_set(sections[section], name):
+                raise ValueError(f"{flag(name)}: {why}; drop it with --rollout-source synthetic")

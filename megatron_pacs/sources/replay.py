@@ -1,0 +1,119 @@
+"""The replay source: an earlier run's dumped rollouts, step by step, bit for bit (``--rollout-source replay``).
+
+Step k trains on ``<--replay-from>/rollouts/step_k.safetensors`` exactly as that run did: the same tokens, rewards,
+groups and engine log-probs, so from the same weights the update (losses, gradient norms, weights) is the same
+bit for bit, and the consistency metrics compare the trainer with the recorded engine log-probs. Imports no Ray,
+vLLM or math-verify.
+
+:meth:`ReplaySource.check` runs on every rank before any model is built: a folder without dumps, a missing step,
+a truncated dump, another tokenizer, vocabulary, group size, batch size or temperature is refused naming the file
+and the mismatch. A dump's tensors are checked against their SHA-256 when the step loads them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_pacs.config import TrainConfig
+from megatron_pacs.data.prompts import PromptRow
+from megatron_pacs.sources.base import StepRollouts
+from megatron_pacs.sources.dumps import DumpContext, dump_path, load_dump, read_dump_metadata
+from megatron_pacs.utils.logging import get_logger
+
+__all__ = ["ReplaySource"]
+
+log = get_logger("replay")
+
+
+class ReplaySource:
+    """Rollouts from ``--replay-from``'s dumps (driver only; :meth:`check` on every rank).
+
+    Args:
+        cfg: The run's settings (``--replay-from``, the batch shape, the temperature).
+        context: This run's tokenizer fingerprint, vocabulary and temperature.
+    """
+
+    def __init__(self, cfg: TrainConfig, context: DumpContext) -> None:
+        assert cfg.source.replay_from is not None
+        self.cfg, self.context = cfg, context
+        self.run_dir = Path(cfg.source.replay_from)
+
+    def check(self, steps: Sequence[int]) -> None:
+        """Refuse, before anything is built, dumps that this run cannot replay exactly.
+
+        Args:
+            steps: The steps this run will train.
+
+        Raises:
+            ValueError: Naming the file and the mismatch.
+        """
+        folder = self.run_dir / "rollouts"
+        if not any(folder.glob("step_*.safetensors")):
+            raise ValueError(
+                f"--replay-from {self.run_dir}: {folder} holds no rollout dumps (step_*.safetensors); replay the "
+                "--log-dir of a run that dumped its rollouts (the default; not --no-dump-rollouts)"
+            )
+        b, want = self.cfg.batch, self.context
+        for step in steps:
+            path = dump_path(self.run_dir, step)
+            if not path.is_file():
+                raise ValueError(
+                    f"--replay-from {self.run_dir}: step {step} has no dump ({path}); the run dumped only "
+                    f"{_dumped_steps(folder)}: lower --train-iters or replay another run"
+                )
+            meta = read_dump_metadata(path)
+            got = meta["context"]
+            for key, name in (
+                ("tokenizer_sha256", "tokenizer"),
+                ("tokenizer_size", "tokenizer size"),
+                ("vocab_size", "vocabulary size"),
+                ("temperature", "--temperature"),
+            ):
+                if got[key] != getattr(want, key):
+                    raise ValueError(
+                        f"{path}: made with {name} {got[key]!r}, this run has {getattr(want, key)!r}; replay with "
+                        "the --hf-model (tokenizer and model) and --temperature of the run that dumped it"
+                    )
+            if meta["group_size"] != b.group_size:
+                raise ValueError(f"{path}: group size {meta['group_size']}, this run has --group-size {b.group_size}")
+            if len(meta["prompt_ids"]) != b.global_batch_size:
+                raise ValueError(
+                    f"{path}: {len(meta['prompt_ids'])} prompts, this run has --global-batch-size {b.global_batch_size}"
+                )
+
+    def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
+        """Step ``step``'s dumped rollouts (``rows`` only keep the loader's position; a different order is logged)."""
+        started = time.perf_counter()
+        path = dump_path(self.run_dir, step)
+        text = dump_path(self.run_dir, step, ".jsonl")
+        records: list[dict[str, Any]] = []
+        if text.is_file():
+            records = [json.loads(line) for line in text.read_text(encoding="utf-8").splitlines() if line]
+        rollouts = load_dump(path, records)
+        ids = [row.id for row in rows]
+        if ids != rollouts.prompt_ids:
+            log.warning(
+                "step %d: the replayed prompts (%s) are not this run's data order (%s): the rollouts are replayed as "
+                "dumped; pass the --train-data and --seed of the run that dumped them for its data position",
+                step,
+                _short(rollouts.prompt_ids),
+                _short(ids),
+            )
+        rollouts.metrics["perf/time/load_rollouts"] = time.perf_counter() - started
+        return rollouts
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def _dumped_steps(folder: Path) -> str:
+    steps = sorted(int(p.stem.split("_")[1]) for p in folder.glob("step_*.safetensors"))
+    return f"steps {steps[0]}-{steps[-1]} ({len(steps)} dumps)" if steps else "no step"
+
+
+def _short(ids: Sequence[str]) -> str:
+    return ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")

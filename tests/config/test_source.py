@@ -1,0 +1,56 @@
+"""--rollout-source: its own flags, and every fleet-only setting refused with replay and synthetic, naming the flag."""
+
+import pytest
+
+from megatron_pacs.config import parse_config
+
+
+def _cfg(*argv: str):
+    return parse_config(["--hf-model", "m", "--train-data", "d.jsonl", *argv])
+
+
+def _validate(*argv: str) -> None:
+    _cfg(*argv).validate(1, need_files=False)
+
+
+def test_replay_and_its_folder_go_together():
+    with pytest.raises(SystemExit):  # parse_config exits 2 on a bad value, naming the flag
+        _cfg("--rollout-source", "replay")
+    with pytest.raises(SystemExit):
+        _cfg("--replay-from", "run")
+    with pytest.raises(SystemExit):
+        _cfg("--rollout-source", "fleet", "--synthetic-reward-rate", "0.3")
+    assert _cfg("--rollout-source", "replay", "--replay-from", "run").source.replay_from == "run"
+
+
+@pytest.mark.parametrize(
+    "source", [["--rollout-source", "synthetic"], ["--rollout-source", "replay", "--replay-from", "r"]]
+)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--num-engines", "2"],
+        ["--top-p", "0.9"],
+        ["--weight-sync", "broadcast"],
+        ["--off-policy-steps", "1"],
+        ["--reward-workers", "4"],
+        ["--eval-interval", "2"],
+        ["--rollout-dtype", "bfloat16"],
+    ],
+)
+def test_fleet_only_settings_are_refused_naming_the_flag(source, flags):
+    with pytest.raises(ValueError, match=rf"^{flags[0]}: only a fleet uses it, and --rollout-source {source[1]}"):
+        _validate(*source, *flags)
+
+
+def test_synthetic_rollouts_have_no_engine_log_probs_to_compare_or_weight_by():
+    with pytest.raises(ValueError, match=r"^--max-logprob-diff: compares with the engines' log-probs"):
+        _validate("--rollout-source", "synthetic", "--max-logprob-diff", "0.1")
+    with pytest.raises(ValueError, match=r"^--off-policy-correction: weights by the engines' log-probs"):
+        _validate("--rollout-source", "synthetic", "--off-policy-correction", "tis")
+    # a replay has the recorded engine log-probs: both apply
+    _validate("--rollout-source", "replay", "--replay-from", "r", "--max-logprob-diff", "0.1")
+
+
+def test_the_update_s_own_settings_stay_available():
+    _validate("--rollout-source", "synthetic", "--temperature", "0.7", "--kl-coef", "0.01", "--ref-reset-interval", "2")
