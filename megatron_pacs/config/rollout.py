@@ -1,10 +1,12 @@
-"""The rollout fleet (Ray-managed vLLM engines) and how training rollouts are sampled."""
+"""The rollout fleet (Ray-managed engines of a registered backend, vLLM by default) and how training rollouts are
+sampled."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from megatron_pacs.config.base import bad, is_set
+from megatron_pacs.rollout.backends import BACKENDS, DEFAULT_BACKEND  # the registry's names: standard library only
 
 __all__ = ["RolloutConfig"]
 
@@ -13,8 +15,11 @@ WEIGHT_SYNC = ("auto", "object_store", "broadcast", "ipc")
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    """The vLLM fleet and sampling."""
+    """The engine fleet and sampling."""
 
+    rollout_backend: str = DEFAULT_BACKEND
+    """The engines' inference backend, a name registered in megatron_pacs/rollout/backends.py (vllm: vLLM); the
+    backend turns the settings below into its own engine arguments."""
     num_engines: int = 1
     """Independent vLLM engines (data-parallel generation)."""
     rollout_tensor_parallel_size: int = 1
@@ -95,6 +100,8 @@ class RolloutConfig:
             raise bad("ray_object_store_gb", "sizes a locally started Ray; --ray-address uses the cluster's own")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must lie in (0, 1]")
+        if self.rollout_backend not in BACKENDS:
+            raise bad("rollout_backend", f"{self.rollout_backend!r}: use one of {list(BACKENDS)}")
         if self.weight_sync not in WEIGHT_SYNC:
             raise bad("weight_sync", f"{self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
         if self.weight_sync == "ipc" and not self.colocate:

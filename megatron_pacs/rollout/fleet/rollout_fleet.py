@@ -24,13 +24,13 @@ from megatron_pacs.rollout.sync import (
     pack_bucket,
     standalone_group,
 )
-from megatron_pacs.rollout.types import Prompt, RolloutGroup, SamplingConfig
+from megatron_pacs.rollout.types import FleetEngine, Prompt, RolloutGroup, SamplingConfig
 
 __all__ = ["RolloutFleet"]
 
 
 class RolloutFleet(EngineSet):
-    """A fleet of vLLM engine actors behind one :class:`~megatron_pacs.rollout.types.RolloutEngine` (see the
+    """A fleet of engine actors behind one :class:`~megatron_pacs.rollout.types.RolloutEngine` (see the
     package docstring)."""
 
     # -- generation -------------------------------------------------------------------------------------------
@@ -59,7 +59,9 @@ class RolloutFleet(EngineSet):
             while todo or running:
                 while todo and idle:
                     index, chunk = idle.popleft(), todo.popleft()
-                    ref = self.engines[index].call.remote("generate", [prompts[i] for i in chunk], sampling, chunk)
+                    ref = self.engines[index].call.remote(
+                        FleetEngine.generate.__name__, [prompts[i] for i in chunk], sampling, chunk
+                    )
                     running[ref] = (index, chunk, time.monotonic() + timeout)
                 self.num_in_flight = len(running)
                 wait = max(0.0, min(d for _, _, d in running.values()) - time.monotonic())
@@ -108,7 +110,7 @@ class RolloutFleet(EngineSet):
         self._call_restarts = 0
         bucket_bytes = self.config.weight_sync_bucket_mb << 20
         self._restart_dead()
-        self._call_all("begin_weight_update")
+        self._call_all(FleetEngine.begin_weight_update.__name__)
         keep = self.keeps_weights
         latest, loads, total, num = [], [], 0, 0
         broken: BaseException | None = None  # the side-group transfer failed: the rest only goes into the copy
@@ -149,7 +151,9 @@ class RolloutFleet(EngineSet):
             else:
                 self._replay(self.engines[index])
         self._call_all(
-            "finish_weight_update", engines=[i for i in range(len(self.engines)) if i not in lost], repeat=False
+            FleetEngine.finish_weight_update.__name__,
+            engines=[i for i in range(len(self.engines)) if i not in lost],
+            repeat=False,
         )
         seconds = time.perf_counter() - started
         return {"sync/seconds": seconds, "sync/megabytes": total / 2**20, "sync/num_buckets": float(num)}
@@ -159,11 +163,15 @@ class RolloutFleet(EngineSet):
         timeout = self.config.engine_call_timeout_seconds
         if self.transport == "broadcast":
             group = self._ensure_group()
-            pending = [e.call.remote("receive_broadcast", metas, buffer.numel()) for e in self.engines]
+            pending = [
+                e.call.remote(FleetEngine.receive_broadcast.__name__, metas, buffer.numel()) for e in self.engines
+            ]
             self._await_broadcast(broadcast_buffer(group, buffer, src=0, async_op=True), pending)
         else:  # ipc: the engines map the trainer's CUDA buffer; it must outlive their copy
             handle = ipc_handle(buffer)
-            ray.get([e.call.remote("load_ipc", handle, metas) for e in self.engines], timeout=timeout)
+            ray.get(
+                [e.call.remote(FleetEngine.load_ipc.__name__, handle, metas) for e in self.engines], timeout=timeout
+            )
 
     def _lost_loads(self, loads: list[tuple[int, Any]]) -> dict[int, BaseException]:
         """Wait for the object-store loads; the engines that died or hung on the way."""
@@ -225,7 +233,12 @@ class RolloutFleet(EngineSet):
         backend = "nccl" if self.on_gpu else "gloo"
         pending = [
             e.call.remote(
-                "init_broadcast_group", backend, host, port, 1 + i * self.config.rollout_tensor_parallel_size, world
+                FleetEngine.init_broadcast_group.__name__,
+                backend,
+                host,
+                port,
+                1 + i * self.config.rollout_tensor_parallel_size,
+                world,
             )
             for i, e in enumerate(self.engines)
         ]
@@ -245,7 +258,7 @@ class RolloutFleet(EngineSet):
         self._call_restarts = 0
         worst = 0.0
         current = [i for i in range(len(self.engines)) if i not in self._stale]
-        for per_engine in self._call_all("prompt_logprobs", probe_token_ids, engines=current):
+        for per_engine in self._call_all(FleetEngine.prompt_logprobs.__name__, probe_token_ids, engines=current):
             for got, ref in zip(per_engine or [], reference_logprobs, strict=False):
                 if len(got) != len(ref):
                     raise ValueError(f"reference_logprobs has {len(ref)} entries where the probe needs {len(got)}")
@@ -256,8 +269,8 @@ class RolloutFleet(EngineSet):
 
     def sleep(self, level: int = 1) -> None:
         self._call_restarts = 0
-        self._call_all("sleep", level)
+        self._call_all(FleetEngine.sleep.__name__, level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._call_restarts = 0
-        self._call_all("wake_up", tags)
+        self._call_all(FleetEngine.wake_up.__name__, tags)
