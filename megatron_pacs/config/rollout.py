@@ -6,9 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_pacs.config.base import bad, is_set
-from megatron_pacs.rollout.backends import BACKENDS, DEFAULT_BACKEND  # the registry's names: standard library only
 
 __all__ = ["RolloutConfig"]
+
+# The names megatron_pacs/rollout/backends.py registers, spelled out so that config/ imports nothing of the package
+# above it; tests/rollout/test_backends.py proves they agree.
+ROLLOUT_BACKENDS = ("vllm",)
 
 WEIGHT_SYNC = ("auto", "object_store", "broadcast", "ipc")
 
@@ -17,7 +20,7 @@ WEIGHT_SYNC = ("auto", "object_store", "broadcast", "ipc")
 class RolloutConfig:
     """The engine fleet and sampling."""
 
-    rollout_backend: str = DEFAULT_BACKEND
+    rollout_backend: str = "vllm"
     """The engines' inference backend, a name registered in megatron_pacs/rollout/backends.py (vllm: vLLM); the
     backend turns the settings below into its own engine arguments."""
     num_engines: int = 1
@@ -100,8 +103,8 @@ class RolloutConfig:
             raise bad("ray_object_store_gb", "sizes a locally started Ray; --ray-address uses the cluster's own")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must lie in (0, 1]")
-        if self.rollout_backend not in BACKENDS:
-            raise bad("rollout_backend", f"{self.rollout_backend!r}: use one of {list(BACKENDS)}")
+        if self.rollout_backend not in ROLLOUT_BACKENDS:
+            raise bad("rollout_backend", f"{self.rollout_backend!r}: use one of {list(ROLLOUT_BACKENDS)}")
         if self.weight_sync not in WEIGHT_SYNC:
             raise bad("weight_sync", f"{self.weight_sync!r}: use one of {list(WEIGHT_SYNC)}")
         if self.weight_sync == "ipc" and not self.colocate:

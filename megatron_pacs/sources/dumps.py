@@ -4,9 +4,9 @@ Per step, under ``<--log-dir>/rollouts/`` (``--no-dump-rollouts`` turns both off
 
 - ``step_NNNNNN.jsonl``: one readable line per response (prompt, response text, ground truth, score);
 - ``step_NNNNNN.safetensors``: everything the update needs, bit for bit: the token ids of every prompt and
-  response (int32), the engines' per-token log-probs (float32, NaN where an engine gave none), the rewards, and in the metadata
-  the group structure (group size, the prompts' ids), the finish reasons, the sampling temperature, the
-  tokenizer's fingerprint and the model's vocabulary size, the step's rollout metrics, and a SHA-256 of the
+  response (int32), the engines' per-token log-probs (float32, NaN where an engine gave none), the rewards, and in
+  the metadata the group structure (group size, the prompts' ids), the finish reasons, the sampling temperature,
+  the tokenizer's fingerprint and the model's vocabulary size, the step's rollout metrics, and a SHA-256 of the
   tensors. No pickle: loading a dump runs no code.
 
 Legend: S responses of the step, P prompts, L_i sequence i's length (prompt + response), R_i its response length.

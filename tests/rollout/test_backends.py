@@ -153,6 +153,15 @@ def test_an_unknown_backend_is_refused_naming_the_flag_and_the_choices(capsys):
     assert parse_config([]).rollout.rollout_backend == "vllm"
 
 
+def test_the_configs_backend_choices_are_the_registry_and_the_default_is_registered():
+    """config/ spells the backend names out (it imports nothing of the package above it); they must agree."""
+    from megatron_pacs.config.rollout import ROLLOUT_BACKENDS
+    from megatron_pacs.rollout.backends import DEFAULT_BACKEND
+
+    assert sorted(ROLLOUT_BACKENDS) == sorted(BACKENDS)
+    assert RolloutConfig().rollout_backend == DEFAULT_BACKEND
+
+
 def test_the_registry_and_the_config_import_no_backend_library():
     code = (
         "import sys, megatron_pacs.rollout.backends, megatron_pacs.config\n"
