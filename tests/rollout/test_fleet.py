@@ -285,8 +285,8 @@ def test_engine_killed_during_an_overlapped_generation_reruns_on_the_weights_it_
 
     from megatron_pacs.data.batching import RolloutBatch
     from megatron_pacs.overlap import RolloutProducer
-    from megatron_pacs.rl_step import StepRollouts
     from megatron_pacs.rollout.types import SamplingConfig
+    from megatron_pacs.sources import StepRollouts
 
     paths, tok = models
     fleet.update_weights(_state(paths["b"], drop_lm_head=False))
