@@ -48,9 +48,9 @@ def _train(cfg: TrainConfig) -> int:
     from megatron_pacs.data.prepare import load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
-    train_rows, val_rows = load_prompts(cfg.data, tokenizer, cfg.batch.max_prompt_length)
+    train_rows, val_rows, dropped = load_prompts(cfg.data, tokenizer, cfg.batch.max_prompt_length)
 
-    loader = PromptLoader(train_rows, cfg.batch.global_batch_size, seed=cfg.run.seed)
+    loader = PromptLoader(train_rows, cfg.batch.global_batch_size, seed=cfg.run.seed, dropped=dropped)
     if cfg.checkpoint.load is not None:
         from megatron_pacs.checkpointing import plan_resume
 

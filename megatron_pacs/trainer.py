@@ -264,6 +264,7 @@ class Trainer:
             if cfg.source.rollout_source == "fleet":  # how long engines and trainer waited for each other
                 metrics.update(overlap_metrics(ran, train, (started, started + elapsed), waited))
             metrics["rollout/policy_lag"] = float(step - 1 - gen.version)
+            metrics["data/dropped_prompts"] = float(loader.dropped)  # over --max-prompt-length, at load
             metrics["perf/time/step"] = elapsed
             metrics["perf/tokens_per_sec"] = gen.rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
             dump_rollouts(cfg.run, step, gen.rollouts, self.dump_context)

@@ -5,11 +5,11 @@
     l_t    = max(-adv * ratio, -adv * clip(ratio, 1 - eps, 1 + eps))   (dual clip at c for adv < 0)
     L      = (1 / S) * sum_i sum_t mask_it * l_it / T_max  # "seq-mean-token-sum-norm" (Dr. GRPO)
 
-T_max is a constant (the configured maximum response length), so the value does not depend on the padding of
-a micro-batch. verl's ``seq-mean-token-sum-norm`` divides each micro-batch's token sum by its padded width and
-averages micro-batches, i.e. our L times the per-GPU micro-batch size: a constant factor that Adam normalises
-away. Advantages depend only on rewards, so they are computed once per batch (:func:`grpo_advantages`) and the
-token loss can then be split across micro-batches freely.
+T_max is a constant (the configured maximum response length), so the value does not depend on the padding of a
+micro-batch. verl before February 2026 divided each micro-batch's token sum by its padded width and averaged
+micro-batches (our L times a constant factor that Adam normalises away); current verl with ``loss_scale_factor =
+T_max`` computes L itself (docs/algorithm.md §6). Advantages depend only on rewards, so they are computed once per
+batch (:func:`grpo_advantages`) and the token loss can then be split across micro-batches freely.
 
 Shapes: S responses (groups contiguous), T response tokens (padded).
 """

@@ -25,14 +25,16 @@ class PromptLoader(Generic[T]):
         batch_size: Items per batch (must not exceed ``len(items)``).
         seed: Shuffle seed; epoch e permutes with the independent stream ``SeedSequence(seed, spawn_key=(0, e))``
             (``utils.seeding``), so no (seed, epoch) pair replays another's order.
+        dropped: Prompts the data set lost before it got here (over ``--max-prompt-length``): reported with every
+            step as ``data/dropped_prompts``.
     """
 
-    def __init__(self, items: Sequence[T], batch_size: int, seed: int) -> None:
+    def __init__(self, items: Sequence[T], batch_size: int, seed: int, *, dropped: int = 0) -> None:
         if batch_size > len(items):
             raise ValueError(
                 f"--global-batch-size {batch_size} exceeds the {len(items)} training prompts; lower it or add data"
             )
-        self.items, self.batch_size, self.seed = items, batch_size, seed
+        self.items, self.batch_size, self.seed, self.dropped = items, batch_size, seed, dropped
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
         self.fingerprint = _fingerprint(items)

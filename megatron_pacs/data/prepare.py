@@ -43,7 +43,7 @@ def filter_by_prompt_length(
 
 def load_prompts(
     data: DataConfig, tokenizer: Any, max_prompt_length: int
-) -> tuple[list[PromptRow], dict[str, list[PromptRow]]]:
+) -> tuple[list[PromptRow], dict[str, list[PromptRow]], int]:
     """A run's training rows and its validation rows per source, prompts over ``max_prompt_length`` dropped.
 
     Args:
@@ -52,19 +52,25 @@ def load_prompts(
         max_prompt_length: ``--max-prompt-length``.
 
     Returns:
-        ``(train_rows, {source: val_rows})`` with the source named after each validation file's stem.
+        ``(train_rows, {source: val_rows}, dropped)`` with the source named after each validation file's stem, and
+        the number of training prompts dropped (the trainer reports it as ``data/dropped_prompts``).
     """
+    dropped_train = 0
 
-    def read(path: str) -> list[PromptRow]:
+    def read(path: str) -> tuple[list[PromptRow], int]:
         rows, _ = read_prompt_rows(path)
         kept, dropped = filter_by_prompt_length(rows, tokenizer, max_prompt_length)
         if dropped:
             log.warning("%s: dropped %d prompts longer than --max-prompt-length %d", path, dropped, max_prompt_length)
-        return kept
+        return kept, dropped
 
-    train = [row for path in data.train_data for row in read(path)]
-    val = {Path(path).stem: read(path) for path in data.val_data}
-    return train, val
+    train = []
+    for path in data.train_data:
+        kept, dropped = read(path)
+        train += kept
+        dropped_train += dropped
+    val = {Path(path).stem: read(path)[0] for path in data.val_data}
+    return train, val, dropped_train
 
 
 def prepare_dataset(

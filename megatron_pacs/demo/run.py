@@ -135,8 +135,8 @@ def run_rl(
     cfg = parse_config(flags)
     cfg.validate(1)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
-    train_rows, val_rows = load_prompts(cfg.data, tokenizer, cfg.batch.max_prompt_length)
-    loader = PromptLoader(train_rows, cfg.batch.global_batch_size, seed=seed)
+    train_rows, val_rows, dropped = load_prompts(cfg.data, tokenizer, cfg.batch.max_prompt_length)
+    loader = PromptLoader(train_rows, cfg.batch.global_batch_size, seed=seed, dropped=dropped)
     with Trainer(cfg, val_rows) as trainer:
         history = trainer.fit(loader)
     return [m["rollout/reward_mean"] for m in history]

@@ -102,7 +102,7 @@ def resumable(tmp_path):
     flags = ["--hf-model", tmp_path / "model", "--train-data", tmp_path / "train.jsonl", *TINY_RUN_FLAGS]
     flags += ["--save", tmp_path / "run", "--load", tmp_path / "run"]
     cfg = parse_config(list(map(str, flags)))
-    rows, _ = load_prompts(cfg.data, AutoTokenizer.from_pretrained(cfg.model.hf_model), cfg.batch.max_prompt_length)
+    rows, _, _ = load_prompts(cfg.data, AutoTokenizer.from_pretrained(cfg.model.hf_model), cfg.batch.max_prompt_length)
     loader = PromptLoader(rows, cfg.batch.global_batch_size, seed=cfg.run.seed)
     loader.next_batch()
     meta = {"step": 1, "loader": loader.state_dict(), "config": cfg.to_dict(), "pending_step": None}

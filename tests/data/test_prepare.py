@@ -108,6 +108,14 @@ def test_prompt_length_filter(tmp_path, tiny_tokenizer_dir):
     assert report.num_written == 1 and report.num_too_long == 1
     with pytest.raises(ValueError, match="go together"):
         prepare_dataset(src, tmp_path / "o2.jsonl", max_prompt_length=10)
+    # the trainer's load drops the same prompt and counts it (reported every step as data/dropped_prompts)
+    from megatron_pacs.config import DataConfig
+    from megatron_pacs.data.prepare import load_prompts
+
+    prepared = tmp_path / "all.jsonl"
+    prepare_dataset(src, prepared)
+    train, val, dropped = load_prompts(DataConfig(train_data=[str(prepared)]), tok, short)
+    assert len(train) == 1 and val == {} and dropped == 1
 
 
 def test_cli_reports_and_fails_cleanly(tmp_path):

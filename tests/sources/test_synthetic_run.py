@@ -52,6 +52,7 @@ def test_synthetic_rollouts_train_without_the_fleet_stack(launched):
         assert 0 < m["rollout/reward_mean"] < 1 and m["train/grad_norm"] > 0
         assert m["perf/time/synthesize"] > 0 and m["perf/time/sync"] > 0  # the weight export, with no engines
         assert "perf/time/generate" not in m and "sync/max_logprob_diff" not in m
+        assert m["data/dropped_prompts"] == 0.0 and m["rollout/empty_responses"] == 0.0
         assert not any(k.startswith("consistency/") for k in m)  # no engine log-probs to compare with
     assert [m["ref/resets"] for m in steps] == [0.0, 1.0, 1.0]
 
