@@ -1,8 +1,8 @@
 """One-step-off-policy rollouts: the driver generates step k+1's rollouts while every rank trains on step k's.
 
-The driver (rank 0) runs :func:`~megatron_pacs.sources.collect_rollouts` (generate through the fleet, score,
-pack) in a background thread; the thread mostly waits on Ray, so the trainer's main thread keeps the GIL for
-Megatron. Weights move to the engines only after that generation has finished, so step k+1's rollouts come from
+The driver (rank 0) runs the rollout source (:class:`~megatron_pacs.sources.FleetSource`: generate through the
+fleet, score, pack) in a background thread; the thread mostly waits on Ray, so the trainer's main thread keeps the
+GIL for Megatron. Weights move to the engines only after that generation has finished, so step k+1's rollouts come from
 the weights one update old (docs/algorithm.md §5.1), and an engine restarted mid-generation is re-synced to those
 same weights (the fleet replays its last update, which is still the old one).
 

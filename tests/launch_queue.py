@@ -27,12 +27,18 @@ from typing import Any
 __all__ = ["LaunchQueue"]
 
 
+# One prepare at a time: a prepare imports from transformers, whose lazy module is not thread-safe (two threads
+# importing its names at once got "cannot import name 'PreTrainedTokenizerFast'"); the launches themselves are
+# subprocesses and run two at a time.
+_PREPARE_LOCK = threading.Lock()
+
+
 class _Prepared:
     """A module's ``prepare(root)``, run once by whichever of its launches starts first."""
 
     def __init__(self, prepare: Callable[[Path], Any], root: Path) -> None:
         self._prepare, self._root = prepare, root
-        self._lock = threading.Lock()
+        self._lock = _PREPARE_LOCK
         self._done = False
         self._value: Any = None
         self._error: BaseException | None = None
@@ -58,6 +64,18 @@ class LaunchQueue:
     """
 
     def __init__(self, workers: int = 2) -> None:
+        # the names the modules' prepare functions import, imported here in the main thread first, so no test's own
+        # import of them in the main thread can race a worker's (transformers' lazy module is not thread-safe)
+        from transformers import (  # noqa: F401
+            AutoConfig,
+            AutoModelForCausalLM,
+            AutoTokenizer,
+            LlamaConfig,
+            PreTrainedTokenizerFast,
+            Qwen2Config,
+            Qwen3Config,
+        )
+
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="launch")
         self._futures: dict[str, dict[str, Future]] = {}
         self._roots: dict[str, Path] = {}

@@ -105,7 +105,7 @@ def main() -> int:
         cfg = _config(args)
         rows, _ = read_prompt_rows(args.data)
         with Trainer(cfg) as trainer:
-            batch = trainer._collect(rows[:4], step=1).batch
+            batch = trainer.source.collect(rows[:4], step=1).batch
             # A random tiny model scores 0 everywhere, where the PACS gradient vanishes; fix a mixed pattern so
             # the update is non-trivial (the rollouts themselves are the fleet's).
             batch.rewards = torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.float32)

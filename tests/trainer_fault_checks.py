@@ -54,13 +54,13 @@ class RecordingFleet:
 
 
 def _record_train(trainer, calls: list[str]) -> None:
-    train = trainer.actor.train
+    train = trainer.actor.optimizer_step
 
     def recorded(*args, **kwargs):
         calls.append("train")
         return train(*args, **kwargs)
 
-    trainer.actor.train = recorded
+    trainer.actor.optimizer_step = recorded
 
 
 def _colocated_trainer(cfg):
@@ -80,10 +80,11 @@ def _colocated_trainer(cfg):
             _record_train(self, self.calls)
             return Colocation(None, RecordingState(self.calls))
 
-        def _start_driver(self) -> None:
+        def _start_source(self) -> None:
             self.calls.append("start engines")
-            super()._start_driver()
-            self.fleet = RecordingFleet(self.fleet, self.calls)
+            super()._start_source()
+            # the source generates through the same recording proxy as the trainer's own fleet calls
+            self.fleet = self.source.fleet = RecordingFleet(self.fleet, self.calls)  # type: ignore[union-attr]
 
     return ColocatedTrainer(cfg)
 
@@ -129,7 +130,7 @@ def _kill(trainer, loader) -> dict:
     for t in threads:
         t.join()
     got = taken[2].rollouts
-    again = trainer._collect(submitted[2], 2)  # the same prompts, seeds and (frozen) weights, undisturbed
+    again = trainer.source.collect(submitted[2], 2)  # the same prompts, seeds and (frozen) weights, undisturbed
     return {
         "history": history,
         "restarts": fleet.num_restarts - restarts,
