@@ -53,7 +53,8 @@ def _run(source: str, args: argparse.Namespace, model: Path, data: Path, work: P
         "--max-response-length",
         str(args.max_response_length),
     ]
-    flags += ["--no-dump-rollouts", "--rollout-source", source, *args.extra]
+    flags += ["--max-prompt-length", str(args.max_prompt_length), "--no-dump-rollouts", "--rollout-source", source]
+    flags += args.extra
     cmd = [sys.executable, "-m", "megatron_pacs.train", *flags, "--log-dir", str(log_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode != 0:
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--global-batch-size", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-prompt-length", type=int, default=96)
     ap.add_argument("--max-response-length", type=int, default=32)
     ap.add_argument("--peak-tflops", type=float, help="per-rank peak (e.g. 989 for an H100's dense bf16)")
     ap.add_argument("extra", nargs="*", help="further trainer flags (after --)")
