@@ -10,6 +10,7 @@ import time
 from megatron_pacs import trainer as trainer_module
 from megatron_pacs.overlap import RolloutProducer
 from megatron_pacs.rewards import RewardScorer
+from megatron_pacs.sources import FleetSource
 
 
 class FleetWhoseShutdownFails:
@@ -31,7 +32,9 @@ def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkey
     scorer = RewardScorer(num_workers=1, timeout_s=5.0)
     assert scorer.score(["\\boxed{1}"], ["1"]).scores == [1.0]  # the pool's worker is running
     trainer = trainer_module.Trainer.__new__(trainer_module.Trainer)  # the teardown's state only, no models
-    trainer.producer, trainer.writer, trainer.scorer = producer, None, scorer
+    source = FleetSource.__new__(FleetSource)  # the fleet source's own close, without starting a fleet
+    source.scorer = scorer
+    trainer.producer, trainer.writer, trainer.source = producer, None, source
     trainer.fleet = FleetWhoseShutdownFails(release)
     trainer.exit_signal = None
     t0 = time.monotonic()
