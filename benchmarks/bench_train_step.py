@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -350,6 +351,14 @@ def run_variant(args: argparse.Namespace, variant: str, layout: str, precision: 
     return json.loads(lines[-1])
 
 
+def _error_line(text: str) -> str:
+    """The line of a failed worker's output that names the error: its exception (``...Error: ...``, e.g. CUDA out
+    of memory), not the last line, which on CUDA is often NCCL's exit warning about ``destroy_process_group``."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    return (errors or lines or ["(no output)"])[-1]
+
+
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     host = [r for r in rows if r["variant"] == "host" and "error" not in r]
     rows = [r for r in rows if r["variant"] != "host" or "error" in r]
@@ -370,9 +379,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print("|" + "|".join("---" for _ in range(header.count("|") - 1)) + "|")
     for r in rows:
         if "error" in r:
-            print(
-                f"| {r['variant']} | {r['layout']} | {r['precision']} | failed: {r['error'].splitlines()[-1][:100]} |"
-            )
+            print(f"| {r['variant']} | {r['layout']} | {r['precision']} | failed: {_error_line(r['error'])[:160]} |")
             continue
         padded = base.get((r["variant"], r["precision"]))
         vs_padded = f"{r['tokens_per_s'] / padded['tokens_per_s']:.2f}x" if padded else "-"

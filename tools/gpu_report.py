@@ -212,6 +212,17 @@ def e2e_figures(name: str, step: dict | None, bound: float) -> list[dict]:
     return out
 
 
+def _resume_note(resumed: dict | None) -> str:
+    """What differed between the resumed and the continuous run's last step (empty when nothing did)."""
+    comparison = (resumed or {}).get("resume_comparison") or {}
+    parts = [f"{k}: {a!r} vs {b!r}" for k, (a, b) in comparison.get("metrics", {}).items() if a != b]
+    if comparison and comparison.get("weights") != "equal":
+        parts.append(f"weights: {comparison.get('weights')}")
+    if comparison and not comparison.get("metrics"):
+        parts.append("a run wrote no per-step metrics")
+    return "; ".join(parts)
+
+
 def synthetic_figures(continuous: dict | None, resumed: dict | None) -> list[dict]:
     """The trainer without the fleet: resume == continuous on the GPU, and the last step's time split."""
     name = "RL synthetic (no fleet)"
@@ -224,7 +235,7 @@ def synthetic_figures(continuous: dict | None, resumed: dict | None) -> list[dic
         out.append(_missing(f"{name}: resume == continuous", "True", problem))
     else:
         same = bool(resumed.get("resume_equals_continuous")) if resumed else False
-        out.append(_figure(f"{name}: resume == continuous", same, "True", same))
+        out.append(_figure(f"{name}: resume == continuous", same, "True", same, note=_resume_note(resumed)))
     steps = [m for m in (continuous or {}).get("metrics", []) if "train/loss" in m]
     if steps:
         last = steps[-1]

@@ -69,7 +69,7 @@ def test_alignment_padding_changes_no_log_prob(tmp_path):
 
         def loss_fn(logits, mb):
             scored = mb.scored(model_token_logprobs(logits, mb, groups.tp_group))
-            out[scored.index] = scored.sequence_sums()
+            out[scored.index.cpu()] = scored.sequence_sums().cpu()
             return scored.logp.sum(), torch.tensor(1), {}
 
         with torch.no_grad():

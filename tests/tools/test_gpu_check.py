@@ -203,13 +203,25 @@ def test_each_step_is_recorded_as_it_ends_and_the_budget_skips_the_rest(tmp_path
 
 
 def test_the_trainer_tier_reports_resume_against_continuous_and_the_time_split(report, tmp_path):
-    """The trainer tier's synthetic runs: ``resume == continuous`` is a figure with its target, and a resumed run
-    that did not run is a line with its reason."""
+    """The trainer tier's synthetic runs: ``resume == continuous`` is a figure with its target (a difference names
+    the metrics and the weights' gap), and a resumed run that did not run is a line with its reason."""
     step = {"train/loss": 0.5, "perf/time/step": 2.0, "perf/time/sync": 0.3, "ref/resets": 1.0}
     continuous = {"status": "ok", "metrics": [step]}
     figures = _by_name(report.synthetic_figures(continuous, {"status": "ok", "resume_equals_continuous": True}))
     assert figures["RL synthetic (no fleet): resume == continuous"]["ok"] is True
     assert figures["RL synthetic (no fleet): perf/time/sync (last step)"]["value"] == 0.3
+    differed = {
+        "status": "ok",
+        "resume_equals_continuous": False,
+        "resume_comparison": {
+            "equal": False,
+            "metrics": {"train/loss": [0.5, 0.5], "train/grad_norm": [1.25, 1.2500001]},
+            "weights": "max abs diff 0.000244 over 290 tensors",
+        },
+    }
+    figure = _by_name(report.synthetic_figures(continuous, differed))["RL synthetic (no fleet): resume == continuous"]
+    assert figure["ok"] is False and "train/grad_norm: 1.25 vs 1.2500001" in figure["note"]
+    assert "train/loss" not in figure["note"] and "max abs diff 0.000244" in figure["note"]
     missing = _by_name(report.synthetic_figures(continuous, {"status": "timeout", "reason": "stopped after 120 s"}))
     assert "stopped after 120 s" in missing["RL synthetic (no fleet): resume == continuous"]["note"]
 
@@ -225,3 +237,22 @@ def test_the_trainer_tier_needs_no_te_vllm_ray_or_math_verify_and_fits_its_budge
     cfg = parse_config(["--hf-model", "m", "--train-data", "d", *gpu_check.SYNTHETIC_FLAGS])
     cfg.validate(1, need_files=False)  # a valid run: no fleet flag among them
     assert cfg.loss.needs_reference and cfg.reference.ref_reset_interval == 2
+
+
+def test_the_resume_comparison_gives_the_weights_gap_and_every_metric(tmp_path):
+    """``_resume_comparison`` on two exported checkpoints: equal files are ``equal``; a changed tensor gives its
+    largest absolute difference, and the metrics of both last steps travel with the verdict."""
+    import torch
+    from safetensors.torch import save_file
+
+    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
+    for name, bump in (("a", 0.0), ("b", 0.0), ("c", 0.5)):
+        (tmp_path / name / "hf").mkdir(parents=True)
+        save_file({"w": torch.ones(3) + bump, "v": torch.zeros(2)}, tmp_path / name / "hf" / "model.safetensors")
+    step = {"metrics": [{"train/loss": 0.5, "train/grad_norm": 1.0}]}
+    same = gpu_check._resume_comparison(step, step, tmp_path / "a", tmp_path / "b")
+    assert same["equal"] and same["weights"] == "equal"
+    other = {"metrics": [{"train/loss": 0.5, "train/grad_norm": 1.5}]}
+    differs = gpu_check._resume_comparison(step, other, tmp_path / "a", tmp_path / "c")
+    assert not differs["equal"] and differs["weights"] == "max abs diff 0.5 over 2 tensors"
+    assert differs["metrics"]["train/grad_norm"] == [1.0, 1.5]
