@@ -13,6 +13,8 @@
 #
 # Environment: as the other recipes (examples/lib/recipe.bash), with tiny defaults: NNODES=2, GPUS_PER_NODE=1,
 # NUM_ENGINES=2, VAL_DATA="" (none); plus TRAIN_ITERS (3) and SAVE_INTERVAL (1). Extra arguments go to the trainer.
+# ROLLOUT_SOURCE=synthetic trains on seeded synthetic rollouts instead (no Ray cluster, no engines, no reward pool):
+# what the Slurm tests (tests/cluster/test_slurm.py) run.
 set -euo pipefail
 
 NNODES="${NNODES:-2}"
@@ -21,6 +23,7 @@ NUM_ENGINES="${NUM_ENGINES:-2}"
 VAL_DATA="${VAL_DATA-}"
 TRAIN_ITERS="${TRAIN_ITERS:-3}"
 SAVE_INTERVAL="${SAVE_INTERVAL:-1}"
+ROLLOUT_SOURCE="${ROLLOUT_SOURCE:-fleet}"
 HF_MODEL_DEFAULT=tiny/model
 EXP_NAME_DEFAULT=tiny-cluster
 source "$(dirname "${BASH_SOURCE[0]}")/lib/recipe.bash"
@@ -29,13 +32,18 @@ TINY_ARGS=(
     --hf-model "$HF_MODEL" --train-data "$TRAIN_DATA"
     # 4 prompts x 4 responses per step, 2 optimizer steps, short texts; fp32, so the engines match the trainer.
     --global-batch-size 4 --group-size 4 --ppo-mini-batch-size 2 --micro-batch-size 8
-    --max-prompt-length 96 --max-response-length 12 --lr 1e-3 --reward-workers 1
-    # The rollout cluster: one engine per rollout node, new weights broadcast from trainer rank 0 (gloo on CPU).
-    --ray-address "$RAY_ADDRESS" --num-engines "$NUM_ENGINES" --weight-sync broadcast --kv-cache-gb 0.25
+    --max-prompt-length 96 --max-response-length 12 --lr 1e-3
     --train-iters "$TRAIN_ITERS" --save-interval "$SAVE_INTERVAL" --seed 1
     --save "$SAVE_DIR" --load "$SAVE_DIR" --log-dir "$LOG_DIR"
     --exit-signal-handler
 )
+if [[ "$ROLLOUT_SOURCE" == synthetic ]]; then
+    TINY_ARGS+=(--rollout-source synthetic)
+else
+    # The rollout cluster: one engine per rollout node, new weights broadcast from trainer rank 0 (gloo on CPU).
+    TINY_ARGS+=(--reward-workers 1 --ray-address "$RAY_ADDRESS" --num-engines "$NUM_ENGINES" --weight-sync broadcast
+        --kv-cache-gb 0.25)
+fi
 if ((${#VAL_FILES[@]})); then
     TINY_ARGS+=(--val-data "${VAL_FILES[@]}" --eval-interval "$TRAIN_ITERS")
 fi

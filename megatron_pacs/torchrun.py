@@ -6,27 +6,79 @@ included. With ``--exit-signal-handler`` the ranks finish the step, save and exi
 and exits 1 whatever they did. Here each rank that stopped cleanly reports it
 (:func:`megatron_pacs.utils.exit_signal.report_clean_stop`) in a directory this launcher creates; when the agent
 ends on a signal and every local rank reported, the launcher exits 0. Anything else is torchrun's own outcome.
+
+A batch script cannot tell that clean stop from a finished run by the exit status (both 0; Slurm never requeues
+either). With :data:`STOP_MARKER_ENV` set to a path, the launcher writes there, on a clean stop only, a small JSON
+marker: the signal, the number of local ranks, this host and the step of the run's latest checkpoint (read from the
+trainer's ``--save``). examples/slurm/ removes a stale marker before each launch and requeues the job when every
+node left one.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from megatron_pacs.utils.exit_signal import STOPS_ENV
 from megatron_pacs.utils.logging import get_logger
 
-__all__ = ["all_ranks_stopped_cleanly", "main"]
+__all__ = ["STOP_MARKER_ENV", "all_ranks_stopped_cleanly", "latest_saved_step", "main", "write_stop_marker"]
 
 log = get_logger("torchrun")
+
+STOP_MARKER_ENV = "MEGATRON_PACS_STOP_MARKER"
+"""Where the launcher writes its JSON marker after a clean stop on a signal (unset: no marker)."""
 
 
 def all_ranks_stopped_cleanly(stops: Path) -> bool:
     """Whether every local rank reported a clean stop in ``stops`` (each report holds the local world size)."""
     reports = [p.read_text() for p in stops.iterdir()]
     return bool(reports) and all(r == str(len(reports)) for r in reports)
+
+
+def latest_saved_step(argv: list[str]) -> int | None:
+    """The step of the latest checkpoint under the trainer's ``--save`` in ``argv`` (None: no --save, no checkpoint).
+
+    Args:
+        argv: The launcher's arguments (the trainer's follow its module or script).
+    """
+    save = None
+    for i, arg in enumerate(argv):
+        if arg == "--save" and i + 1 < len(argv):
+            save = argv[i + 1]
+        elif arg.startswith("--save="):
+            save = arg.split("=", 1)[1]
+    try:
+        return int(Path(save, "latest_checkpointed_iteration.txt").read_text().strip()) if save else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_stop_marker(path: Path, signal_name: str, local_ranks: int, step: int | None) -> None:
+    """Write the clean-stop marker atomically (a reader never sees half a file).
+
+    Args:
+        path: The marker's path (its folder is created).
+        signal_name: The signal the agent got, e.g. ``SIGTERM``.
+        local_ranks: How many local ranks reported a clean stop.
+        step: The latest checkpoint's step (None when unknown).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    marker = {
+        "stopped_on": signal_name,
+        "local_ranks": local_ranks,
+        "step": step,
+        "host": socket.gethostname(),
+        "time": time.time(),
+    }
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(marker) + "\n")
+    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             if not all_ranks_stopped_cleanly(Path(stops)):
                 raise
             log.warning("torchrun: got %s; every local rank stopped cleanly on it: exiting 0", exc.sigval.name)
+            if marker := os.environ.get(STOP_MARKER_ENV):
+                args = sys.argv[1:] if argv is None else argv
+                step = latest_saved_step(args)
+                write_stop_marker(Path(marker), exc.sigval.name, len(list(Path(stops).iterdir())), step)
     return 0
 
 

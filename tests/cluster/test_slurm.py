@@ -1,0 +1,242 @@
+"""The tiny job under a real Slurm (tests/cluster/slurm.py): ``examples/slurm/tiny.sbatch`` on 2 nodes x 1 rank
+(gloo), trained on synthetic rollouts (``ROLLOUT_SOURCE=synthetic``: no Ray cluster). A plain run equals the same
+run launched directly; a run preempted with ``scancel --signal=TERM`` and one signalled by ``--signal=TERM@N``
+before its time limit save, requeue themselves, resume and complete; a too-short ``--signal`` margin is refused
+before any node works. Each fault's times are printed (``-s`` or ``--durations`` shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from cluster_fixtures import cluster_setup, netns_ok  # noqa: F401 - fixtures
+from conftest import PINNED_CPU_ENV
+from slurm import SlurmCluster, slurm_unavailable
+
+from megatron_pacs.utils.launch import free_port
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "slurm" / "tiny.sbatch"
+VENV_BIN = Path(sys.executable).parent
+KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm")
+STEPS = "6"  # the plain and preempted runs: room to signal one mid-run (a tiny step takes ~0.4 s)
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+@pytest.fixture(scope="module")
+def slurm(netns_ok, tmp_path_factory) -> Iterator[SlurmCluster]:  # noqa: F811
+    """Slurm on a controller and 2 node hosts; skipped where it cannot run (a failure under ``CI=true``)."""
+    why = slurm_unavailable()
+    if why is not None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI=true but the Slurm tests cannot run: {why}")
+        pytest.skip(why)
+    with SlurmCluster(["node0", "node1"], tmp_path_factory.mktemp("slurm")) as cluster:
+        print(f"\nslurm: controller and 2 idle nodes in {cluster.setup_seconds:.1f}s")
+        assert cluster.setup_seconds <= 60
+        yield cluster
+    assert not cluster.cluster.exists(), "the Slurm cluster's namespaces or bridge are left behind"
+
+
+def _env(setup: Path, run: Path, **extra: str) -> dict[str, str]:
+    env = dict(
+        PINNED_CPU_ENV,
+        PATH=f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        PYTHON=sys.executable,
+        PYTHONUNBUFFERED="1",
+        GLOO_SOCKET_IFNAME="eth0",
+        ROLLOUT_SOURCE="synthetic",
+        HF_MODEL=str(setup / "model"),
+        TRAIN_DATA=str(setup / "train.jsonl"),
+        SAVE_DIR=str(run / "ckpt"),
+        LOG_DIR=str(run / "logs"),
+        TRAIN_ITERS=STEPS,
+        SAVE_INTERVAL="100",  # checkpoints at the end, and at a stop on the exit signal
+        STOP_DIR=str(run / "stops"),
+    )
+    env.update(extra)
+    return env
+
+
+def _metrics(run: Path) -> list[dict]:
+    path = run / "logs" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [{"step": r["step"], **{k: r[k] for k in KEYS}} for r in rows if "train/loss" in r]
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "ckpt" / f"iter_{step:07d}" / "hf" / "model.safetensors"))
+
+
+@dataclass
+class Plain:
+    """The plain sbatch run and the same run launched directly."""
+
+    run: Path
+    direct: Path
+    seconds: float
+
+
+def _submit(slurm: SlurmCluster, run: Path, *sbatch_args: str, **env: str) -> int:
+    run.mkdir(parents=True, exist_ok=True)
+    return slurm.sbatch("-o", str(run / "job.out"), *sbatch_args, str(TINY), "--save-hf", cwd=ROOT, **env)
+
+
+def _job_out(run: Path) -> str:
+    path = run / "job.out"
+    return path.read_text(errors="replace")[-8000:] if path.exists() else "(no job output)"
+
+
+@pytest.fixture(scope="module")
+def plain(slurm, cluster_setup, tmp_path_factory) -> Plain:  # noqa: F811
+    """``sbatch tiny.sbatch`` to completion and, at the same time, the same job launched directly: 2 local ranks
+    through ``python -m megatron_pacs.torchrun`` (examples/tiny_cluster.sh with NNODES=1, GPUS_PER_NODE=2)."""
+    root = tmp_path_factory.mktemp("plain")
+    run, direct = root / "sbatch", root / "direct"
+    started = time.monotonic()
+    job = _submit(slurm, run, **_env(cluster_setup, run))
+    env = dict(os.environ, **_env(cluster_setup, direct), NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()))
+    env.pop("GLOO_SOCKET_IFNAME")
+    direct.mkdir()
+    with open(direct / "out.log", "wb") as out:
+        proc = subprocess.run(
+            ["bash", "examples/tiny_cluster.sh", "--save-hf"], env=env, cwd=ROOT, stdout=out, stderr=out, timeout=300
+        )
+    assert proc.returncode == 0, (direct / "out.log").read_text(errors="replace")[-6000:]
+    fields = slurm.wait_state(job, FINISHED, timeout=240)
+    seconds = time.monotonic() - started
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", (fields, _job_out(run))
+    print(f"\nplain run: sbatch to COMPLETED in {seconds:.1f}s (the direct run alongside)")
+    return Plain(run, direct, seconds)
+
+
+def test_sbatch_runs_the_tiny_job_to_completion_equal_to_the_direct_launch(plain):
+    rows = _metrics(plain.run)
+    assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1))
+    assert rows == _metrics(plain.direct)
+    a, b = _weights(plain.run, int(STEPS)), _weights(plain.direct, int(STEPS))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    out = _job_out(plain.run)
+    assert "training finished" in out and "requeueing" not in out, out
+    assert not list((plain.run / "stops").glob("*.json"))
+
+
+def _follow(slurm: SlurmCluster, job: int, run: Path, timeout: float) -> dict[str, float]:
+    """Seconds from now to: a checkpoint before the last step (the graceful save), the job requeued, running again,
+    and finished; polls until the job finishes (bounded) and returns what it saw."""
+    started, seen = time.monotonic(), {}
+    while time.monotonic() - started < timeout:
+        now = time.monotonic() - started
+        early = [p for p in (run / "ckpt").glob("iter_*") if p.name != f"iter_{int(STEPS):07d}"]
+        if "saved" not in seen and any((p / "megatron_pacs.json").exists() for p in early):
+            seen["saved"] = now
+        fields = slurm.job(job)
+        restarts = int(fields.get("Restarts", "0"))
+        if restarts >= 1:
+            seen.setdefault("requeued", now)
+            if fields.get("JobState") in ("RUNNING", *FINISHED):
+                seen.setdefault("running again", now)
+        if fields.get("JobState") in FINISHED:
+            seen.setdefault("finished", now)
+            # a job that ended without the requeue: give the batch script's requeue a few seconds to show
+            if restarts >= 1 or now - seen["finished"] > 5:
+                seen["finished"] = now
+                seen["state"] = fields["JobState"]  # type: ignore[assignment]
+                return seen
+        time.sleep(0.2)
+    raise TimeoutError(f"job {job} did not finish in {timeout:.0f}s: {seen}\n{_job_out(run)}\n{slurm.logs()}")
+
+
+def _stopped_step(run: Path) -> int:
+    early = sorted(p for p in (run / "ckpt").glob("iter_*") if p.name != f"iter_{int(STEPS):07d}")
+    assert len(early) == 1, early
+    return json.loads((early[0] / "megatron_pacs.json").read_text())["step"]
+
+
+def _assert_resumed_equal(run: Path, plain: Plain, seen: dict, what: str) -> int:
+    out = _job_out(run)
+    assert seen.get("state") == "COMPLETED", (seen, out)
+    stopped = _stopped_step(run)
+    assert 1 <= stopped < int(STEPS), stopped
+    assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, out
+    assert out.count("training finished") == 1 and "restart 1): training finished" in out, out
+    rows = _metrics(run)  # the first start's steps, then the resumed start's
+    assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1)), rows
+    assert rows == _metrics(plain.run)
+    a, b = _weights(run, int(STEPS)), _weights(plain.run, int(STEPS))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in seen.items() if isinstance(v, float))
+    print(f"\n{what}: stopped after step {stopped}; from the signal: {times}")
+    return stopped
+
+
+def test_scancel_signal_term_mid_step_saves_requeues_resumes_and_equals_the_plain_run(
+    slurm,
+    cluster_setup,  # noqa: F811
+    plain,
+    tmp_path,
+):
+    run = tmp_path / "pre"
+    job = _submit(slurm, run, **_env(cluster_setup, run))
+    deadline = time.monotonic() + 180
+    while not _metrics(run) and time.monotonic() < deadline:  # step 1 logged: step 2 is in progress
+        assert slurm.job(job).get("JobState") not in FINISHED, _job_out(run)
+        time.sleep(0.1)
+    assert _metrics(run), _job_out(run)
+    slurm.run("scancel", "--signal=TERM", str(job))  # the step processes only, as a preemption's warning
+    seen = _follow(slurm, job, run, timeout=240)
+    _assert_resumed_equal(run, plain, seen, "preemption (scancel --signal=TERM)")
+
+
+def test_signal_term_before_the_time_limit_saves_requeues_and_resumes(slurm, cluster_setup, tmp_path):  # noqa: F811
+    """``--time=1`` with ``--signal=TERM@30`` (grace 15 s + margin 10 s): Slurm sends SIGTERM about 30 s before the
+    limit; the job saves, requeues itself and, with a longer limit set while it waits (an operator's
+    ``scontrol update``), resumes and completes. About 60 s: the signal cannot come sooner than the limit allows."""
+    run = tmp_path / "limit"
+    env = _env(cluster_setup, run, TRAIN_ITERS="80", EXIT_SIGNAL_GRACE_SECONDS="15", SIGNAL_MARGIN_SECONDS="10")
+    job = _submit(slurm, run, "--time=1", **env, SBATCH_SIGNAL="TERM@30")
+    started = time.monotonic()
+    while int(slurm.job(job).get("Restarts", "0")) < 1 and time.monotonic() - started < 150:
+        assert slurm.job(job).get("JobState") not in FINISHED, _job_out(run)
+        time.sleep(0.2)
+    requeued = time.monotonic() - started
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=10")
+    fields = slurm.wait_state(job, FINISHED, timeout=240)
+    out = _job_out(run)
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", (fields, out)
+    early = sorted(p.name for p in (run / "ckpt").glob("iter_*"))
+    assert len(early) == 2 and early[-1] == "iter_0000080", early
+    stopped = int(early[0][5:])
+    assert f"after saving step {stopped}: requeueing" in out, out
+    assert [r["step"] for r in _metrics(run)] == list(range(1, 81))
+    total = time.monotonic() - started
+    print(f"\ntime limit (--signal=TERM@30, --time=1): stopped after step {stopped}, requeued {requeued:.1f}s after "
+          f"submission, completed after {total:.1f}s")  # fmt: skip
+
+
+def test_a_signal_margin_shorter_than_the_grace_period_is_refused_before_any_node_works(
+    slurm,
+    cluster_setup,  # noqa: F811
+    tmp_path,
+):
+    run = tmp_path / "short"
+    job = _submit(slurm, run, **_env(cluster_setup, run), SBATCH_SIGNAL="TERM@45")
+    fields = slurm.wait_state(job, FINISHED, timeout=60)
+    out = _job_out(run)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", (fields, out)
+    assert "--signal=TERM@45 sends SIGTERM 45s before the time limit" in out, out
+    assert "--exit-signal-grace-seconds 60s plus a margin of 30s" in out and "at least 90" in out, out
+    assert "training on" not in out and not (run / "logs").exists()
