@@ -1,0 +1,57 @@
+"""One rank of tests/utils/test_heartbeat.py's gloo jobs: ``python heartbeat_ranks.py MODE LOG_DIR TIMEOUT_S``
+under ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (rank 0 hosts the store, as a plain env:// launch).
+
+Modes: ``lost``: the last rank idles (the test SIGSTOPs it) while the others wait in a collective with it;
+``usr1``: rank 0 waits in a collective until rank 1 joins, once the file ``LOG_DIR/go`` exists (the test sends
+SIGUSR1 to rank 0 meanwhile); both then finish cleanly.
+"""
+
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_pacs.utils.heartbeat import Heartbeat
+from megatron_pacs.utils.stacks import StackDumps
+
+
+def wait_in_collective() -> float:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def main() -> int:
+    mode, log_dir, timeout_s = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+    dist.init_process_group("gloo", timeout=timedelta(minutes=30))  # the heartbeat must fire, not this
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stacks = StackDumps(log_dir / "stacks", rank)
+    stacks.install()
+    beat = Heartbeat.from_environment(timeout_s, ["127.0.0.1"] * world, stacks)
+    assert beat is not None
+    dist.barrier()
+    print(f"ready {rank} {os.getpid()}", flush=True)
+    if mode == "lost":
+        if rank == world - 1:
+            time.sleep(120)  # stopped by the test; never reached
+            return 3
+        wait_in_collective()
+        return 4  # never reached: the heartbeat ends the process
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not (log_dir / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    print(f"sum {wait_in_collective()} on rank {rank}", flush=True)
+    dist.barrier()
+    beat.close()
+    stacks.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
