@@ -12,6 +12,7 @@ FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 TRANSFORMER_IMPLS = ("auto", "te", "sdpa", "local")
 LOGPROB_IMPLS = ("auto", "fused", "chunked")
+MOE_BALANCING = ("none", "aux_loss")
 
 
 @dataclass(kw_only=True)
@@ -54,7 +55,24 @@ class ModelConfig:
     masked_softmax_fusion: bool | None = None
     """Apex's fused scale-mask-softmax in the local spec; default: on where Apex's kernels import."""
 
+    moe_router_load_balancing_type: str = "none"
+    """MoE checkpoints: the router's load-balancing loss, none (the RL default: the policy gradient alone moves the
+    router) or aux_loss (Megatron's auxiliary loss, weighted by --moe-aux-loss-coeff)."""
+    moe_aux_loss_coeff: float | None = None
+    """With --moe-router-load-balancing-type aux_loss: the auxiliary loss's weight (default: the checkpoint's
+    router_aux_loss_coef)."""
+
     def __post_init__(self) -> None:
+        if self.moe_router_load_balancing_type not in MOE_BALANCING:
+            raise bad(
+                "moe_router_load_balancing_type",
+                f"{self.moe_router_load_balancing_type!r}: use one of {list(MOE_BALANCING)}",
+            )
+        if self.moe_aux_loss_coeff is not None:
+            if self.moe_router_load_balancing_type != "aux_loss":
+                raise bad("moe_aux_loss_coeff", "only applies with --moe-router-load-balancing-type aux_loss")
+            if self.moe_aux_loss_coeff < 0:
+                raise bad("moe_aux_loss_coeff", f"{self.moe_aux_loss_coeff} must be >= 0")
         if self.fp8_format not in (None, *FP8_FORMATS):
             raise bad("fp8_format", f"{self.fp8_format!r} is not one of {list(FP8_FORMATS)}")
         if self.fp8_format and not self.bf16:
@@ -94,6 +112,16 @@ class ModelConfig:
             "rope": self.rope_fusion,
             "masked_softmax": self.masked_softmax_fusion,
         }
+
+    @property
+    def moe(self) -> dict[str, str | float]:
+        """``TransformerConfig`` MoE overrides the user set (empty: the defaults; a dense model refuses any)."""
+        out: dict[str, str | float] = {}
+        if is_set(self, "moe_router_load_balancing_type"):
+            out["moe_router_load_balancing_type"] = self.moe_router_load_balancing_type
+        if self.moe_aux_loss_coeff is not None:
+            out["moe_aux_loss_coeff"] = self.moe_aux_loss_coeff
+        return out
 
     @property
     def fp8(self) -> dict[str, str | bool | int] | None:

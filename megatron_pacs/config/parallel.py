@@ -1,4 +1,4 @@
-"""The Megatron parallel layout: tensor, pipeline (optionally interleaved) and sequence parallelism."""
+"""The Megatron parallel layout: tensor, pipeline (optionally interleaved), sequence and expert parallelism."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from megatron_pacs.config.base import bad
 
-__all__ = ["ParallelConfig"]
+__all__ = ["MOE_DISPATCHERS", "ParallelConfig"]
+
+MOE_DISPATCHERS = ("allgather", "alltoall")
 
 
 @dataclass(kw_only=True)
@@ -26,6 +28,12 @@ class ParallelConfig:
     """Overlap pipeline sends/receives with compute; required (with --no-batch-p2p-comm) when interleaved."""
     batch_p2p_comm: bool = True
     """Batch pipeline sends/receives into one call; must be off with --overlap-p2p-comm."""
+    expert_model_parallel_size: int = 1
+    """EP (MoE checkpoints): shards the experts across this many ranks of the data-parallel x tensor-parallel
+    ranks; each rank holds num_experts / EP of them. Needs TP x PP x EP to divide the world size."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How MoE layers send tokens to their experts' ranks: allgather (every rank gathers every token) or alltoall
+    (each token goes only where its experts are; less traffic at EP > 1)."""
     distributed_timeout_minutes: int = 10
     """Timeout of the training process groups' collectives (Megatron-LM's default): a rank whose peer is lost
     without closing its connections stops with an error after this long instead of hanging."""
@@ -52,6 +60,12 @@ class ParallelConfig:
                 )
         if self.overlap_p2p_comm and self.batch_p2p_comm:
             raise bad("overlap_p2p_comm", "needs --no-batch-p2p-comm")
+        if self.expert_model_parallel_size < 1:
+            raise bad("expert_model_parallel_size", f"{self.expert_model_parallel_size} must be >= 1")
+        if self.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+            raise bad(
+                "moe_token_dispatcher_type", f"{self.moe_token_dispatcher_type!r}: use one of {list(MOE_DISPATCHERS)}"
+            )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise bad("sequence_parallel", "needs --tensor-model-parallel-size > 1; disable it at TP=1")
 
@@ -67,5 +81,13 @@ class ParallelConfig:
                 "tensor_model_parallel_size",
                 f"world size {world_size} is not divisible by TP x PP = {self.tensor_model_parallel_size} x "
                 f"{self.pipeline_model_parallel_size}; change the layout or the number of ranks",
+            )
+        expert_layout = self.model_parallel_size * self.expert_model_parallel_size
+        if world_size % expert_layout:
+            raise bad(
+                "expert_model_parallel_size",
+                f"world size {world_size} is not divisible by TP x PP x EP = {self.tensor_model_parallel_size} x "
+                f"{self.pipeline_model_parallel_size} x {self.expert_model_parallel_size} (Megatron's expert "
+                "layout); change the layout or the number of ranks",
             )
         return world_size // self.model_parallel_size

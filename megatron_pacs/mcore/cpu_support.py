@@ -8,7 +8,10 @@ megatron.core is edited. Verified on megatron-core 0.16.1 and 0.19.2 (see the pr
 2. The CUDA RNG calls map to the CPU generator, so Megatron's RNG tracker and activation recompute work.
 3. ``torch.cuda`` streams, events and synchronize become no-ops (DDP grad sync, p2p, checkpointing).
 4. megatron-core 0.16.1: ``moe_utils.te_general_gemm`` is defined (its absence is a NameError without TE).
-5. :func:`cuda_to_cpu` is a ``TorchFunctionMode`` that rewrites ``device="cuda"`` allocations to CPU; wrap the
+5. MoE's all-to-all dispatcher: its split sizes become host arrays only for CUDA tensors
+   (``maybe_move_tensor_to_cpu``), and gloo's ``all_to_all_single`` refuses tensors there; on CPU the same host
+   arrays are made from the CPU tensors.
+6. :func:`cuda_to_cpu` is a ``TorchFunctionMode`` that rewrites ``device="cuda"`` allocations to CPU; wrap the
    schedule, optimizer and checkpoint calls in it (the schedules allocate ``torch.zeros(..., device="cuda")``).
 
 Callers also pass an explicit causal mask (the default one is built on "cuda") and set ``batch_p2p_sync=False``
@@ -107,14 +110,23 @@ def apply_cpu_support() -> bool:
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
     try:
-        from megatron.core.transformer.moe import moe_utils
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_splits
     except ImportError:
         pass
     _applied = True
     return True
+
+
+def _host_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``maybe_move_tensor_to_cpu`` on CPU tensors: the host array (``as_numpy``) the all-to-all takes as its split
+    sizes, or the tensor itself."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _to_cpu(device):

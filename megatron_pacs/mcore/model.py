@@ -1,4 +1,4 @@
-"""Megatron-Core ``GPTModel`` from a Hugging Face config: Qwen2/Qwen2.5, Qwen3 and Llama-3 families.
+"""Megatron-Core ``GPTModel`` from a Hugging Face config: Qwen2/Qwen2.5, Qwen3, Qwen3-MoE and Llama-3 families.
 
 Layer specs: Transformer Engine on GPU when it imports; on GPU without TE, the local spec with core attention
 through ``torch.nn.functional.scaled_dot_product_attention`` (flash / cuDNN backends); the local spec on CPU. Core
@@ -47,7 +47,7 @@ __all__ = [
     "te_available",
 ]
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 SPECS = ("auto", "te", "sdpa", "local")
 
 
@@ -187,6 +187,58 @@ def rope_settings(hf_config: Any) -> dict[str, Any]:
     raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
 
 
+def moe_settings(hf_config: Any, parallel: ParallelConfig, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a Qwen3-MoE checkpoint (every layer sparse, no shared expert).
+
+    HF's router takes the softmax over every expert, keeps the top k and, with ``norm_topk_prob``, renormalises
+    them: that equals Megatron's top-k over the logits followed by a softmax over the k kept
+    (``moe_router_pre_softmax=False``); without it, Megatron's softmax before the top-k
+    (``moe_router_pre_softmax=True``). Load balancing is off unless ``--moe-router-load-balancing-type`` asks for it
+    (RL updates a trained router; an auxiliary loss would pull it away from the policy gradient); with it on,
+    ``moe_aux_loss_coeff`` defaults to the checkpoint's ``router_aux_loss_coef``. ``overrides`` are the caller's
+    ``TransformerConfig`` overrides (read for those two).
+
+    Raises:
+        ValueError: for layouts the model cannot express yet: dense layers among the MoE ones (``mlp_only_layers``,
+            ``decoder_sparse_step != 1``) and shared experts; or experts that ``--expert-model-parallel-size``
+            does not divide.
+    """
+    experts = hf_config.num_experts
+    if _get(hf_config, "mlp_only_layers"):
+        raise ValueError(
+            f"mlp_only_layers={hf_config.mlp_only_layers}: dense layers among the MoE layers are not supported yet"
+        )
+    if _get(hf_config, "decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"decoder_sparse_step={hf_config.decoder_sparse_step}: only every layer sparse (1) is supported yet"
+        )
+    if _get(hf_config, "shared_expert_intermediate_size"):
+        raise ValueError("shared experts (shared_expert_intermediate_size) are not supported yet")
+    ep = parallel.expert_model_parallel_size
+    if experts % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} must divide num_experts={experts}")
+    balance = overrides.get("moe_router_load_balancing_type", "none")
+    coeff = overrides.get("moe_aux_loss_coeff")
+    return dict(
+        num_moe_experts=experts,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_pre_softmax=not _get(hf_config, "norm_topk_prob", False),
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type=balance,
+        moe_aux_loss_coeff=0.0 if balance == "none" else _pick(coeff, _get(hf_config, "router_aux_loss_coef", 0.0)),
+        moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def hf_to_transformer_config(
     hf_config: Any,
     parallel: ParallelConfig,
@@ -244,7 +296,7 @@ def hf_to_transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)),
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=dtype,
@@ -265,6 +317,13 @@ def hf_to_transformer_config(
         # megatron-core 0.16.1 defaults to the deprecated "full" scope (and warns); [] means the same.
         cuda_graph_scope=[],
     )
+    if model_type == "qwen3_moe":
+        kw.update(moe_settings(hf_config, parallel, overrides))
+    else:
+        given = sorted(k for k in overrides if k.startswith("moe_"))
+        if given or parallel.expert_model_parallel_size > 1:
+            what = given or ["expert_model_parallel_size"]
+            raise ValueError(f"{', '.join(what)}: only for MoE checkpoints; model_type={model_type!r} is dense")
     if on_cpu:
         kw["batch_p2p_sync"] = False
     if recompute:
@@ -274,7 +333,12 @@ def hf_to_transformer_config(
 
 
 def _local_spec(config: TransformerConfig, core_attention: type | None, vp_stage: int | None):
-    layer = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,  # SequentialMLP: one plain MLP per expert (grouped GEMM is the TE spec's)
+        qk_layernorm=config.qk_layernorm,
+        normalization="RMSNorm",
+    )
     # ModuleSpec types its submodules as `object`; the local spec's are a TransformerLayer's and a SelfAttention's.
     layer_submodules = cast(TransformerLayerSubmodules, layer.submodules)
     layer_submodules.input_layernorm = HFRMSNorm
@@ -295,7 +359,11 @@ def _local_spec(config: TransformerConfig, core_attention: type | None, vp_stage
 def _te_spec(config: TransformerConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_with_transformer_engine_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.num_moe_experts is not None,
+        qk_layernorm=config.qk_layernorm,
+    )
 
 
 def resolve_spec(spec: str) -> str:
@@ -344,6 +412,8 @@ def build_gpt_model(
         raise ValueError(f"fp8={config_overrides['fp8']!r} needs the Transformer Engine spec; got spec={kind!r}")
     if config_overrides.get("fp8"):
         silence_te_fp8_autocast_deprecation()
+    if _get(hf_config, "model_type") == "qwen3_moe":
+        config_overrides.setdefault("moe_grouped_gemm", kind == "te")  # TE's grouped GEMM, else one MLP per expert
     config = hf_to_transformer_config(
         hf_config,
         groups.config,

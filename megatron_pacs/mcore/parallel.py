@@ -46,6 +46,16 @@ class ParallelGroups:
     rank's rollouts and passes them on)."""
     rank_addresses: tuple[str, ...] = ()
     """Every global rank's network address (names the rank behind a failed collective: :func:`lost_rank`)."""
+    ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    """The expert-parallel group (ranks holding different experts of one MoE layer)."""
+    expert_dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    """The ranks holding the same experts (their gradients are averaged over it)."""
+    ep_rank: int = 0
+    """This rank's place in ``ep_group``: it holds experts ``[ep_rank * E / EP, (ep_rank + 1) * E / EP)``."""
+
+    @property
+    def ep_size(self) -> int:
+        return self.config.expert_model_parallel_size
 
     @property
     def tp_size(self) -> int:
@@ -89,7 +99,7 @@ def _init_process_group(backend: str | None, timeout_minutes: int) -> None:
 def init_parallel(
     config: ParallelConfig, *, seed: int = 1234, backend: str | None = None, timeout_minutes: int | None = None
 ) -> ParallelGroups:
-    """Initialise torch.distributed (if needed) and Megatron's TP / PP / DP groups.
+    """Initialise torch.distributed (if needed) and Megatron's TP / PP / DP (and expert) groups.
 
     Under ``torchrun`` the rendezvous comes from the environment; a plain single process gets a world of one.
     Uses NCCL on GPU and gloo on CPU (where the CPU support layer is installed first).
@@ -121,6 +131,8 @@ def init_parallel(
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=config.expert_model_parallel_size,
+        expert_tensor_parallel_size=1,  # experts whole on every TP rank (mcore/moe_weights.py)
         distributed_timeout_minutes=timeout_minutes,
     )
     model_parallel_cuda_manual_seed(seed)
@@ -136,6 +148,9 @@ def init_parallel(
         dp_size=dp_size,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         mp_group=cast(dist.ProcessGroup, ps.get_model_parallel_group()),
+        ep_group=cast(dist.ProcessGroup, ps.get_expert_model_parallel_group()),
+        expert_dp_group=cast(dist.ProcessGroup, ps.get_expert_data_parallel_group()),
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
     groups.dp_leaders = _dp_leaders(groups)
     groups.rank_addresses = _rank_addresses()

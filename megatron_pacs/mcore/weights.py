@@ -23,6 +23,7 @@ from mbridge.models.qwen2 import Qwen2Bridge
 from mbridge.models.qwen3 import Qwen3Bridge
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
+from megatron_pacs.mcore.moe_weights import expert_bridge, moe_checkpoint_shapes
 from megatron_pacs.mcore.parallel import ParallelGroups
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ _BRIDGES = {
     "qwen3": _local_spec_bridge(Qwen3Bridge),
     "llama": _local_spec_bridge(LLaMABridge),
 }
+_BRIDGES["qwen3_moe"] = expert_bridge(_BRIDGES["qwen3"])
 
 
 def _parallel_states(groups: ParallelGroups) -> ParallelStates:
@@ -69,6 +71,9 @@ def _parallel_states(groups: ParallelGroups) -> ParallelStates:
         vpp_size=groups.config.virtual_pipeline_model_parallel_size or 1,
         tp_group=groups.tp_group,
         pp_group=groups.pp_group,
+        ep_size=groups.ep_size,
+        ep_rank=groups.ep_rank,
+        ep_group=groups.ep_group if groups.ep_group is not None else groups.dp_group,  # unused at EP=1
         etp_group=groups.tp_group,
     )
 
@@ -126,6 +131,8 @@ def hf_state_dict_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if getattr(hf_config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
+    if getattr(hf_config, "model_type", None) == "qwen3_moe":
+        shapes = moe_checkpoint_shapes(hf_config, shapes)
     return shapes
 
 
@@ -161,6 +168,12 @@ def export_hf_weights(
     Gathered over TP and broadcast over PP one tensor at a time (bounded memory). Every rank must iterate to the
     end. Tied embeddings yield ``model.embed_tokens.weight`` once and no ``lm_head.weight``, like HF checkpoints.
     """
+    if getattr(hf_config, "model_type", None) == "qwen3_moe" and (groups.ep_size > 1 or groups.tp_size > 1):
+        raise ValueError(
+            f"exporting MoE weights at --expert-model-parallel-size {groups.ep_size} / --tensor-model-parallel-size "
+            f"{groups.tp_size} is not supported yet (experts would be gathered or numbered wrongly): export at EP=1, "
+            "TP=1 (tools/convert_checkpoint.py), or train MoE at that layout"
+        )
     bridge = make_bridge(hf_config, groups, dtype=models[0].config.params_dtype)
     seen: set[str] = set()
     stream = bridge.export_weights(models)

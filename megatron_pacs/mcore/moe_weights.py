@@ -1,0 +1,102 @@
+"""Qwen3-MoE weights on the local layer spec: the expert and router names mbridge does not know.
+
+mbridge's MoE bridges know Transformer Engine's grouped experts only (``mlp.experts.linear_fc1.weight{i}``); the
+local spec's ``SequentialMLP`` holds one MLP per expert (``mlp.experts.local_experts.{i}.linear_fc1.weight``). The
+bridge here extends the dense Qwen3 mapping (attention, norms, embeddings) with the router
+(``mlp.router.weight`` <-> ``mlp.gate.weight``) and the experts (``linear_fc1`` = gate and up stacked, ``linear_fc2``
+= down), numbering a rank's local experts by its place in the expert-parallel group. Experts are not split over
+tensor parallelism (expert tensor parallelism is 1): every TP rank of an EP rank holds its experts whole.
+
+Hugging Face checkpoints store each expert separately (``model.layers.{L}.mlp.experts.{i}.gate_proj.weight``),
+while transformers 5 fuses them in memory (``experts.gate_up_proj``): :func:`moe_checkpoint_shapes` gives the
+checkpoint's names, not the in-memory ones.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+__all__ = ["EXPERT_NAME", "expert_bridge", "moe_checkpoint_shapes"]
+
+EXPERT_NAME = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
+"""A local-spec expert weight: group 1 is the rank's local expert index, group 2 the layer (1: gate+up, 2: down)."""
+
+_ROUTER = ".mlp.router.weight"
+
+
+def moe_checkpoint_shapes(hf_config: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """``shapes`` of an instantiated HF Qwen3-MoE with each layer's fused experts replaced by the per-expert tensors
+    a ``save_pretrained`` checkpoint holds."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):  # [E, 2 I, H]
+            prefix = name[: -len("gate_up_proj")]
+            for i in range(shape[0]):
+                out[f"{prefix}{i}.gate_proj.weight"] = (shape[1] // 2, shape[2])
+                out[f"{prefix}{i}.up_proj.weight"] = (shape[1] // 2, shape[2])
+        elif name.endswith(".mlp.experts.down_proj"):  # [E, H, I]
+            prefix = name[: -len("down_proj")]
+            for i in range(shape[0]):
+                out[f"{prefix}{i}.down_proj.weight"] = (shape[1], shape[2])
+        else:
+            out[name] = shape
+    return out
+
+
+def expert_bridge(base: type) -> type:
+    """A subclass of the dense bridge ``base`` (the local-spec Qwen3 bridge) that maps the router and the experts."""
+
+    class ExpertBridge(base):
+        def _build_config(self) -> Any:
+            # The dense base's config with the expert fields Megatron requires at EP > 1 (the bridge reads only
+            # gated_linear_unit from it).
+            c = self.hf_config
+            return self._build_base_config(
+                qk_layernorm=True,
+                num_moe_experts=c.num_experts,
+                moe_router_topk=c.num_experts_per_tok,
+                moe_ffn_hidden_size=c.moe_intermediate_size,
+                expert_tensor_parallel_size=1,
+            )
+
+        def _experts_per_rank(self) -> int:
+            return self.hf_config.num_experts // self.mpu.ep_size
+
+        def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True) -> dict[str, str]:
+            names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
+            if not consider_ep or self.mpu.ep_size == 1:
+                return names
+            offset = self._experts_per_rank() * self.mpu.ep_rank
+            out = {}
+            for local, name in names.items():
+                m = EXPERT_NAME.search(name)
+                if m:
+                    expert = int(m.group(1)) + offset
+                    name = f"{name[: m.start()]}.mlp.experts.local_experts.{expert}.linear_fc{m.group(2)}.weight"
+                out[local] = name
+            return out
+
+        def _weight_name_mapping_mlp(self, name: str) -> list[str]:
+            layer = name.split(".")[2]
+            if name.endswith(_ROUTER):
+                return [f"model.layers.{layer}.mlp.gate.weight"]
+            m = EXPERT_NAME.search(name)
+            if m is None:
+                return super()._weight_name_mapping_mlp(name)
+            prefix = f"model.layers.{layer}.mlp.experts.{m.group(1)}"
+            if m.group(2) == "1":
+                return [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
+            return [f"{prefix}.down_proj.weight"]
+
+        def _weight_split_across_tp(
+            self, mcore_weights_name: str, mcore_weights: torch.Tensor, param: torch.Tensor, tp_split_size: int
+        ) -> list[torch.Tensor]:
+            if EXPERT_NAME.search(mcore_weights_name) or mcore_weights_name.endswith(_ROUTER):
+                return [mcore_weights] * tp_split_size  # whole on every TP rank
+            return super()._weight_split_across_tp(mcore_weights_name, mcore_weights, param, tp_split_size)
+
+    ExpertBridge.__name__ = f"Expert{base.__name__}"
+    return ExpertBridge
