@@ -68,6 +68,7 @@ def _train(cfg: TrainConfig) -> int:
             if rank is None:
                 raise
             host = trainer.groups.rank_addresses[rank]
+            trainer.stacks.dump(f"lost training rank {rank} (host {host}): a collective with it failed: {exc}")
             raise RuntimeError(f"lost training rank {rank} (host {host}): a collective with it failed: {exc}") from exc
     if trainer.exit_signal is not None and trainer.exit_signal.received_at is not None:
         from megatron_pacs.utils.exit_signal import report_clean_stop

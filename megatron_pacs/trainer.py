@@ -12,6 +12,7 @@ order: the rollout distribution (each data-parallel rank receives its share as t
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,8 +47,10 @@ from megatron_pacs.sources import (
     tokenizer_fingerprint,
 )
 from megatron_pacs.utils.exit_signal import ExitSignal
+from megatron_pacs.utils.heartbeat import Heartbeat
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.sinks import MetricsWriter
+from megatron_pacs.utils.stacks import StackDumps
 from megatron_pacs.utils.timing import PhaseTimer
 from megatron_pacs.validation import validate
 
@@ -81,8 +84,18 @@ class Trainer:
         if cfg.source.rollout_source == "replay":  # refused on every rank before anything is built
             self.replay = ReplaySource(cfg, self.dump_context)
             self.replay.check(range(1, cfg.run.train_iters + 1) if cfg.checkpoint.load is None else [])
+        # SIGUSR1 dumps every thread's stack from here on: a rendezvous that hangs can be looked at too
+        self.stacks = StackDumps(Path(cfg.run.log_dir) / "stacks", rank=int(os.environ.get("RANK", "0")))
+        self.stacks.install()
+        self.writer: MetricsWriter | None = None
         self.groups = init_parallel(cfg.parallel, seed=cfg.run.seed)
         self.rank = dist.get_rank()
+        # from here on a rank that stops beating ends every other rank within --heartbeat-timeout-seconds
+        self.heartbeat = Heartbeat.from_environment(
+            cfg.run.heartbeat_timeout_seconds, self.groups.rank_addresses, self.stacks
+        )
+        if self.heartbeat is not None:
+            self.heartbeat.add_cleanup(self._flush_sinks)
         self.driver = self.rank == 0
         torch.manual_seed(cfg.run.seed)
         self.actor = Actor(cfg.model, self.groups, cfg.optim)
@@ -113,7 +126,6 @@ class Trainer:
         self.exit_signal: ExitSignal | None = None
         if cfg.run.exit_signal_handler:  # after the fleet: ray.init installs a SIGTERM handler that this replaces
             self.exit_signal = ExitSignal(cfg.run.exit_signal_grace_seconds)
-        self.writer: MetricsWriter | None = None
         self.checkpoints = RunCheckpoints(cfg, self.actor, self.reference, driver=self.driver)
 
     def _colocation(self) -> Colocation | None:
@@ -353,9 +365,17 @@ class Trainer:
 
     # -- teardown ----------------------------------------------------------------------------------------------
 
+    def _flush_sinks(self) -> None:
+        """Before a lost rank ends the process: the metrics logged so far to disk (JSONL lines already are)."""
+        if self.writer is not None:
+            self.writer.flush()
+
     def close(self) -> None:
         if self.exit_signal is not None:
             self.exit_signal.finish()
+        # This rank leaves: its last beat says so, so the others (still shutting down) do not take it for lost.
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         # Bounded and exhaustive: a generation stuck in flight is waited for CLOSE_WAIT_S at most (stopping the
         # fleet then ends it), and a step that fails is logged without skipping the ones after it.
         producer, writer, fleet, source = self.producer, self.writer, self.fleet, self.source
@@ -371,6 +391,7 @@ class Trainer:
         if source is not None:
             steps.append(("close the rollout source", source.close))
         steps.append(("destroy the process groups", destroy_parallel))
+        steps.append(("restore SIGUSR1", self.stacks.close))
         for what, step in steps:
             try:
                 step()

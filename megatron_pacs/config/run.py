@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 
 from megatron_pacs.config.base import bad, is_set
 
-__all__ = ["CheckpointConfig", "DataConfig", "EvalConfig", "RewardConfig", "RunConfig"]
+__all__ = ["MIN_HEARTBEAT_TIMEOUT_S", "CheckpointConfig", "DataConfig", "EvalConfig", "RewardConfig", "RunConfig"]
+
+MIN_HEARTBEAT_TIMEOUT_S = 2.0
+"""The shortest --heartbeat-timeout-seconds (a rank is declared lost after half of it without a beat, and every
+rank reads the store every tenth of it)."""
 
 
 @dataclass(kw_only=True)
@@ -131,6 +135,16 @@ class RunConfig:
     exit_signal_grace_seconds: float = 60.0
     """With --exit-signal-handler: seconds from SIGTERM to exit (the step in progress, then the checkpoint); set it
     below the scheduler's kill delay (Slurm's KillWait)."""
+    heartbeat_timeout_seconds: float = 60.0
+    """Every training rank publishes a heartbeat in the job's c10d store and watches the others'. When a rank's
+    heartbeat stops (its host lost, its process stopped) or the store stops answering, every other rank, whatever it
+    waits for (a collective, or rank 0's generation, which no collective timeout covers), logs one line naming that
+    rank and its host, writes every thread's stack to --log-dir/stacks/rank<R>-<time>.txt and exits 1 within this
+    many seconds (the checkpoints written stay; the same command resumes). The same dump, at any time and without
+    stopping the run: `kill -USR1 <pid of a rank>`, or `pkill -USR1 -f 'python[0-9.]* -u -m megatron_pacs.train'`
+    for every rank on a host (never the launcher: SIGUSR1 ends torchrun's agent). 0 turns heartbeats off (e.g.
+    while a debugger holds a rank stopped); then only --distributed-timeout-minutes bounds a wait in a
+    collective."""
 
     def __post_init__(self) -> None:
         if self.train_iters < 1:
@@ -141,6 +155,9 @@ class RunConfig:
             raise bad("exit_signal_grace_seconds", "must be > 0")
         if is_set(self, "exit_signal_grace_seconds") and not self.exit_signal_handler:
             raise bad("exit_signal_grace_seconds", "only applies with --exit-signal-handler; add it or drop this flag")
+        hb = self.heartbeat_timeout_seconds
+        if hb != 0 and not hb >= MIN_HEARTBEAT_TIMEOUT_S:
+            raise bad("heartbeat_timeout_seconds", f"{hb:g} must be 0 (off) or >= {MIN_HEARTBEAT_TIMEOUT_S:g}")
         if self.world_size is not None and self.world_size < 1:
             raise bad("world_size", "must be >= 1")
         if self.world_size is not None and not self.dry_run:

@@ -121,7 +121,8 @@ class Heartbeat:
         self._verdict: str | None = None  # a loss another rank published
         self._outbox: list[tuple[str, str]] = []  # keys to publish from the beat thread (the verdict, DONE)
         self._leaving = False  # close() was called: the counter stops, DONE is published
-        self._exchanges = 0  # successful exchanges with the store
+        self._wake = threading.Event()  # the beat thread's next exchange now (something to publish)
+        self._left = threading.Event()  # DONE is in the store
         self._beat_thread = threading.Thread(target=self._beat, name="heartbeat-beat", daemon=True)
         self._watch_thread = threading.Thread(target=self._watch, name="heartbeat-watch", daemon=True)
 
@@ -182,6 +183,8 @@ class Heartbeat:
         verdict_key = f"{self.prefix}/lost"
         count, present = 0, False
         while not self._stop.is_set():
+            self._wake.clear()
+            outbox: list[tuple[str, str]] = []
             try:
                 with self._lock:
                     leaving, outbox, self._outbox = self._leaving, self._outbox, []
@@ -189,6 +192,9 @@ class Heartbeat:
                     store.set(self._key(self.rank), str(count))
                 for key, value in outbox:
                     store.set(key, value)
+                if leaving and (self._key(self.rank), DONE) in outbox:
+                    self._left.set()
+                    return
                 present = present or store.check(keys)
                 if present:
                     values: list[str | None] = [v.decode() for v in store.multi_get(keys)]
@@ -197,18 +203,19 @@ class Heartbeat:
                 verdict = store.multi_get([verdict_key])[0].decode() if store.check([verdict_key]) else None
             except Exception as exc:  # noqa: BLE001 - the watcher decides when a store is lost
                 self._store_error = exc
-                self._stop.wait(self.timings.interval_s)
+                with self._lock:
+                    self._outbox = outbox + self._outbox  # published at the next exchange
+                self._wake.wait(self.timings.interval_s)
                 continue
             now = time.monotonic()
             with self._lock:
                 self._contact = now
-                self._exchanges += 1
                 self._verdict = verdict
                 for peer, value in zip(self._peers, values, strict=True):
                     if value != self._seen[peer][0]:
                         self._seen[peer] = (value, now)
             count += 1
-            self._stop.wait(self.timings.interval_s)
+            self._wake.wait(self.timings.interval_s)
 
     def _watch(self) -> None:
         """Every interval: is the store answering, did another rank publish a loss, has any peer's counter stalled?"""
@@ -240,6 +247,7 @@ class Heartbeat:
             self._fired = True
             if publish:  # every other rank names the same rank, even one whose own store connection breaks next
                 self._outbox.append((f"{self.prefix}/lost", f"{rank}:{why} (seen by rank {self.rank})"))
+                self._wake.set()
         began = time.monotonic()
         host = self.addresses[rank] if rank < len(self.addresses) else "unknown"
         log.error(
@@ -280,10 +288,8 @@ class Heartbeat:
                 return
             self._leaving = True
             self._outbox.append((self._key(self.rank), DONE))
-            # an exchange in progress may have taken the outbox before this: DONE is out after the one after it
-            published = self._exchanges + 2
-        deadline = time.monotonic() + 3 * self.timings.interval_s + 1.0
-        while time.monotonic() < deadline and self._beat_thread.is_alive() and self._exchanges < published:
-            time.sleep(0.02)  # bounded: a store that is gone leaves the beat thread stuck (a daemon)
+        self._wake.set()
+        # bounded: a store that is gone leaves the beat thread stuck in a call (a daemon thread, it ends with us)
+        self._left.wait(timeout=self.timings.interval_s + 1.0)
         self._stop.set()
         self._watch_thread.join(timeout=1.0)

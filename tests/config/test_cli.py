@@ -91,6 +91,10 @@ def test_help_documents_every_flag():
         (["--exit-signal-grace-seconds", "30"], "--exit-signal-grace-seconds"),
         (["--exit-signal-handler", "--exit-signal-grace-seconds", "0"], "--exit-signal-grace-seconds"),
         (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes"),
+        # issue 30.4: heartbeats: 0 (off) or at least 2 s
+        (["--heartbeat-timeout-seconds", "1"], "--heartbeat-timeout-seconds"),
+        (["--heartbeat-timeout-seconds", "-5"], "--heartbeat-timeout-seconds"),
+        (["--heartbeat-timeout-seconds", "nan"], "--heartbeat-timeout-seconds"),
         # issue 21.1: seeds derive independent streams (numpy SeedSequence), which take non-negative entropy
         (["--seed", "-1"], "--seed"),
     ],
@@ -163,6 +167,8 @@ def test_flags_that_apply_are_accepted():
     parse_config(["--pacs-beta", "2", "--pacs-weights", "none"])
     parse_config(["--dry-run", "--world-size", "8"])
     parse_config(["--wandb-project", "p", "--wandb-exp-name", "x", "--top-k", "20", "--reward-max-chars", "0"])
+    assert parse_config(["--heartbeat-timeout-seconds", "0"]).run.heartbeat_timeout_seconds == 0  # off
+    parse_config(["--heartbeat-timeout-seconds", "2.5"])
     with pytest.raises(ValueError, match=r"--val-data: validation is off without --eval-interval"):
         parse_config(["--val-data", "v.jsonl"]).validate(1, need_files=False)
 

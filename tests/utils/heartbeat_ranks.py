@@ -3,7 +3,7 @@ under ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (rank 0 hosts the 
 
 Modes: ``lost``: the last rank idles (the test SIGSTOPs it) while the others wait in a collective with it;
 ``usr1``: rank 0 waits in a collective until rank 1 joins, once the file ``LOG_DIR/go`` exists (the test sends
-SIGUSR1 to rank 0 meanwhile); both then finish cleanly.
+SIGUSR1 to rank 0 meanwhile); both then finish cleanly, rank 0 a heartbeat timeout after rank 1.
 """
 
 import os
@@ -47,6 +47,8 @@ def main() -> int:
             time.sleep(0.05)
     print(f"sum {wait_in_collective()} on rank {rank}", flush=True)
     dist.barrier()
+    if rank == 0:  # still watching while rank 1 leaves (its last beat says so): it is not taken for lost
+        time.sleep(timeout_s)
     beat.close()
     stacks.close()
     dist.destroy_process_group()
