@@ -2,6 +2,7 @@
 sends to every process; the launcher exits 0 when every local rank stopped cleanly, and fails otherwise. Real
 torch elastic agents with two ranks each (tests/torchrun_rank.py stands in for a training rank's stop)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -11,18 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pacs.torchrun import all_ranks_stopped_cleanly
+from megatron_pacs.torchrun import STOP_MARKER_ENV, all_ranks_stopped_cleanly, latest_saved_step
 from megatron_pacs.utils.launch import free_port
 
 HERE = Path(__file__).parent
 
 
-def _preempt(tmp_path: Path, *rank_args: str) -> tuple[int, str]:
+def _preempt(tmp_path: Path, *rank_args: str, **extra_env: str) -> tuple[int, str]:
     """Launch two ranks, wait until both run, SIGTERM every process of the job (its process group), return the
     launcher's exit code and output."""
     cmd = [sys.executable, "-m", "megatron_pacs.torchrun", "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += [str(HERE / "torchrun_rank.py"), str(tmp_path), *rank_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra_env)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
@@ -59,3 +61,38 @@ def test_clean_stop_reports_must_cover_every_local_rank(tmp_path, reports, clean
     for rank, world in reports.items():
         (tmp_path / rank).write_text(world)
     assert all_ranks_stopped_cleanly(tmp_path) is clean
+
+
+def _saved(tmp_path: Path, step: int) -> Path:
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text(f"{step}\n")
+    return save
+
+
+def test_a_clean_stop_leaves_the_marker_a_batch_script_requeues_on(tmp_path):
+    """With MEGATRON_PACS_STOP_MARKER set, a clean stop on SIGTERM writes the JSON marker examples/slurm/ reads:
+    the signal, the local ranks and the step of the latest checkpoint under the trainer's --save."""
+    marker = tmp_path / "stops" / "node0.json"
+    code, out = _preempt(tmp_path, "--save", str(_saved(tmp_path, 7)), **{STOP_MARKER_ENV: str(marker)})
+    assert code == 0, out
+    written = json.loads(marker.read_text())
+    assert {k: written[k] for k in ("stopped_on", "local_ranks", "step")} == {
+        "stopped_on": "SIGTERM",
+        "local_ranks": 2,
+        "step": 7,
+    }
+
+
+def test_no_marker_when_a_rank_failed(tmp_path):
+    marker = tmp_path / "node0.json"
+    code, out = _preempt(tmp_path, "fail", **{STOP_MARKER_ENV: str(marker)})
+    assert code != 0 and not marker.exists(), out
+
+
+def test_latest_saved_step_reads_the_trainers_save_flag(tmp_path):
+    save = _saved(tmp_path, 12)
+    assert latest_saved_step(["-m", "megatron_pacs.train", "--save", str(save), "--lr", "1"]) == 12
+    assert latest_saved_step(["--save=" + str(save)]) == 12
+    assert latest_saved_step(["--save", str(tmp_path / "none")]) is None
+    assert latest_saved_step(["--lr", "1"]) is None

@@ -109,3 +109,50 @@ run_training() {
     slurm_log "error: training exited $rc with clean-stop markers from $markers of $nnodes node(s): not requeued"
     exit $((rc ? rc : 1))
 }
+
+# start_ray_cluster NODELIST [SRUN_FLAGS...]: the rollout fleet's Ray cluster on NODELIST (examples/lib/ray_cluster.sh:
+# the head on its first node, a worker on each other node), as background job steps. Waits (up to RAY_WAIT_SECONDS,
+# 300) until the head's Ray Client port answers, then sets RAY_ADDRESS=ray://HEAD:RAY_CLIENT_PORT and RAY_STEP_PIDS.
+# RAY_AUTH_TOKEN_PATH must name a file on the shared filesystem: the head writes the token there, the workers and
+# the trainer read it. Extra SRUN_FLAGS (e.g. --het-group=1) go to both steps.
+start_ray_cluster() {
+    local nodelist="$1" head count waited=0
+    shift
+    local hosts=()
+    mapfile -t hosts < <(scontrol show hostnames "$nodelist")
+    head="${hosts[0]}"
+    count="${#hosts[@]}"
+    : "${RAY_AUTH_TOKEN_PATH:?set RAY_AUTH_TOKEN_PATH to a file on the shared filesystem}"
+    export RAY_AUTH_TOKEN_PATH
+    RAY_STEP_PIDS=()
+    slurm_log "rollout cluster: Ray head on $head, $((count - 1)) worker(s)"
+    # --overlap: Ray's steps share their nodes with nothing else of this job, but must not block later steps there
+    srun "$@" --overlap --nodes 1 --ntasks 1 --nodelist "$head" \
+        bash "$REPO_ROOT/examples/lib/ray_cluster.sh" head --block &
+    RAY_STEP_PIDS+=($!)
+    until timeout 2 bash -c "exec 3<>/dev/tcp/$head/${RAY_CLIENT_PORT:-10001}" 2>/dev/null; do
+        if ((waited >= ${RAY_WAIT_SECONDS:-300})) || ! kill -0 "${RAY_STEP_PIDS[0]}" 2>/dev/null; then
+            slurm_log "error: the Ray head on $head did not open port ${RAY_CLIENT_PORT:-10001} in ${waited}s"
+            exit 1
+        fi
+        sleep 2
+        waited=$((waited + 2))
+    done
+    if ((count > 1)); then
+        srun "$@" --overlap --nodes $((count - 1)) --ntasks $((count - 1)) --ntasks-per-node 1 --exclude "$head" \
+            bash "$REPO_ROOT/examples/lib/ray_cluster.sh" worker "$head:${RAY_PORT:-6379}" --block &
+        RAY_STEP_PIDS+=($!)
+    fi
+    export RAY_ADDRESS="ray://$head:${RAY_CLIENT_PORT:-10001}"
+    slurm_log "rollout cluster up: RAY_ADDRESS=$RAY_ADDRESS"
+}
+
+# stop_ray_cluster: end the Ray steps started by start_ray_cluster (srun passes the TERM on as a SIGKILL of the step:
+# right for Ray at the end of the job, never for the trainer, which must get its SIGTERM to save).
+stop_ray_cluster() {
+    local pid
+    for pid in "${RAY_STEP_PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    wait "${RAY_STEP_PIDS[@]}" 2>/dev/null || true
+}
