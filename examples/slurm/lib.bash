@@ -10,6 +10,7 @@
 #                               to its scheduling interval early or late, and the batch script still has to requeue
 #   STOP_DIR                    where each node's launcher leaves its clean-stop marker (a folder per job under
 #                               $SLURM_SUBMIT_DIR/slurm-stops; on the shared filesystem)
+#   SRUN_EXTRA_ARGS             more srun flags for every step, e.g. a container's (examples/README.md, "Slurm")
 
 REPO_ROOT="${REPO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"
 EXIT_SIGNAL_GRACE_SECONDS="${EXIT_SIGNAL_GRACE_SECONDS:-60}"
@@ -81,6 +82,7 @@ first_host() {
 run_training() {
     local nnodes="$1" srun_flags=() rc=0 markers step
     shift
+    read -r -a srun_flags <<<"${SRUN_EXTRA_ARGS:-}"
     while (($#)) && [[ "$1" != -- ]]; do
         srun_flags+=("$1")
         shift
@@ -116,8 +118,10 @@ run_training() {
 # RAY_AUTH_TOKEN_PATH must name a file on the shared filesystem: the head writes the token there, the workers and
 # the trainer read it. Extra SRUN_FLAGS (e.g. --het-group=1) go to both steps.
 start_ray_cluster() {
-    local nodelist="$1" head count waited=0
+    local nodelist="$1" head count waited=0 extra=()
     shift
+    read -r -a extra <<<"${SRUN_EXTRA_ARGS:-}"
+    set -- "$@" "${extra[@]}"
     local hosts=()
     mapfile -t hosts < <(scontrol show hostnames "$nodelist")
     head="${hosts[0]}"
