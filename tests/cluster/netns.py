@@ -190,6 +190,11 @@ class VirtualCluster:
                     pass
         self.kill_host(host)
 
+    def set_link(self, host: str, up: bool) -> None:
+        """Take ``host``'s ``eth0`` down (a host cut off: its processes live on, no connection is closed, packets to
+        and from it are dropped) or up again."""
+        _ip("-n", self.hosts[host].netns, "link", "set", "eth0", "up" if up else "down")
+
     def leftovers(self) -> dict[str, list[int]]:
         """Processes still alive per host (empty when every host is clean)."""
         return {h: pids for h in self.hosts if (pids := self.pids(h))}
