@@ -11,6 +11,7 @@
 #   STOP_DIR                    where each node's launcher leaves its clean-stop marker (a folder per job under
 #                               $SLURM_SUBMIT_DIR/slurm-stops; on the shared filesystem)
 #   SRUN_EXTRA_ARGS             more srun flags for every step, e.g. a container's (examples/README.md, "Slurm")
+#   RAY_START_ARGS              more `ray start` flags for the rollout cluster's nodes (e.g. --temp-dir DIR)
 
 REPO_ROOT="${REPO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"
 EXIT_SIGNAL_GRACE_SECONDS="${EXIT_SIGNAL_GRACE_SECONDS:-60}"
@@ -118,10 +119,11 @@ run_training() {
 # RAY_AUTH_TOKEN_PATH must name a file on the shared filesystem: the head writes the token there, the workers and
 # the trainer read it. Extra SRUN_FLAGS (e.g. --het-group=1) go to both steps.
 start_ray_cluster() {
-    local nodelist="$1" head count waited=0 extra=()
+    local nodelist="$1" head count waited=0 extra=() ray_args=()
     shift
     read -r -a extra <<<"${SRUN_EXTRA_ARGS:-}"
     set -- "$@" "${extra[@]}"
+    read -r -a ray_args <<<"${RAY_START_ARGS:-}"
     local hosts=()
     mapfile -t hosts < <(scontrol show hostnames "$nodelist")
     head="${hosts[0]}"
@@ -132,7 +134,7 @@ start_ray_cluster() {
     slurm_log "rollout cluster: Ray head on $head, $((count - 1)) worker(s)"
     # --overlap: Ray's steps share their nodes with nothing else of this job, but must not block later steps there
     srun "$@" --overlap --nodes 1 --ntasks 1 --nodelist "$head" \
-        bash "$REPO_ROOT/examples/lib/ray_cluster.sh" head --block &
+        bash "$REPO_ROOT/examples/lib/ray_cluster.sh" head --block "${ray_args[@]}" &
     RAY_STEP_PIDS+=($!)
     until timeout 2 bash -c "exec 3<>/dev/tcp/$head/${RAY_CLIENT_PORT:-10001}" 2>/dev/null; do
         if ((waited >= ${RAY_WAIT_SECONDS:-300})) || ! kill -0 "${RAY_STEP_PIDS[0]}" 2>/dev/null; then
@@ -144,7 +146,7 @@ start_ray_cluster() {
     done
     if ((count > 1)); then
         srun "$@" --overlap --nodes $((count - 1)) --ntasks $((count - 1)) --ntasks-per-node 1 --exclude "$head" \
-            bash "$REPO_ROOT/examples/lib/ray_cluster.sh" worker "$head:${RAY_PORT:-6379}" --block &
+            bash "$REPO_ROOT/examples/lib/ray_cluster.sh" worker "$head:${RAY_PORT:-6379}" --block "${ray_args[@]}" &
         RAY_STEP_PIDS+=($!)
     fi
     export RAY_ADDRESS="ray://$head:${RAY_CLIENT_PORT:-10001}"

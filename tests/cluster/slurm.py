@@ -115,6 +115,8 @@ class SlurmCluster:
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a Slurm client (and, through sbatch's ``--export=ALL``, of the jobs)."""
         env = dict(os.environ, SLURM_CONF=str(self.conf))
+        path = env.get("PATH", "/usr/bin:/bin").split(":")
+        env["PATH"] = ":".join(path + [d for d in ("/usr/sbin", "/sbin") if d not in path])  # the daemons live there
         for name in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))]:
             if name != "SLURM_CONF":
                 del env[name]

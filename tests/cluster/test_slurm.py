@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -42,11 +43,19 @@ def slurm(netns_ok, tmp_path_factory) -> Iterator[SlurmCluster]:  # noqa: F811
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"CI=true but the Slurm tests cannot run: {why}")
         pytest.skip(why)
-    with SlurmCluster(["node0", "node1"], tmp_path_factory.mktemp("slurm")) as cluster:
-        print(f"\nslurm: controller and 2 idle nodes in {cluster.setup_seconds:.1f}s")
-        assert cluster.setup_seconds <= 60
-        yield cluster
+    previous = signal.signal(signal.SIGTERM, _terminated)  # a SIGTERM to pytest still tears the cluster down
+    try:
+        with SlurmCluster(["node0", "node1"], tmp_path_factory.mktemp("slurm")) as cluster:
+            print(f"\nslurm: controller and 2 idle nodes in {cluster.setup_seconds:.1f}s")
+            assert cluster.setup_seconds <= 60
+            yield cluster
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert not cluster.cluster.exists(), "the Slurm cluster's namespaces or bridge are left behind"
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"pytest got signal {signum}")
 
 
 def _env(setup: Path, run: Path, **extra: str) -> dict[str, str]:
