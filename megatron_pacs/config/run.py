@@ -9,7 +9,7 @@ from megatron_pacs.config.base import bad, is_set
 __all__ = ["MIN_HEARTBEAT_TIMEOUT_S", "CheckpointConfig", "DataConfig", "EvalConfig", "RewardConfig", "RunConfig"]
 
 MIN_HEARTBEAT_TIMEOUT_S = 2.0
-"""The shortest --heartbeat-timeout-seconds (a rank is declared lost after half of it without a beat, and every
+"""The shortest --heartbeat-timeout-seconds (a rank is declared lost after 0.4 of it without a beat, and every
 rank reads the store every tenth of it)."""
 
 

@@ -19,10 +19,12 @@ the cleanups (flushing metrics; bounded); and ends the process with ``os._exit(1
 stuck in C++ where no exception reaches it. Checkpoints are written atomically, so whatever was committed stays;
 on the driver the Ray Client session ends with the process and Ray releases the job's actors.
 
-With ``T`` the timeout: reads every ``T/10`` (at most 5 s); a peer is declared lost after ``T - 3 T/10 - T/5`` of
-no progress (half of ``T``; 35 s of the default 60 s), which leaves room for the read and watch intervals and for
-the exit (``T/5``, at most 10 s): a process has exited by ``T`` after its peer's last beat. Each rank writes one
-key and reads ``world`` keys per interval: at 1,000 ranks and 5 s, 200,000 keys a second at the store.
+With ``T`` the timeout: reads every ``i = T/10`` (at most 5 s); a peer is declared lost after ``T - 4 i - T/5`` of
+no progress (0.4 ``T``; 30 s of the default 60 s). That leaves room for the peer's last beat and the read and watch
+intervals (up to ``3 i``), the exit (``T/5``, at most 10 s: stacks, cleanups, the verdict read by the others) and
+``i`` for a launcher to notice: a process, its launcher included, has exited by ``T`` after its peer's last beat.
+Each rank writes one key and reads ``world`` keys per interval: at 1,000 ranks and 5 s, 200,000 keys a second at
+the store.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Timings:
         self.timeout_s = timeout_s
         self.interval_s = min(timeout_s / 10, 5.0)
         self.exit_s = min(timeout_s / 5, 10.0)
-        self.stale_s = timeout_s - 3 * self.interval_s - self.exit_s
+        self.stale_s = timeout_s - 4 * self.interval_s - self.exit_s
 
 
 def tcp_store_client(host: str, port: int, timeout_s: float) -> Store:

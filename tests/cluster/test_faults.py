@@ -119,7 +119,7 @@ def test_lost_training_host_stops_the_survivor_within_the_heartbeat_timeout_and_
     logs = _logs(d, "lost-train0")
     assert code not in (0, None), logs
     print(f"lost training host (links down): train0 exited {took:.1f}s after the cut (timeout {timeout_s}s)")
-    assert took <= timeout_s + 3, f"train0 exited {took:.1f}s after the cut"  # + torchrun's own exit
+    assert took <= timeout_s + 2, f"train0 exited {took:.1f}s after the cut"  # + a loaded machine
     address = d.cluster.hosts["train1"].address
     assert f"lost training rank 1 (host {address})" in logs, logs
     (dump,) = (d.workdir / "lost" / "stacks").glob("rank0-*.txt")
