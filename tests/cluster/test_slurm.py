@@ -217,14 +217,15 @@ def test_scancel_signal_term_mid_step_saves_requeues_resumes_and_equals_the_plai
 
 
 def test_signal_term_before_the_time_limit_saves_and_requeues(slurm, cluster_setup, tmp_path):  # noqa: F811
-    """``--time=2`` with ``--signal=TERM@45`` (grace 8 s + margin 7 s), in the middle of a run too long for the
-    limit: every rank stops after the step in progress, saves it, and the job requeues itself (the resume after a
-    requeue is the preemption test's; here the requeued job is cancelled). Slurm 22.05 sends the signal N to N + 30 s
+    """``--time=2`` with ``--signal=TERM@45`` (grace 8 s + margin 7 s), on one node, in the middle of a run too long
+    for the limit: the rank stops after the step in progress, saves it, and the job requeues itself (the resume after
+    a requeue is the preemption test's; here the requeued job is cancelled). Slurm 22.05 sends the signal N to N + 30 s
     before the limit (its controller checks every 30 s), here 45-75 s after the start: after the trainer has started
     and installed its handler even on a loaded machine (a SIGTERM before that fails the run). About 60 s."""
     run = tmp_path / "limit"
     env = _env(cluster_setup, run, TRAIN_ITERS="2000", EXIT_SIGNAL_GRACE_SECONDS="8", SIGNAL_MARGIN_SECONDS="7")
-    job = _submit(slurm, run, "--time=2", **env, SBATCH_SIGNAL="TERM@45")
+    # one node: the signal's path is the same, at half the CPU of a wait that Slurm's schedule makes long
+    job = _submit(slurm, run, "--time=2", "--nodes=1", **env, SBATCH_SIGNAL="TERM@45")
     started = time.monotonic()
     running = None
     while int(slurm.job(job).get("Restarts", "0")) < 1 and time.monotonic() - started < 150:
