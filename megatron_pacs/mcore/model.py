@@ -200,8 +200,8 @@ def moe_settings(hf_config: Any, parallel: ParallelConfig, overrides: dict[str, 
 
     Raises:
         ValueError: for layouts the model cannot express yet: dense layers among the MoE ones (``mlp_only_layers``,
-            ``decoder_sparse_step != 1``) and shared experts; or experts that ``--expert-model-parallel-size``
-            does not divide.
+            ``decoder_sparse_step != 1``) and shared experts; for experts that ``--expert-model-parallel-size``
+            does not divide; for TP > 1 without sequence parallelism (Megatron refuses MoE there).
     """
     experts = hf_config.num_experts
     if _get(hf_config, "mlp_only_layers"):
@@ -214,6 +214,11 @@ def moe_settings(hf_config: Any, parallel: ParallelConfig, overrides: dict[str, 
         )
     if _get(hf_config, "shared_expert_intermediate_size"):
         raise ValueError("shared experts (shared_expert_intermediate_size) are not supported yet")
+    if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+        raise ValueError(
+            "sequence_parallel: Megatron's MoE layers need --sequence-parallel at --tensor-model-parallel-size "
+            f"{parallel.tensor_model_parallel_size}; add it"
+        )
     ep = parallel.expert_model_parallel_size
     if experts % ep:
         raise ValueError(f"expert_model_parallel_size={ep} must divide num_experts={experts}")
@@ -366,6 +371,20 @@ def _te_spec(config: TransformerConfig):
     )
 
 
+def _reduce_experts_over_expert_data_parallel(model: torch.nn.Module) -> None:
+    """Mark every expert weight for DDP's expert buffers (``allreduce=False``), whatever the EP size.
+
+    Megatron marks them only at EP > 1 and otherwise reduces them over the data-parallel group. With expert tensor
+    parallelism 1 under TP > 1 (sequence parallel) each TP rank routes only its own tokens, so an expert's gradient
+    is split over the TP ranks too: only the expert-data-parallel group (which spans them) sums it. Measured at
+    TP=2, EP=1: expert gradients short by the other rank's tokens without this.
+    """
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False  # pyright: ignore[reportAttributeAccessIssue] - Megatron's parameter tag
+
+
 def resolve_spec(spec: str) -> str:
     """``auto`` -> ``te`` (GPU with TE), ``sdpa`` (GPU without TE) or ``local`` (CPU)."""
     if spec not in SPECS:
@@ -451,6 +470,8 @@ def build_gpt_model(
                 pg_collection=groups.pg_collection,
                 vp_stage=vp_stage,
             )
+        if config.num_moe_experts:
+            _reduce_experts_over_expert_data_parallel(model)
         if torch.cuda.is_available():
             model = model.cuda()
         chunks.append(model)

@@ -15,16 +15,21 @@ checkpoint's names, not the in-memory ones.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["EXPERT_NAME", "expert_bridge", "moe_checkpoint_shapes"]
+from megatron_pacs.mcore.parallel import ParallelGroups
+
+__all__ = ["EXPERT_NAME", "expert_bridge", "gather_experts", "moe_checkpoint_shapes"]
 
 EXPERT_NAME = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 """A local-spec expert weight: group 1 is the rank's local expert index, group 2 the layer (1: gate+up, 2: down)."""
 
 _ROUTER = ".mlp.router.weight"
+_HF_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\.(?:gate|up|down)_proj\.weight)$")
 
 
 def moe_checkpoint_shapes(hf_config: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -44,6 +49,27 @@ def moe_checkpoint_shapes(hf_config: Any, shapes: dict[str, tuple[int, ...]]) ->
         else:
             out[name] = shape
     return out
+
+
+def gather_experts(
+    name: str, tensor: torch.Tensor, groups: ParallelGroups, hf_config: Any
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One exported ``(hf_name, tensor)``, or for an expert's tensor at EP > 1, that expert of every rank of the
+    expert-parallel group under its owner's number (the bridge numbers a rank's experts from 0).
+
+    Every rank of the EP group reaches the same exported name at the same time (they hold the same layers), so the
+    all-gather here pairs up.
+    """
+    m = _HF_EXPERT.match(name)
+    if m is None or groups.ep_size == 1:
+        yield name, tensor
+        return
+    assert groups.ep_group is not None
+    every = [torch.empty_like(tensor) for _ in range(groups.ep_size)]
+    dist.all_gather(every, tensor.contiguous(), group=groups.ep_group)
+    per_rank = hf_config.num_experts // groups.ep_size
+    for rank, part in enumerate(every):
+        yield f"{m.group(1)}{int(m.group(2)) + rank * per_rank}{m.group(3)}", part
 
 
 def expert_bridge(base: type) -> type:
@@ -90,6 +116,13 @@ def expert_bridge(base: type) -> type:
             if m.group(2) == "1":
                 return [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
             return [f"{prefix}.down_proj.weight"]
+
+        def _weight_merge_across_tp(
+            self, mcore_weights_name: str, mcore_weights: list[torch.Tensor], param: torch.Tensor
+        ) -> torch.Tensor:
+            if EXPERT_NAME.search(mcore_weights_name) or mcore_weights_name.endswith(_ROUTER):
+                return mcore_weights[0]  # every TP rank holds the same whole tensor
+            return super()._weight_merge_across_tp(mcore_weights_name, mcore_weights, param)
 
         def _weight_split_across_tp(
             self, mcore_weights_name: str, mcore_weights: torch.Tensor, param: torch.Tensor, tp_split_size: int

@@ -23,7 +23,7 @@ from mbridge.models.qwen2 import Qwen2Bridge
 from mbridge.models.qwen3 import Qwen3Bridge
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
-from megatron_pacs.mcore.moe_weights import expert_bridge, moe_checkpoint_shapes
+from megatron_pacs.mcore.moe_weights import expert_bridge, gather_experts, moe_checkpoint_shapes
 from megatron_pacs.mcore.parallel import ParallelGroups
 
 if TYPE_CHECKING:
@@ -165,15 +165,10 @@ def export_hf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream this model's weights as ``(hf_name, full tensor)`` in Hugging Face layout.
 
-    Gathered over TP and broadcast over PP one tensor at a time (bounded memory). Every rank must iterate to the
-    end. Tied embeddings yield ``model.embed_tokens.weight`` once and no ``lm_head.weight``, like HF checkpoints.
+    Gathered over TP and broadcast over PP one tensor at a time (bounded memory); MoE experts are gathered over
+    expert parallelism and named by their owner's numbering. Every rank must iterate to the end. Tied embeddings
+    yield ``model.embed_tokens.weight`` once and no ``lm_head.weight``, like HF checkpoints.
     """
-    if getattr(hf_config, "model_type", None) == "qwen3_moe" and (groups.ep_size > 1 or groups.tp_size > 1):
-        raise ValueError(
-            f"exporting MoE weights at --expert-model-parallel-size {groups.ep_size} / --tensor-model-parallel-size "
-            f"{groups.tp_size} is not supported yet (experts would be gathered or numbered wrongly): export at EP=1, "
-            "TP=1 (tools/convert_checkpoint.py), or train MoE at that layout"
-        )
     bridge = make_bridge(hf_config, groups, dtype=models[0].config.params_dtype)
     seen: set[str] = set()
     stream = bridge.export_weights(models)
@@ -184,7 +179,7 @@ def export_hf_weights(
             item = next(stream, None)
         if item is None:
             return
-        name, tensor = item
-        if name not in seen:
-            seen.add(name)
-            yield name, tensor.detach()
+        for name, tensor in gather_experts(item[0], item[1], groups, hf_config):
+            if name not in seen:
+                seen.add(name)
+                yield name, tensor.detach()

@@ -1,10 +1,10 @@
-"""One torchrun rank of the MoE checks (tests/mcore/test_moe.py): a tiny Qwen3-MoE at ``--ep`` with ``--dispatcher``
-on gloo, against Hugging Face on the same weights.
+"""One torchrun rank of the MoE checks (tests/mcore/test_moe.py): a tiny Qwen3-MoE at ``--tp`` / ``--ep`` with
+``--dispatcher`` on gloo, against Hugging Face on the same weights.
 
-Each rank takes its own half of four sequences (data parallel); the logits of its half are compared with HF's, and
-after a backward of the summed token log-probs (gradients summed over the data-parallel ranks, experts over the
-ranks that hold the same experts) the router's and every expert's gradients are compared with HF's on all four.
-Writes ``results_ep{EP}_{dispatcher}_{norm}.json`` (rank 0).
+Each data-parallel rank takes its share of four sequences; their token log-probs (vocab-parallel at TP > 1) are
+compared with HF's, and after a backward of their sum (gradients summed over the data-parallel ranks, experts over
+the ranks that hold the same experts) the router's and every expert's gradients are compared with HF's on all four.
+Then the weights are exported and compared with the checkpoint, bit for bit. Writes ``--out`` (rank 0).
 """
 
 from __future__ import annotations
@@ -18,46 +18,75 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_pacs.config import ParallelConfig
+from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
 from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.moe_weights import EXPERT_NAME
 from megatron_pacs.mcore.parallel import init_parallel
-from megatron_pacs.mcore.weights import load_hf_weights
+from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 
 SEQ, BATCH = 12, 4
 
 
-def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _hf_token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``[b, s-1]`` log-probs of each next token."""
     return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def _train_step_grad_norm(model_dir: str, groups, ids: torch.Tensor) -> float:
+    """One optimizer step of the project's training path (Megatron DDP and optimizer, per-token loss normalised
+    over the global batch) on this data-parallel rank's sequences; its gradient norm, before clipping."""
+    from megatron_pacs.algo.tokens import make_micro_batches
+    from megatron_pacs.config import OptimConfig
+    from megatron_pacs.mcore.forward import model_token_logprobs
+    from megatron_pacs.mcore.optim import build_trainable, masked_sum_and_count, optimizer_step
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    models = build_gpt_model(hf_config, groups, calculate_per_token_loss=True)
+    load_hf_weights(models, model_dir, groups, hf_config)
+    trainable = build_trainable(models, groups, OptimConfig(lr=1e-3))
+    mine = ids.chunk(groups.dp_size)[groups.dp_rank]
+    mbs = make_micro_batches(mine, torch.ones_like(mine, dtype=torch.bool), 1)
+
+    def loss_fn(logits, mb):
+        loss_sum, count = masked_sum_and_count(-model_token_logprobs(logits, mb, groups.tp_group), mb.score_mask[:, 1:])
+        return loss_sum, count, {}
+
+    return optimizer_step(trainable, mbs, loss_fn).grad_norm
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, required=True)
     ap.add_argument("--dispatcher", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    groups = init_parallel(
-        ParallelConfig(expert_model_parallel_size=args.ep, moe_token_dispatcher_type=args.dispatcher)
+    layout = ParallelConfig(
+        tensor_model_parallel_size=args.tp,
+        sequence_parallel=args.tp > 1,
+        expert_model_parallel_size=args.ep,
+        moe_token_dispatcher_type=args.dispatcher,
     )
+    groups = init_parallel(layout)
     hf_config = AutoConfig.from_pretrained(args.model)
     models = build_gpt_model(hf_config, groups)
     load_hf_weights(models, args.model, groups, hf_config)
     model = models[0]
     ids = torch.randint(3, hf_config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = ids.chunk(world)[rank]
+    mine = ids.chunk(groups.dp_size)[groups.dp_rank]
     pos = torch.arange(SEQ).expand(mine.shape[0], -1)
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril().logical_not()[None, None].expand(mine.shape[0], 1, -1, -1)
-    logits = model(mine, pos, causal)
-    _token_logprobs(logits, mine).sum().backward()
+    logits = model(mine, pos, causal)  # [b, s, V / TP]
+    logp = vocab_parallel_logprobs(logits[:, :-1], mine[:, 1:], groups.tp_group)
+    logp.sum().backward()
 
     hf = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="eager")
     hf_logits = hf(ids).logits
-    _token_logprobs(hf_logits, ids).sum().backward()
+    hf_logp = _hf_token_logprobs(hf_logits, ids)
+    hf_logp.sum().backward()
 
-    logit_diff = (logits.detach() - hf_logits.detach().chunk(world)[rank]).abs().max()
+    logit_diff = (logp.detach() - hf_logp.detach().chunk(groups.dp_size)[groups.dp_rank]).abs().max()
     per_rank = max(1, hf_config.num_experts // args.ep)
     worst_router, worst_expert, experts_seen = 0.0, 0.0, 0
     for name, p in model.named_parameters():
@@ -66,7 +95,14 @@ def main() -> None:
         assert grad is not None, name
         grad = grad.clone()
         m = EXPERT_NAME.search(name)
-        dist.all_reduce(grad, group=groups.expert_dp_group if m else groups.dp_group)
+        if m:
+            # with sequence parallelism each TP rank routes its own tokens: the expert-data-parallel group (which
+            # spans the TP ranks too) holds every partial sum
+            dist.all_reduce(grad, group=groups.expert_dp_group)
+        else:
+            dist.all_reduce(grad, group=groups.dp_group)
+            if getattr(p, "sequence_parallel", False):  # the router and the norms: this rank's tokens only
+                dist.all_reduce(grad, group=groups.tp_group)
         if ".mlp." not in name:
             continue
         layer = int(name.split(".")[2])
@@ -80,18 +116,26 @@ def main() -> None:
             ref = experts.gate_up_proj.grad[expert] if m.group(2) == "1" else experts.down_proj.grad[expert]
             worst_expert = max(worst_expert, (grad - ref).abs().max().item())
             experts_seen += 1
-    diffs = torch.tensor([logit_diff.item(), worst_router, worst_expert])
+    from safetensors.torch import load_file
+
+    stored = load_file(Path(args.model) / "model.safetensors")
+    exported = dict(export_hf_weights(models, groups, hf_config))
+    export_same = exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
+    grad_norm = _train_step_grad_norm(args.model, groups, ids)
+    diffs = torch.tensor([logit_diff.item(), worst_router, worst_expert, 0.0 if export_same else 1.0])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     seen = torch.tensor([experts_seen])
     dist.all_reduce(seen)
-    if rank == 0:
+    if dist.get_rank() == 0:
         Path(args.out).write_text(
             json.dumps(
                 {
-                    "logit_diff": diffs[0].item(),
+                    "logprob_diff": diffs[0].item(),
                     "router_grad_diff": diffs[1].item(),
                     "expert_grad_diff": diffs[2].item(),
                     "expert_weights_seen": int(seen.item()),
+                    "export_bitwise": diffs[3].item() == 0.0,
+                    "train_grad_norm": grad_norm,
                 }
             )
         )

@@ -1,5 +1,6 @@
-"""Qwen3-MoE on Megatron-Core (issue 31): the config mapping and its refusals, HF parity of logits and gradients
-with either ``norm_topk_prob``, expert parallelism with both token dispatchers, and the weights both ways.
+"""Qwen3-MoE on Megatron-Core (issue 31): the config mapping and its refusals, HF parity of log-probs and gradients
+with either ``norm_topk_prob``, expert parallelism with both token dispatchers, TP=2 with sequence parallelism, one
+training step's gradient norm at every layout, and the weights both ways (HF -> EP=2 -> HF bit-exact).
 
 The parity runs are real gloo launches of tests/mcore/moe_checks.py (two ranks each, a tiny Qwen3-MoE: hidden 64,
 2 layers, 8 experts, top-2, heads 32 wide).
@@ -24,17 +25,18 @@ from megatron_pacs.utils.launch import free_port
 
 HERE = Path(__file__).parent
 FP32_TOL = 1e-5
-#: (EP, dispatcher, norm_topk_prob): EP=1 is two data-parallel ranks holding every expert.
-RUNS = [(1, "allgather", True), (2, "allgather", True), (2, "alltoall", False), (1, "alltoall", False)]
+#: (TP, EP, dispatcher, norm_topk_prob) of each two-rank launch: EP=1 is two data-parallel ranks holding every
+#: expert; TP=2 runs with sequence parallelism (Megatron's MoE needs it there) and experts whole on both TP ranks.
+RUNS = [(1, 1, "allgather", True), (1, 2, "alltoall", True), (2, 1, "allgather", True), (1, 2, "allgather", False)]
 
 
-def _launch(work: Path, ep: int, dispatcher: str, norm: bool) -> dict:
-    out = work / f"results_ep{ep}_{dispatcher}_{int(norm)}.json"
+def _launch(work: Path, tp: int, ep: int, dispatcher: str, norm: bool) -> dict:
+    out = work / f"results_tp{tp}_ep{ep}_{dispatcher}_{int(norm)}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
     cmd += [str(HERE / "moe_checks.py"), "--model", str(work / f"moe_norm{int(norm)}")]
-    cmd += ["--ep", str(ep), "--dispatcher", dispatcher, "--out", str(out)]
+    cmd += ["--tp", str(tp), "--ep", str(ep), "--dispatcher", dispatcher, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, f"EP={ep} {dispatcher} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"TP={tp} EP={ep} {dispatcher} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 
 
@@ -51,17 +53,30 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("run", RUNS, ids=lambda r: f"ep{r[0]}-{r[1]}-norm_topk_prob={r[2]}")
-def test_moe_logits_and_gradients_match_hf(results, run):
-    """Every rank's logits, and the router's and every expert's gradients (summed over the ranks holding the same
-    parameters) equal HF's on the same weights, whichever rank holds an expert and however tokens reach it."""
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: f"tp{r[0]}-ep{r[1]}-{r[2]}-norm_topk_prob={r[3]}")
+def test_moe_logprobs_gradients_and_export_match_hf(results, run):
+    """Every rank's token log-probs, and the router's and every expert's gradients (summed over the ranks holding
+    the same parameters) equal HF's on the same weights, whichever rank holds an expert and however tokens reach
+    it; the export gives the checkpoint back bit for bit, each expert under its own number."""
     r = results[run]
-    assert r["logit_diff"] < FP32_TOL
+    assert r["logprob_diff"] < FP32_TOL
     assert r["router_grad_diff"] < FP32_TOL
     assert r["expert_grad_diff"] < FP32_TOL
-    ep = run[0]
+    assert r["export_bitwise"] is True
+    ep = run[1]
     # 2 layers x 8 experts x (fc1, fc2), held once per EP group, counted on both ranks
     assert r["expert_weights_seen"] == 2 * 8 * 2 * 2 // ep
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_training_step_has_the_same_gradient_norm_at_every_layout(results):
+    """The project's training path (Megatron DDP and optimizer, per-token loss over the global batch) gives the same
+    gradient norm at EP=1, EP=2 (all-to-all) and TP=2 with sequence parallelism. At TP=2 it needs the experts in
+    DDP's expert buffers (``_reduce_experts_over_expert_data_parallel``): without that Megatron reduced them over
+    the data-parallel group only and the norm was 3.26944 instead of 3.26966."""
+    norms = [results[run]["train_grad_norm"] for run in RUNS if run[3]]
+    assert max(norms) - min(norms) <= 1e-6 * max(norms), norms
 
 
 def test_moe_config_mapping_follows_the_checkpoint():
@@ -113,6 +128,8 @@ def test_expert_flags_are_validated_and_refused_on_dense_models():
         ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=4).data_parallel_size(4)
     with pytest.raises(ValueError, match="--moe-aux-loss-coeff"):
         ModelConfig(moe_aux_loss_coeff=0.1)  # without aux_loss balancing it would be ignored
+    with pytest.raises(ValueError, match="sequence_parallel: Megatron's MoE layers need --sequence-parallel"):
+        hf_to_transformer_config(tiny_hf_config("qwen3_moe"), ParallelConfig(tensor_model_parallel_size=2))
     with pytest.raises(ValueError, match="must divide num_experts=8"):
         hf_to_transformer_config(tiny_hf_config("qwen3_moe"), ParallelConfig(expert_model_parallel_size=3))
     with pytest.raises(ValueError, match="only for MoE checkpoints"):
