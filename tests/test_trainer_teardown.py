@@ -24,7 +24,9 @@ class FleetWhoseShutdownFails:
         raise RuntimeError("lost the connection to the Ray head")
 
 
-def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkeypatch, caplog):
+def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkeypatch, caplog, tmp_path):
+    from megatron_pacs.utils.stacks import StackDumps
+
     monkeypatch.setattr(trainer_module, "CLOSE_WAIT_S", 1.0)
     release = threading.Event()
     producer = RolloutProducer(lambda rows, step: release.wait(120))  # a generation that never returns by itself
@@ -36,7 +38,9 @@ def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkey
     source.scorer = scorer
     trainer.producer, trainer.writer, trainer.source = producer, None, source
     trainer.fleet = FleetWhoseShutdownFails(release)
-    trainer.exit_signal = None
+    trainer.exit_signal, trainer.heartbeat = None, None  # one process: no heartbeat
+    trainer.stacks = StackDumps(tmp_path / "stacks", rank=0)
+    trainer.stacks.install()
     t0 = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="megatron_pacs"):
         trainer.close()
@@ -45,6 +49,7 @@ def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkey
     assert "could not shut the fleet down" in caplog.text and "lost the connection" in caplog.text
     assert scorer._workers == []  # the reward pool was still stopped after the fleet's failure
     assert release.is_set() and producer.close(timeout=5.0)  # the stuck generation ended once the fleet stopped
+    assert trainer.stacks._signum is None  # SIGUSR1 restored after the rest
 
 
 def test_rollout_dumps_follow_the_flag(tmp_path):
