@@ -117,7 +117,35 @@ class WeightSyncExtension:
         model = runner.get_model()
         _reload_derived_buffers(model)
         finalize_layerwise_reload(model, runner.model_config)
+        _reprepare_moe_kernels(model)
         return len(self._mp_loaded)
+
+
+def _reprepare_moe_kernels(model: torch.nn.Module) -> int:
+    """Re-run the fused-MoE kernels' own weight preparation after a reload, where a kernel keeps a private copy.
+
+    On a weight update vLLM copies the new expert weights into the layer but prepares its MoE kernel only at the
+    first load (``_setup_kernel``: "the kernel does not need to be re-built"). Kernels whose experts prepare from
+    the layer (``FusedMoEExperts.process_weights_after_loading`` overridden: the CPU one prepacks into its
+    grouped-GEMM layout) would keep computing with the old experts: engine log-probs off by 0.45 on a tiny
+    Qwen3-MoE after one update, with no warning. Feature-detected per layer (the base method is a no-op), so
+    kernels that read the layer's parameters directly are left alone.
+
+    Returns:
+        The number of MoE layers prepared again.
+    """
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    base = FusedMoEExperts.process_weights_after_loading
+    done = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or type(experts).process_weights_after_loading is base:
+            continue
+        experts.process_weights_after_loading(layer)
+        done += 1
+    return done
 
 
 def deferred_attention_check() -> Callable[[torch.nn.Module], bool]:
