@@ -65,7 +65,8 @@ def _train(cfg: TrainConfig) -> int:
             from megatron_pacs.mcore.parallel import lost_rank
 
             rank = lost_rank(trainer.groups, exc)
-            if rank is None:
+            if rank is None:  # e.g. a collective's own timeout (a stalled peer): the other threads' stacks too
+                trainer.stacks.dump(f"the run failed: {exc!r}")
                 raise
             host = trainer.groups.rank_addresses[rank]
             trainer.stacks.dump(f"lost training rank {rank} (host {host}): a collective with it failed: {exc}")
