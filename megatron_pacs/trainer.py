@@ -95,7 +95,7 @@ class Trainer:
             cfg.run.heartbeat_timeout_seconds, self.groups.rank_addresses, self.stacks
         )
         if self.heartbeat is not None:
-            self.heartbeat.add_cleanup(self._flush_sinks)
+            self.heartbeat.add_cleanup(self._before_lost_exit)
         self.driver = self.rank == 0
         torch.manual_seed(cfg.run.seed)
         self.actor = Actor(cfg.model, self.groups, cfg.optim)
@@ -365,8 +365,11 @@ class Trainer:
 
     # -- teardown ----------------------------------------------------------------------------------------------
 
-    def _flush_sinks(self) -> None:
-        """Before a lost rank ends the process: the metrics logged so far to disk (JSONL lines already are)."""
+    def _before_lost_exit(self) -> None:
+        """Before a lost rank ends the process (heartbeat thread, bounded): the engines killed at once (the driver),
+        the metrics logged so far to disk (JSONL lines already are)."""
+        if self.fleet is not None:
+            self.fleet.abandon()
         if self.writer is not None:
             self.writer.flush()
 

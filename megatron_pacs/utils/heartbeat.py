@@ -16,8 +16,9 @@ module's. Store calls are not reliably bounded by that timeout (c10d's client re
 On a loss the watcher, in this order: logs one line naming the rank and its host; publishes that verdict so every
 other rank names the same one; writes every thread's stack (:class:`~megatron_pacs.utils.stacks.StackDumps`); runs
 the cleanups (flushing metrics; bounded); and ends the process with ``os._exit(1)``, since the main thread may be
-stuck in C++ where no exception reaches it. Checkpoints are written atomically, so whatever was committed stays;
-on the driver the Ray Client session ends with the process and Ray releases the job's actors.
+stuck in C++ where no exception reaches it. Checkpoints are written atomically, so whatever was committed stays.
+The driver's cleanup kills its engine actors (Ray would release them only after Ray Client's reconnect grace
+period, 30 s after the driver's exit).
 
 With ``T`` the timeout: reads every ``i = T/10`` (at most 5 s); a peer is declared lost after ``T - 4 i - T/5`` of
 no progress (0.4 ``T``; 30 s of the default 60 s). That leaves room for the peer's last beat and the read and watch

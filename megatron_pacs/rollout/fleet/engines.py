@@ -97,6 +97,7 @@ class EngineSet:
         self._response_len = None  # running mean of response lengths, for load balancing
         self._call_restarts = 0  # restarts within the current fleet call (--max-engine-restarts)
         self.num_restarts = 0
+        self._abandoned = False  # abandon(): no engine is restarted any more
         self.num_in_flight = 0  # chunks being generated right now (observability; tests watch it)
         started = time.perf_counter()
         self.engines = [self._spawn(i) for i in range(config.num_engines)]
@@ -200,6 +201,8 @@ class EngineSet:
         """Replace engine ``index`` (dead, or hung past the call timeout), re-synced when a copy of the last update
         is kept; each start counts against ``--max-engine-restarts`` within the current call."""
         cfg = self.config
+        if self._abandoned:
+            raise RuntimeError(f"fleet: engine {index} lost after abandon() (the process is ending)") from cause
         while True:
             self._release(index)
             hung = isinstance(cause, GetTimeoutError)
@@ -292,6 +295,17 @@ class EngineSet:
                     if repeat and i not in self._stale:
                         todo.append(i)
         return [answers[i] for i in sorted(answers)]
+
+    def abandon(self) -> None:
+        """Kill every engine now, without asking it to stop, and restart none: the process is about to end (a lost
+        training rank; ``os._exit`` follows), and the engines' devices should not wait for Ray Client's reconnect
+        grace period (30 s) after it. Safe from another thread while a fleet call is in flight (it then fails)."""
+        self._abandoned = True
+        for engine in list(self.engines):
+            try:
+                ray.kill(engine)
+            except Exception as exc:  # noqa: BLE001 - dead already, or Ray gone: the process ends anyway
+                log.warning("fleet: abandon: %s", exc)
 
     def shutdown(self) -> None:
         """Stop every engine, the placement groups, the side group, and a Ray this fleet started."""
