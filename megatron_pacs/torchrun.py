@@ -16,8 +16,10 @@ node left one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -27,7 +29,14 @@ from pathlib import Path
 from megatron_pacs.utils.exit_signal import STOPS_ENV
 from megatron_pacs.utils.logging import get_logger
 
-__all__ = ["STOP_MARKER_ENV", "all_ranks_stopped_cleanly", "latest_saved_step", "main", "write_stop_marker"]
+__all__ = [
+    "STOP_MARKER_ENV",
+    "all_ranks_stopped_cleanly",
+    "forward_stack_dump_requests",
+    "latest_saved_step",
+    "main",
+    "write_stop_marker",
+]
 
 log = get_logger("torchrun")
 
@@ -81,10 +90,29 @@ def write_stop_marker(path: Path, signal_name: str, local_ranks: int, step: int 
     tmp.replace(path)
 
 
+def forward_stack_dump_requests() -> None:
+    """Pass SIGUSR1 on to the ranks (every process below this one) instead of dying of it.
+
+    torch elastic's agent does not handle SIGUSR1, whose default action ends a process: ``scancel --signal=USR1``
+    (which signals every process of the job step) would end the launcher, and with it the job, rather than ask the
+    ranks for their stacks (``<log-dir>/stacks/``, docs/architecture.md §6.1). A rank that got the signal directly
+    gets it once more from here and writes a second dump, which is harmless.
+    """
+    import psutil
+
+    def forward(signum: int, frame: object) -> None:
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signal.SIGUSR1)
+
+    signal.signal(signal.SIGUSR1, forward)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
+    forward_stack_dump_requests()
     with tempfile.TemporaryDirectory(prefix="megatron_pacs_stops_") as stops:
         os.environ[STOPS_ENV] = stops  # the ranks inherit it
         try:

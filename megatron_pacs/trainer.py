@@ -171,7 +171,8 @@ class Trainer:
             wandb_name=cfg.run.wandb_exp_name,
             config=cfg.to_dict(),
             total_steps=cfg.run.train_iters,
-            start_step=start_step,
+            # the first step this run logs: the rows of the steps the checkpoint holds stay, later ones go
+            start_step=start_step + 1 if start_step else 0,
         )
         history = []
         every = cfg.eval.eval_interval

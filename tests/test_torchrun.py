@@ -18,9 +18,10 @@ from megatron_pacs.utils.launch import free_port
 HERE = Path(__file__).parent
 
 
-def _preempt(tmp_path: Path, *rank_args: str, **extra_env: str) -> tuple[int, str]:
+def _preempt(tmp_path: Path, *rank_args: str, usr1_first: bool = False, **extra_env: str) -> tuple[int, str]:
     """Launch two ranks, wait until both run, SIGTERM every process of the job (its process group), return the
-    launcher's exit code and output."""
+    launcher's exit code and output. ``usr1_first``: first send SIGUSR1 to the launcher alone and wait until both
+    ranks got it."""
     cmd = [sys.executable, "-m", "megatron_pacs.torchrun", "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += [str(HERE / "torchrun_rank.py"), str(tmp_path), *rank_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
@@ -33,6 +34,11 @@ def _preempt(tmp_path: Path, *rank_args: str, **extra_env: str) -> tuple[int, st
         while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         assert len(list(tmp_path.glob("ready.*"))) == 2, proc.communicate(timeout=10)[0]
+        if usr1_first:
+            os.kill(proc.pid, signal.SIGUSR1)
+            while len(list(tmp_path.glob("usr1.*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+            assert proc.poll() is None, "the launcher died of SIGUSR1"
         os.killpg(proc.pid, signal.SIGTERM)  # as Slurm does: every process of the job
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -46,6 +52,14 @@ def test_a_preempted_job_whose_ranks_all_stopped_cleanly_exits_0(tmp_path):
     code, out = _preempt(tmp_path)
     assert code == 0, out
     assert "every local rank stopped cleanly" in out
+
+
+def test_sigusr1_to_the_launcher_reaches_every_rank_and_stops_nothing(tmp_path):
+    """A stack-dump request sent to the launcher (``scancel --signal=USR1`` signals it too) is passed on to the
+    ranks; torch elastic's agent alone would die of it, ending the job."""
+    code, out = _preempt(tmp_path, usr1_first=True)
+    assert sorted(p.name for p in tmp_path.glob("usr1.*")) == ["usr1.0", "usr1.1"], out
+    assert code == 0, out
 
 
 def test_a_preempted_job_with_a_rank_that_failed_exits_non_zero(tmp_path):

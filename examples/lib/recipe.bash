@@ -56,8 +56,9 @@ RECIPE_ARGS=(
     --save "$SAVE_DIR" --load "$SAVE_DIR" --log-dir "$LOG_DIR"
     --exit-signal-handler
     # The other ranks wait in a collective while rank 0 starts the fleet and generates a step's rollouts, which at
-    # this scale can take longer than Megatron-LM's 10-minute default; a lost node is still noticed at once when its
-    # connections close, and after this long when it vanishes without closing them.
+    # this scale can take longer than Megatron-LM's 10-minute default; a lost node is noticed at once when its
+    # connections close, and by the heartbeats (--heartbeat-timeout-seconds, 60 s) when it vanishes without closing
+    # them; this timeout is left for a rank that hangs while its heartbeat still beats.
     --distributed-timeout-minutes 60
 )
 if ((${#VAL_FILES[@]})); then

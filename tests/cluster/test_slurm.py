@@ -185,11 +185,11 @@ def _assert_resumed_equal(run: Path, plain: Plain, seen: dict, what: str) -> int
     assert 1 <= stopped < int(STEPS), stopped
     assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, out
     assert out.count("training finished") == 1 and "restart 1): training finished" in out, out
-    # The first start's steps, then the resumed start's. The resumed trainer drops the stopped step's own row from
-    # metrics.jsonl (it passes the resumed step, not the next one, as the writer's start_step), so the rows of the
-    # first start are the ones read when the job was requeued.
-    rows = [r for r in seen["first_rows"] if r["step"] <= stopped] + [r for r in _metrics(run) if r["step"] > stopped]
+    # The first start's steps up to the stopped one stay in metrics.jsonl (the resumed trainer drops only the rows
+    # after its checkpoint), followed by the resumed start's.
+    rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1)), rows
+    assert [r for r in rows if r["step"] <= stopped] == [r for r in seen["first_rows"] if r["step"] <= stopped]
     assert rows == _metrics(plain.run)
     a, b = _weights(run, int(STEPS)), _weights(plain.run, int(STEPS))
     assert all(torch.equal(a[k], b[k]) for k in a)
