@@ -75,7 +75,7 @@ class TrainConfig:
                 "expert_model_parallel_size",
                 f"{self.parallel.expert_model_parallel_size}: the RL loop cannot run expert parallelism yet (its "
                 "passes are not in lockstep across the ranks that exchange tokens); train MoE at "
-                "--expert-model-parallel-size 1 (docs/architecture.md, MoE)",
+                "--expert-model-parallel-size 1 (docs/architecture.md §3.2)",
             )
         if b.ppo_mini_batch_size % dp:
             raise bad(
