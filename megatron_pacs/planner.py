@@ -42,7 +42,7 @@ _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atten
 
 @dataclass(kw_only=True)
 class ModelShape:
-    """The parameter-bearing shape of a Qwen2 / Qwen2.5 / Qwen3 / Llama decoder (field names as in HF)."""
+    """The parameter-bearing shape of a Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama decoder (field names as in HF)."""
 
     hidden_size: int
     intermediate_size: int
@@ -60,6 +60,10 @@ class ModelShape:
     """Biases on gate/up/down (Llama ``mlp_bias``)."""
     qk_norm: bool = False
     """Per-head RMSNorm on queries and keys (Qwen3)."""
+    num_experts: int = 0
+    """Routed experts per layer (Qwen3-MoE; 0: a dense MLP of ``intermediate_size``)."""
+    moe_intermediate_size: int = 0
+    """Each expert's SwiGLU width."""
     model_type: str = ""
 
     @classmethod
@@ -88,7 +92,12 @@ class ModelShape:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            # transformers 5 writes num_experts as num_local_experts
+            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            if model_type == "qwen3_moe"
+            else 0,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if model_type == "qwen3_moe" else 0,
             model_type=model_type,
         )
 
@@ -103,12 +112,19 @@ class ModelShape:
         h = self.hidden_size
         return 2 * h + 2 * self.head_dim * self.qk_norm + h * self.o_bias + h * self.mlp_bias
 
+    def expert_layer_params(self) -> int:
+        """Parameters of one layer's experts (0 for a dense model); expert parallelism splits them."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
     def layer_params(self) -> int:
-        """Parameters of one decoder layer (attention, SwiGLU MLP, both RMSNorms)."""
+        """Parameters of one decoder layer (attention, the SwiGLU MLP or the router and experts, both RMSNorms)."""
         h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        mlp = 3 * h * f + (2 * f if self.mlp_bias else 0)
+        if self.num_experts:
+            mlp = h * self.num_experts + self.expert_layer_params()  # router + experts
+        else:
+            mlp = 3 * h * f + (2 * f if self.mlp_bias else 0)
         return attn + mlp + self.replicated_layer_params()
 
     def embedding_params(self) -> int:
@@ -159,6 +175,8 @@ class RunPlan:
     pp: int
     vpp: int | None
     dp: int
+    ep: int = 1
+    """Expert parallelism (MoE): each rank holds 1 / EP of every layer's experts."""
     sequence_parallel: bool
     bf16: bool
     fp8: str | None
@@ -200,7 +218,12 @@ class RunPlan:
             "",
             "== layout ==",
             f"  world size {self.world_size} = TP {self.tp} x PP {self.pp} x DP {self.dp}   VPP {vpp}   "
-            f"sequence parallel {'on' if self.sequence_parallel else 'off'}",
+            f"sequence parallel {'on' if self.sequence_parallel else 'off'}"
+            + (
+                f"   EP {self.ep} ({s.num_experts // self.ep} of {s.num_experts} experts per rank)"
+                if s.num_experts
+                else ""
+            ),
             f"  {'bf16' if self.bf16 else 'fp32'}{f' + fp8 {self.fp8}' if self.fp8 else ''}, "
             f"recompute {'full' if self.recompute_activations else 'off'}, "
             f"{'distributed' if self.use_distributed_optimizer else 'replicated'} optimizer",
@@ -257,13 +280,17 @@ def _stage_memory(plan: RunPlan, stage: str, rank: int) -> MemoryEstimate:
     shape, tp, pp = plan.shape, plan.tp, plan.pp
     h, v_tp, rep = shape.hidden_size, shape.vocab_size / tp, shape.replicated_layer_params()
     layers = shape.num_hidden_layers // pp
-    layer_p = (shape.layer_params() - rep) / tp + rep
+    experts = shape.expert_layer_params()  # whole on every TP rank (expert TP 1), split over EP
+    layer_p = (shape.layer_params() - rep - experts) / tp + rep + experts / plan.ep
     params = layers * layer_p
+    expert_params = layers * experts / plan.ep
     if rank == 0:
         params += shape.embedding_params() / tp
     if rank == pp - 1:  # with PP > 1 a tied output layer is a second copy of the embedding on the last stage
         params += h + (shape.output_layer_params() if pp == 1 else shape.vocab_size * h) / tp
-    shard = plan.dp if plan.use_distributed_optimizer else 1
+    # the distributed optimizer shards dense parameters over DP and experts over the ranks holding the same ones
+    shard, expert_shard = (plan.dp, plan.dp * tp // plan.ep) if plan.use_distributed_optimizer else (1, 1)
+    sharded = (params - expert_params) / shard + expert_params / expert_shard
     wbytes = 2 if plan.bf16 else 4
     sbh = plan.tokens_per_micro_batch * h
     sp = plan.sequence_parallel or tp == 1
@@ -281,9 +308,9 @@ def _stage_memory(plan: RunPlan, stage: str, rank: int) -> MemoryEstimate:
         params_per_gpu=round(params),
         weights_gb=wbytes * params / GiB,
         reference_gb=wbytes * params / GiB if plan.reference_on_gpu else 0.0,  # a frozen copy: no grads or state
-        main_params_gb=4 * params / shard / GiB if plan.bf16 else 0.0,
+        main_params_gb=4 * sharded / GiB if plan.bf16 else 0.0,
         grads_gb=4 * params / GiB,
-        adam_gb=8 * params / shard / GiB,
+        adam_gb=8 * sharded / GiB,
         fp8_cache_gb=2 * layers * layer_p / GiB if plan.fp8 else 0.0,  # approx: fp8 weight + transpose per GEMM
         activations_gb=activations / GiB,
         recompute_gb=recompute / GiB,
@@ -334,6 +361,13 @@ def plan_run(shape: ModelShape, cfg: TrainConfig, *, world_size: int, gpu_memory
         f"PP {pp} x VPP {vpp or 1} does not divide num_hidden_layers={shape.num_hidden_layers}",
         "choose sizes whose product divides the number of layers",
     )
+    ep = par.expert_model_parallel_size
+    _require(
+        shape.num_experts % ep == 0 if shape.num_experts else ep == 1,
+        flag("expert_model_parallel_size"),
+        f"EP {ep} with {shape.num_experts or 'no'} experts per layer",
+        "use a divisor of the number of experts (1 for a dense model)",
+    )
     _require(
         shape.num_attention_heads % rollout_tp == 0,
         flag("rollout_tensor_parallel_size"),
@@ -365,6 +399,7 @@ def plan_run(shape: ModelShape, cfg: TrainConfig, *, world_size: int, gpu_memory
         pp=pp,
         vpp=vpp,
         dp=dp,
+        ep=par.expert_model_parallel_size,
         sequence_parallel=par.sequence_parallel,
         bf16=cfg.model.bf16,
         fp8=cfg.model.fp8_format,

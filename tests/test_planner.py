@@ -61,6 +61,36 @@ def test_qwen3_param_count_matches_transformers(tied):
     assert shape.num_params() == _hf_count(cfg)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_moe_param_count_matches_transformers(tied):
+    from transformers import Qwen3MoeConfig
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40)
+    cfg = Qwen3MoeConfig(**TINY, **moe, head_dim=24, tie_word_embeddings=tied)  # pyright: ignore[reportCallIssue]
+    shape = ModelShape.from_hf_config(cfg.to_dict())
+    assert shape.qk_norm and shape.num_experts == 8 and shape.expert_layer_params() == 8 * 3 * 64 * 40
+    assert shape.num_params() == _hf_count(cfg)
+
+
+def test_experts_split_over_ep_and_their_optimizer_state_over_expert_data_parallel():
+    """Per GPU: attention and norms as a dense model's; each layer's experts divided by EP (whole on every TP
+    rank), their Adam state sharded over the ranks holding the same experts (DP x TP / EP)."""
+    from transformers import Qwen3MoeConfig
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40)
+    shape = ModelShape.from_hf_config(Qwen3MoeConfig(**TINY, **moe, tie_word_embeddings=False).to_dict())
+    plan = _plan(shape, tp=1, sequence_parallel=False, world_size=8)
+    one = planner._stage_memory(plan, "only", 0)
+    plan.ep = 2
+    two = planner._stage_memory(plan, "only", 0)
+    experts = shape.num_hidden_layers * shape.expert_layer_params()
+    assert one.params_per_gpu == shape.num_params() and two.params_per_gpu == one.params_per_gpu - experts // 2
+    gib = 1024**3
+    dense = one.params_per_gpu - experts
+    assert two.adam_gb == pytest.approx(8 * (dense / 8 + experts / 2 / 4) / gib)  # DP 8; expert DP 8 x 1 / 2
+    assert "EP 2 (4 of 8 experts per rank)" in plan.format()
+
+
 def test_shipped_configs_have_the_public_sizes():
     assert ModelShape.from_pretrained(EXAMPLES / "qwen2.5-7b").num_params() == 7_615_616_512
     assert ModelShape.from_pretrained(EXAMPLES / "qwen2.5-3b").num_params() == 3_085_938_688

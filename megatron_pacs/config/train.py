@@ -67,7 +67,7 @@ class TrainConfig:
         """
         b = self.batch
         dp = self.parallel.data_parallel_size(world_size)
-        if self.parallel.expert_model_parallel_size > 1 and not self.run.dry_run:
+        if self.parallel.expert_model_parallel_size > 1:
             # An MoE layer's token exchange pairs every forward of one EP rank with one of each other EP rank; the
             # RL step's passes are not yet in lockstep across data-parallel ranks (the weight-sync probe runs on
             # DP rank 0 alone, packed micro-batches differ in number per rank): a run would hang.
