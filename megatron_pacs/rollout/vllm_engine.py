@@ -502,6 +502,13 @@ class VLLMEngine:
         del self.llm  # later calls fail plainly; a second shutdown is a no-op
         del llm
         gc.collect()
+        if not self.multiprocess:
+            # An engine in this process left vLLM's model-parallel groups set up for its model; the next one would
+            # reuse them (a Qwen3-MoE after a dense model failed: "expert parallel group is not initialized").
+            # Only vLLM's own groups go: the process's torch.distributed world, if any, is the caller's.
+            from vllm.distributed.parallel_state import destroy_model_parallel
+
+            destroy_model_parallel()
 
 
 if TYPE_CHECKING:  # a static assertion for the type checker; nothing runs
