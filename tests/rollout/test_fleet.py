@@ -467,6 +467,7 @@ def test_a_replacement_is_placed_only_after_the_lost_engine_s_placement_group_is
     fleet.config = RolloutConfig()
     fleet.engines, fleet._placement_groups, fleet._group, fleet._hosts = ["lost"], {0: "pg0"}, None, ["10.0.0.2"]
     fleet._call_restarts, fleet.num_restarts, fleet._latest, fleet._updated, fleet._stale = 0, 0, [], False, set()
+    fleet._abandoned = False
     monkeypatch.setattr(ray, "kill", lambda actor: events.append(("kill", actor)))
     monkeypatch.setattr(ray.util, "remove_placement_group", lambda pg: events.append(("remove", pg)))
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: events.append(("ready", ref)))
