@@ -146,11 +146,26 @@ class SlurmCluster:
         with open(munge_dir / "munged.out", "ab") as out:
             # setpriv and munged -F exec in place: the pid is munged's
             self._munged = subprocess.Popen(
-                ["setpriv", "--reuid=munge", "--regid=munge", "--clear-groups", "--", "munged", "-F", "--force",
-                 f"--socket={socket}", f"--key-file={key}", f"--pid-file={munge_dir}/munged.pid",
-                 f"--seed-file={munge_dir}/munged.seed", f"--log-file={munge_dir}/munged.log"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                [
+                    "setpriv",
+                    "--reuid=munge",
+                    "--regid=munge",
+                    "--clear-groups",
+                    "--",
+                    "munged",
+                    "-F",
+                    "--force",
+                    f"--socket={socket}",
+                    f"--key-file={key}",
+                    f"--pid-file={munge_dir}/munged.pid",
+                    f"--seed-file={munge_dir}/munged.seed",
+                    f"--log-file={munge_dir}/munged.log",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.pids.append(self._munged.pid)
         deadline = time.monotonic() + timeout
         while not socket.exists():

@@ -243,8 +243,10 @@ def test_signal_term_before_the_time_limit_saves_and_requeues(slurm, cluster_set
     assert 1 <= stopped < 2000 and len(_metrics(run)) == stopped
     assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, out
     assert "CANCELLED" not in slurm.job(job).get("Reason", "") and "DUE TO TIME LIMIT" not in out, out
-    print(f"\ntime limit (--time=2, --signal=TERM@45): stopped after step {stopped}; requeued "
-          f"{requeued - running:.1f}s after the job started")  # fmt: skip
+    print(
+        f"\ntime limit (--time=2, --signal=TERM@45): stopped after step {stopped}; requeued "
+        f"{requeued - running:.1f}s after the job started"
+    )
 
 
 def test_a_signal_margin_shorter_than_the_grace_period_is_refused_before_any_node_works(
