@@ -224,6 +224,8 @@ def moe_settings(hf_config: Any, parallel: ParallelConfig, overrides: dict[str, 
         raise ValueError(f"expert_model_parallel_size={ep} must divide num_experts={experts}")
     balance = overrides.get("moe_router_load_balancing_type", "none")
     coeff = overrides.get("moe_aux_loss_coeff")
+    if coeff is None:
+        coeff = _get(hf_config, "router_aux_loss_coef", 0.0)
     return dict(
         num_moe_experts=experts,
         moe_router_topk=hf_config.num_experts_per_tok,
@@ -231,17 +233,13 @@ def moe_settings(hf_config: Any, parallel: ParallelConfig, overrides: dict[str, 
         moe_router_pre_softmax=not _get(hf_config, "norm_topk_prob", False),
         moe_router_score_function="softmax",
         moe_router_load_balancing_type=balance,
-        moe_aux_loss_coeff=0.0 if balance == "none" else _pick(coeff, _get(hf_config, "router_aux_loss_coef", 0.0)),
+        moe_aux_loss_coeff=0.0 if balance == "none" else coeff,
         moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
         moe_permute_fusion=False,
         moe_router_fusion=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
     )
-
-
-def _pick(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 def hf_to_transformer_config(

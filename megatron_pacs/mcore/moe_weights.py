@@ -32,6 +32,11 @@ _ROUTER = ".mlp.router.weight"
 _HF_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\.(?:gate|up|down)_proj\.weight)$")
 
 
+def _whole_on_every_tp_rank(mcore_name: str) -> bool:
+    """The router and the experts: not split over tensor parallelism (expert tensor parallelism is 1)."""
+    return bool(EXPERT_NAME.search(mcore_name)) or mcore_name.endswith(_ROUTER)
+
+
 def moe_checkpoint_shapes(hf_config: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """``shapes`` of an instantiated HF Qwen3-MoE with each layer's fused experts replaced by the per-expert tensors
     a ``save_pretrained`` checkpoint holds."""
@@ -120,15 +125,15 @@ def expert_bridge(base: type) -> type:
         def _weight_merge_across_tp(
             self, mcore_weights_name: str, mcore_weights: list[torch.Tensor], param: torch.Tensor
         ) -> torch.Tensor:
-            if EXPERT_NAME.search(mcore_weights_name) or mcore_weights_name.endswith(_ROUTER):
-                return mcore_weights[0]  # every TP rank holds the same whole tensor
+            if _whole_on_every_tp_rank(mcore_weights_name):
+                return mcore_weights[0]
             return super()._weight_merge_across_tp(mcore_weights_name, mcore_weights, param)
 
         def _weight_split_across_tp(
             self, mcore_weights_name: str, mcore_weights: torch.Tensor, param: torch.Tensor, tp_split_size: int
         ) -> list[torch.Tensor]:
-            if EXPERT_NAME.search(mcore_weights_name) or mcore_weights_name.endswith(_ROUTER):
-                return [mcore_weights] * tp_split_size  # whole on every TP rank
+            if _whole_on_every_tp_rank(mcore_weights_name):
+                return [mcore_weights] * tp_split_size
             return super()._weight_split_across_tp(mcore_weights_name, mcore_weights, param, tp_split_size)
 
     ExpertBridge.__name__ = f"Expert{base.__name__}"
