@@ -162,6 +162,11 @@ class Heartbeat:
         beat.start()
         return beat
 
+    @property
+    def fired(self) -> bool:
+        """A lost rank was found: this process is ending (its stacks are written, the exit follows)."""
+        return self._fired
+
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/rank{rank}"
 
