@@ -65,7 +65,9 @@ def _train(cfg: TrainConfig) -> int:
             from megatron_pacs.mcore.parallel import lost_rank
 
             if trainer.heartbeat is not None and trainer.heartbeat.fired:
-                raise  # a consequence of the loss the heartbeat reported (engines killed): it dumped and exits
+                # a consequence of the loss the heartbeat reported (it killed the engines): it dumps and exits
+                trainer.heartbeat.await_exit()
+                raise
             rank = lost_rank(trainer.groups, exc)
             if rank is None:  # e.g. a collective's own timeout (a stalled peer): the other threads' stacks too
                 trainer.stacks.dump(f"the run failed: {exc!r}")

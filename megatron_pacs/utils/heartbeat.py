@@ -167,6 +167,11 @@ class Heartbeat:
         """A lost rank was found: this process is ending (its stacks are written, the exit follows)."""
         return self._fired
 
+    def await_exit(self) -> None:
+        """Called by the main thread when a failure follows a loss already reported: wait (bounded) for the watch
+        thread's exit instead of printing a second, misleading error over the first."""
+        self._stop.wait(self.timings.exit_s + 2 * self.timings.interval_s)
+
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/rank{rank}"
 
