@@ -60,8 +60,7 @@ def fleet(models, tmp_path_factory):
     yield f
     import psutil
 
-    f.shutdown()
-    time.sleep(1.0)
+    f.shutdown()  # waits (bounded) for the local Ray's processes to exit
     leftovers = []
     for child in psutil.Process().children(recursive=True):
         try:

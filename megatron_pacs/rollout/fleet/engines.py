@@ -10,6 +10,7 @@ import shutil
 import time
 from typing import Any, Self
 
+import psutil
 import ray
 import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
@@ -321,7 +322,9 @@ class EngineSet:
         close_group(self._group)
         self._placement_groups, self._latest, self._group = {}, [], None
         if self._own_ray:
+            node = _local_ray_processes(self._temp_dir)
             ray.shutdown()
+            _reap(node)
             self._own_ray = False
         if self._temp_dir:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
@@ -331,3 +334,36 @@ class EngineSet:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _local_ray_processes(temp_dir: str | None) -> list[psutil.Process]:
+    """The processes of the Ray node this process started: its daemons (their command lines name ``temp_dir``)
+    and every descendant of those (the workers and the engine actors the raylet forked)."""
+    if not temp_dir:
+        return []
+    found: dict[int, psutil.Process] = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if temp_dir in " ".join(child.cmdline()):
+                found[child.pid] = child
+                found.update((p.pid, p) for p in child.children(recursive=True))
+        except psutil.Error:  # exited meanwhile
+            continue
+    return list(found.values())
+
+
+def _reap(procs: list[psutil.Process], grace: float = 15.0) -> None:
+    """Wait (bounded) for the local Ray's processes to exit after ``ray.shutdown()``, SIGKILL what outlives
+    ``grace``. ``ray.shutdown()`` kills the daemons and returns; workers notice their raylet's death only later (an
+    engine actor still in ``__init__`` loading vLLM takes seconds), and until then they hold memory and devices."""
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    if alive:
+        log.warning(
+            "fleet: %d Ray process(es) still running %.0f s after ray.shutdown(); killing them", len(alive), grace
+        )
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=5)
