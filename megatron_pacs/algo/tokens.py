@@ -107,12 +107,15 @@ class MicroBatch:
         index: Padded: ``[b]`` response index of each row, -1 for padding rows. Packed: ``[m]`` response index of
             each sequence, in row order.
         seqlens: Packed only: the m sequences' lengths in row order (the rest of the row is padding).
+        routed_experts: ``[b, L, layers, k]`` the rollout engine's experts of every token, for router replay
+            (``--router-replay r3``; -1 where none was given), or None: the routers choose.
     """
 
     tokens: torch.Tensor
     score_mask: torch.Tensor
     index: torch.Tensor
     seqlens: tuple[int, ...] | None = None
+    routed_experts: torch.Tensor | None = None
     _layout: dict[str, torch.Tensor] = field(init=False, repr=False)
     _on_device: dict[torch.device, dict[str, torch.Tensor]] = field(init=False, repr=False)
 
@@ -121,6 +124,9 @@ class MicroBatch:
             raise ValueError(
                 f"tokens {tuple(self.tokens.shape)} and score_mask {tuple(self.score_mask.shape)} must be one [b, L]"
             )
+        routed = self.routed_experts
+        if routed is not None and (routed.dim() != 4 or routed.shape[:2] != self.tokens.shape):
+            raise ValueError(f"routed_experts {tuple(routed.shape)} must be [b, L, layers, k] with tokens' [b, L]")
         if self.seqlens is not None and (self.tokens.shape[0] != 1 or len(self.seqlens) != self.index.numel()):
             raise ValueError("a packed micro-batch is one row with one length per index entry")
         self._layout = self._scored_layout()

@@ -23,6 +23,7 @@ from megatron_pacs.mcore.attention import packed_sequences, uses_own_attention
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.logprobs import LogprobImpl, vocab_parallel_logprobs
 from megatron_pacs.mcore.parallel import ParallelGroups
+from megatron_pacs.mcore.router_replay import RoutingPass
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "model_token_logprobs",
+    "own_routing_agreement",
     "run_schedule",
     "run_schedule_together",
     "sequence_logprobs",
@@ -73,9 +75,11 @@ def model_token_logprobs(
     return vocab_parallel_logprobs(output, labels, tp_group, temperature=temperature, impl=impl)[:, :-1]
 
 
-def _forward_step_factory(loss_fn: LossFn):
+def _forward_step_factory(loss_fn: LossFn, routing: RoutingPass | None):
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
+        if routing is not None:
+            routing.before_forward(model, mb)
         device = next(model.parameters()).device
         tokens = mb.tokens.to(device, non_blocking=True)
         length = tokens.shape[1]
@@ -87,7 +91,8 @@ def _forward_step_factory(loss_fn: LossFn):
             # An explicit causal mask (True = masked): Megatron's default one is allocated on "cuda".
             causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), 1)[None, None]
             output = model(tokens, position_ids, causal)
-
+        if routing is not None:
+            output = routing.after_forward(model, mb, output)
         return output, lambda output_tensor: loss_fn(output_tensor, mb)
 
     return forward_step
@@ -118,23 +123,35 @@ def _schedule(
     *,
     forward_only: bool,
     rows_per_message: int,
+    routing: RoutingPass | None = None,
 ) -> list[dict[str, torch.Tensor]]:
+    replayed = sum(mb.routed_experts is not None for mb in micro_batches)
+    if replayed and replayed < len(micro_batches):
+        raise ValueError(f"{replayed} of {len(micro_batches)} micro-batches carry a routing: all or none")
+    if routing is None and replayed:
+        routing = RoutingPass(models)
     seq_length = micro_batches[0].tokens.shape[1]
     mbs = micro_batches[0].tokens.shape[0] * rows_per_message
     if len(models) > 1:  # interleaved: one iterator per model chunk
         data_iterator = [iter(micro_batches) for _ in models]
     else:
         data_iterator = iter(micro_batches)
-    with cuda_to_cpu():
-        return get_forward_backward_func()(
-            forward_step_func=_forward_step_factory(loss_fn),
-            data_iterator=data_iterator,
-            model=list(models),
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=mbs,
-            forward_only=forward_only,
-        )
+    if routing is not None:
+        routing.clear()
+    try:
+        with cuda_to_cpu():
+            return get_forward_backward_func()(
+                forward_step_func=_forward_step_factory(loss_fn, routing),
+                data_iterator=data_iterator,
+                model=list(models),
+                num_microbatches=len(micro_batches),
+                seq_length=seq_length,
+                micro_batch_size=mbs,
+                forward_only=forward_only,
+            )
+    finally:
+        if routing is not None:
+            routing.clear()
 
 
 class _StackedChunks(torch.nn.Module):
@@ -215,6 +232,29 @@ def run_schedule_together(
         return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
     _schedule(stacked, micro_batches, loss_fn, forward_only=True, rows_per_message=len(model_sets))
+
+
+@torch.no_grad()
+def own_routing_agreement(models: Sequence[MegatronModule], micro_batches: list[MicroBatch]) -> float:
+    """``moe/router_agreement``: how often the model's routers, choosing for themselves, pick the experts of the
+    micro-batches' given routing (the engine's), over every rank (a collective over the default group: every rank
+    calls it, with its own micro-batches).
+
+    Args:
+        models: This rank's model chunks, built with ``moe_enable_routing_replay``.
+        micro_batches: This rank's micro-batches, each with its ``routed_experts``.
+
+    Returns:
+        The fraction of the given (token, layer, k) choices that the router's own top-k set holds (tokens without a
+        given routing not counted); NaN when there were none.
+    """
+    routing = RoutingPass(models, compare=True)
+
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+        return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+    _schedule(models, micro_batches, loss_fn, forward_only=True, rows_per_message=1, routing=routing)
+    return routing.agreement(dist.group.WORLD)
 
 
 def _token_logp_loss_fn(tp_group: dist.ProcessGroup, temperature: float, impl: LogprobImpl) -> LossFn:

@@ -1,0 +1,116 @@
+"""Router replay (R3, issue 31.5): Megatron's routers replaying a given routing equal Hugging Face forced to the same
+routing, forward and backward, padded and packed, at TP=2 with sequence parallelism and at PP=2, with and without
+activation recompute, with a second model built in the same process; the replay is cleared after every pass; the
+``moe/router_agreement`` measure; ``--router-replay r3`` refused where vLLM cannot return routed experts.
+
+The parity runs are two real gloo launches of tests/mcore/router_replay_checks.py (two ranks each, a tiny
+Qwen3-MoE: hidden 64, 2 layers, 8 experts, top-2; one with ``norm_topk_prob``, one without).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
+from megatron_pacs.utils.launch import free_port
+
+HERE = Path(__file__).parent
+FP32_TOL = 1e-5
+#: (TP, PP, norm_topk_prob) of each two-rank launch.
+RUNS = [(2, 1, True), (1, 2, False)]
+PASSES = [f"{r}_{p}" for r in ("plain", "recompute") for p in ("padded", "packed")]
+
+
+def _launch(root: Path, tp: int, pp: int, norm: bool) -> dict:
+    out = root / f"results_tp{tp}_pp{pp}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    cmd += [str(HERE / "router_replay_checks.py"), "--model", str(root / f"moe_norm{int(norm)}")]
+    cmd += ["--tp", str(tp), "--pp", str(pp), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, f"TP={tp} PP={pp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def prepare(root: Path) -> Path:
+    """The two tiny MoE checkpoints (with and without ``norm_topk_prob``)."""
+    for norm in (True, False):
+        config = tiny_hf_config("qwen3_moe", layers=2, norm_topk_prob=norm)
+        build_tiny_model(str(root / f"moe_norm{int(norm)}"), config, seed=1, scale=3.0)
+    return root
+
+
+#: Queued for the session (tests/launch_queue.py).
+LAUNCHES = {str(run): (lambda root, run=run: _launch(root, *run)) for run in RUNS}
+
+
+@pytest.fixture(scope="module")
+def results(launch_queue) -> dict:
+    launched: dict[str, Future] = launch_queue.futures(__name__)
+    return {run: launched[str(run)].result() for run in RUNS}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: f"tp{r[0]}-pp{r[1]}-norm_topk_prob={r[2]}")
+def test_replay_equals_hf_forced_to_the_same_routing(results, run):
+    """A random routing (not the routers' own) replayed through Megatron's schedule gives HF's token log-probs and
+    router and expert gradients under the same routing, padded and packed, with and without recompute (the second
+    model, built after the first, with recompute); the replay objects are empty after every pass."""
+    r = results[run]
+    for p in PASSES:
+        assert r[f"{p}_logprob_diff"] < FP32_TOL, p
+        assert r[f"{p}_router_grad_diff"] < FP32_TOL, p
+        assert r[f"{p}_expert_grad_diff"] < FP32_TOL, p
+        assert r[f"{p}_cleared"] is True, p
+    # without a routing the routers choose their own experts: the forced routing did change the log-probs
+    assert r["unreplayed_vs_forced_diff"] > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: f"tp{r[0]}-pp{r[1]}")
+def test_router_agreement_with_natural_and_random_routing(results, run):
+    """The model's own routing agrees fully with HF's natural routing on the same weights (every stage, every
+    sequence-parallel shard counted) and at chance level (k / E = 2 / 8) with a random one."""
+    r = results[run]
+    assert r["agreement_natural"] == 1.0
+    assert abs(r["agreement_random"] - 0.25) < 0.1
+    assert r["cleared_after_agreement"] is True
+
+
+def test_routing_shard_cuts_layer_and_sequence_parallel_shard():
+    from megatron_pacs.mcore.router_replay import routing_shard
+
+    b, length, layers, k = 2, 4, 3, 2
+    routed = torch.arange(b * length * layers * k).reshape(b, length, layers, k)
+    routed[1, 3] = -1
+    shard = routing_shard(routed, layer=1, sp_rank=1, sp_size=2)
+    # rank 1 holds positions 2..3, sequence-major: (s=2, row 0), (s=2, row 1), (s=3, row 0), (s=3, row 1)
+    expected = torch.stack([routed[0, 2, 1], routed[1, 2, 1], routed[0, 3, 1], torch.arange(k)])
+    assert torch.equal(shard, expected)
+    with pytest.raises(ValueError, match="does not split over 3"):
+        routing_shard(routed, layer=0, sp_rank=0, sp_size=3)
+
+
+def test_routing_agreement_counts_set_membership_and_skips_unrouted_tokens():
+    from megatron_pacs.mcore.router_replay import routing_agreement
+
+    own = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    given = torch.tensor([[1, 0], [2, 7], [-1, -1]])  # order does not matter; the third token has no routing
+    assert routing_agreement(own, given) == (3.0, 4.0)
+
+
+def test_micro_batch_refuses_misaligned_routing():
+    from megatron_pacs.algo.tokens import MicroBatch
+
+    tokens = torch.ones(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"routed_experts \(2, 4, 2, 2\)"):
+        MicroBatch(tokens, tokens.bool(), torch.arange(2), routed_experts=torch.zeros(2, 4, 2, 2, dtype=torch.long))
