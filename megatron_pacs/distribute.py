@@ -30,8 +30,12 @@ from megatron_pacs.config import BatchConfig
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.layout import rank_rows
 from megatron_pacs.mcore.parallel import ParallelGroups
+from megatron_pacs.rollout.lost import FOLLOWER_LINE, RolloutClusterLost
 
-__all__ = ["distribute_rollouts"]
+__all__ = ["distribute_rollouts", "send_stop"]
+
+_STOP = -1
+"""The header's response count that stops every rank instead (:func:`send_stop`)."""
 
 
 def _device() -> torch.device:
@@ -67,6 +71,8 @@ def distribute_rollouts(batch: RolloutBatch | None, cfg: BatchConfig, groups: Pa
         header[:] = torch.tensor([batch.num_responses, batch.group_size, int(batch.engine_logprobs is not None)])
     dist.broadcast(header, src=0)
     num, group_size, has_engine = (int(v) for v in header.tolist())
+    if num == _STOP:
+        raise RolloutClusterLost(FOLLOWER_LINE)
     lens = torch.zeros(2, num, dtype=torch.long, device=device)
     rewards = torch.zeros(num, dtype=torch.float32, device=device)
     if rank == 0:
@@ -117,3 +123,11 @@ def distribute_rollouts(batch: RolloutBatch | None, cfg: BatchConfig, groups: Pa
         group_size=group_size,
         engine_logprobs=engine.cpu() if has_engine else None,
     )
+
+
+def send_stop() -> None:
+    """On the driver (a no-op elsewhere): instead of a step's rollouts, tell every rank waiting in
+    :func:`distribute_rollouts` to stop (it raises :class:`~megatron_pacs.rollout.lost.RolloutClusterLost` there:
+    rank 0 lost the rollout cluster for good)."""
+    if dist.get_rank() == 0 and dist.get_world_size() > 1:
+        dist.broadcast(torch.tensor([_STOP, 0, 0], dtype=torch.long, device=_device()), src=0)

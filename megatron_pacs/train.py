@@ -16,6 +16,7 @@ import os
 import sys
 
 from megatron_pacs.config import TrainConfig, parse_config
+from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError
 
 
@@ -61,6 +62,8 @@ def _train(cfg: TrainConfig) -> int:
     with Trainer(cfg, val_rows) as trainer:
         try:
             trainer.fit(loader)
+        except RolloutClusterLost:  # saved; one line at the exit (below)
+            raise
         except Exception as exc:
             from megatron_pacs.mcore.parallel import lost_rank
 
@@ -88,6 +91,9 @@ if __name__ == "__main__":
     except ValueError as exc:  # bad flags or data: the message names the flag and the fix
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except RolloutClusterLost as exc:  # the rollout cluster did not come back: the line names it and the flag
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
     except CheckpointWriteError as exc:  # a full disk: the message names the step, the directory and what resumes
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

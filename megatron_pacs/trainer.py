@@ -30,7 +30,7 @@ from megatron_pacs.consistency import check_logprob_bound, probe_sync
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow
-from megatron_pacs.distribute import distribute_rollouts
+from megatron_pacs.distribute import distribute_rollouts, send_stop
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.optim import Trainable, reset_optimizer_state
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
@@ -38,6 +38,7 @@ from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.overlap import Generated, RolloutProducer, overlap_metrics
 from megatron_pacs.rl_step import update_policy
 from megatron_pacs.rollout.colocate import Colocation
+from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.sources import (
     DumpContext,
     ReplaySource,
@@ -189,7 +190,16 @@ class Trainer:
         # Log lines (one per step) go through tqdm.write, so the bar stays one line below them.
         with logging_redirect_tqdm(loggers=[logging.getLogger("megatron_pacs")]):
             for step in (s + 1 for s in bar):
-                metrics = self.step(loader, step)
+                committed = loader.state_dict()
+                try:
+                    metrics = self.step(loader, step)
+                except RolloutClusterLost:  # not back within --rollout-cluster-reconnect-seconds (§6.3)
+                    send_stop()  # the driver: in place of the rollouts the others wait for
+                    ck = cfg.checkpoint
+                    if ck.save and step > 1 and not (ck.save_interval and (step - 1) % ck.save_interval == 0):
+                        loader.load_state_dict(committed)
+                        self.save(step - 1, loader)
+                    raise
                 if every and (step % every == 0 or step == cfg.run.train_iters):
                     metrics.update(self.validate())
                 self.writer.log(step, metrics)

@@ -7,8 +7,12 @@ from typing import Any
 
 from megatron_pacs.config import TrainConfig
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
+from megatron_pacs.rollout.lost import RolloutClusterLost
+from megatron_pacs.utils.logging import get_logger
 
 __all__ = ["validate"]
+
+log = get_logger("validation")
 
 
 def validate(
@@ -43,7 +47,11 @@ def validate(
     out = {}
     for source, rows in val_rows.items():
         prompts = [apply_chat_template(tokenizer, r.prompt) for r in rows]
-        groups = fleet.generate(prompts, sampling)
+        try:
+            groups = fleet.generate(prompts, sampling)
+        except RolloutClusterLost as exc:  # driver only: the next step's generation stops every rank alike
+            log.warning("validation skipped: %s", exc)
+            return {}
         texts = [resp.text for g in groups for resp in g.responses]
         scored = scorer.score(texts, [r.ground_truth for r in rows for _ in range(ev.val_n)])
         out[f"val/{source}/reward_mean"] = sum(scored.scores) / max(1, len(scored.scores))

@@ -74,6 +74,20 @@ def main() -> int:
         held_tokens = int(share.token_ids.numel())
         if held_tokens != sum(int(full.lengths[i]) for i in rows):
             failures.append(f"{tag}: holds {held_tokens} tokens, more than its share")
+    # the driver's stop in place of a step's rollouts (a rollout cluster that did not come back): every other rank
+    # raises RolloutClusterLost out of its wait, with the line that points at rank 0's
+    from megatron_pacs.distribute import send_stop
+    from megatron_pacs.rollout.lost import FOLLOWER_LINE, RolloutClusterLost
+
+    if dist.get_rank() == 0:
+        send_stop()
+    else:
+        try:
+            distribute_rollouts(None, cfg, groups)
+            failures.append(f"rank {dist.get_rank()}: the stop did not raise")
+        except RolloutClusterLost as exc:
+            if str(exc) != FOLLOWER_LINE:
+                failures.append(f"rank {dist.get_rank()}: stop said {exc}")
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, failures)
     if dist.get_rank() == 0:

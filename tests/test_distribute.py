@@ -1,6 +1,8 @@
 """Rollouts as tensors (megatron_pacs.distribute) on 4 real gloo ranks: every rank receives exactly its data-parallel
 share (sequences, engine log-probs) and the step's metadata, with and without packing's balanced shares; at DP=4,
-at PP=2 x DP=2 and TP=2 x DP=2, where each leader passes its share on to its pipeline or tensor-parallel peer."""
+at PP=2 x DP=2 and TP=2 x DP=2, where each leader passes its share on to its pipeline or tensor-parallel peer;
+and the driver's stop in place of a step's rollouts (a rollout cluster that did not come back) raised on every
+other rank."""
 
 import json
 import os

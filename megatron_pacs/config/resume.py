@@ -52,6 +52,7 @@ FREE_FIELDS = frozenset(
         "rollout.keep_weights_for_restart",
         "rollout.chunks_per_engine",
         "rollout.max_engine_restarts",
+        "rollout.rollout_cluster_reconnect_seconds",
         "rollout.max_logprob_diff",
         "model.hf_model",  # the weights come from the checkpoint; a moved directory is fine (the layers are checked)
         "model.recompute_activations",

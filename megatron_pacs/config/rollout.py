@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 from megatron_pacs.config.base import bad, is_set
 
-__all__ = ["RolloutConfig"]
+__all__ = ["RAY_CLIENT_GRACE_S", "RolloutConfig", "check_reconnect_window"]
+
+RAY_CLIENT_GRACE_S = 30.0
+"""Ray Client's default reconnect grace period (``RAY_CLIENT_RECONNECT_GRACE_PERIOD``): how long a lost head goes
+unnoticed before ``--rollout-cluster-reconnect-seconds`` starts counting."""
 
 # The names megatron_pacs/rollout/backends.py registers, spelled out so that config/ imports nothing of the package
 # above it; tests/rollout/test_backends.py proves they agree.
@@ -72,6 +76,15 @@ class RolloutConfig:
     """The longest one engine call may take (a generation chunk, a weight bucket, a probe, sleep or wake-up, an
     engine's start): an engine that has not answered by then is taken as hung, killed and restarted like a dead
     one. Raise it for very long generations per chunk (or raise --chunks-per-engine)."""
+    rollout_cluster_reconnect_seconds: float = 0.0
+    """With a rollout cluster reached through Ray Client (--ray-address ray://host:10001): when its head is lost
+    mid-run (found once Ray Client's own reconnect grace, RAY_CLIENT_RECONNECT_GRACE_PERIOD, 30 s, has passed), wait
+    up to this many seconds for the head's client port to answer again; then connect again, start the engines anew,
+    re-sync them to the current weights and repeat the call (a generation repeats exactly: per-request seeds). Not
+    back in time: every rank saves the last completed step (if not checkpointed yet) and the run exits 1 with one
+    line naming the address and this flag; the same command resumes. Costs one host copy of the weights on trainer
+    rank 0, refreshed at every update. 0: off (a lost head fails the step). The other ranks wait in a collective
+    meanwhile: window + Ray Client's grace must leave half of --distributed-timeout-minutes."""
     off_policy_steps: int = 0
     """0: generate, then train, every step (synchronous). 1: the engines generate step k+1's rollouts while the
     actor trains on step k's, so every step after the first trains on rollouts one update old (docs/algorithm.md
@@ -133,6 +146,21 @@ class RolloutConfig:
             raise bad("offload_optimizer_during_rollout", "only frees memory for colocated engines; add --colocate")
         if self.max_logprob_diff is not None and not self.max_logprob_diff > 0:
             raise bad("max_logprob_diff", f"{self.max_logprob_diff} must be > 0")
+        w = self.rollout_cluster_reconnect_seconds
+        if w < 0:
+            raise bad("rollout_cluster_reconnect_seconds", f"{w:g} must be >= 0 (0: off)")
+        if w and not (self.ray_address or "").startswith("ray://"):
+            raise bad(
+                "rollout_cluster_reconnect_seconds",
+                f"waits for a remote rollout cluster reached through Ray Client, not {self.ray_address!r}; pass "
+                "--ray-address ray://<head>:10001 or drop this flag",
+            )
+        if w and self.off_policy_steps:
+            raise bad(
+                "rollout_cluster_reconnect_seconds",
+                "cannot stop every rank alike yet when the head stays lost during a generation one step off (it "
+                "fails in the middle of a step); use --off-policy-steps 0 with it",
+            )
         if self.ray_object_store_gb <= 0 or self.kv_cache_gb <= 0:
             raise bad("ray_object_store_gb" if self.ray_object_store_gb <= 0 else "kv_cache_gb", "must be > 0")
 
@@ -142,3 +170,27 @@ class RolloutConfig:
         if self.gpu_memory_utilization is not None:
             return self.gpu_memory_utilization
         return 0.5 if self.colocate else 0.85
+
+
+def check_reconnect_window(rollout: RolloutConfig, distributed_timeout_minutes: int) -> None:
+    """``--rollout-cluster-reconnect-seconds`` against ``--distributed-timeout-minutes``: while rank 0 waits for the
+    head, the other ranks wait for its rollouts in a collective, which fails after that timeout (heartbeats do not
+    bound it: every rank still beats). Ray Client's grace comes first, and the fleet's start, re-sync and the
+    repeated generation after; they get the other half of the timeout.
+
+    Raises:
+        ValueError: naming both flags, when the window cannot fit.
+    """
+    import os
+
+    window = rollout.rollout_cluster_reconnect_seconds
+    grace = float(os.environ.get("RAY_CLIENT_RECONNECT_GRACE_PERIOD", RAY_CLIENT_GRACE_S))
+    limit = distributed_timeout_minutes * 60 / 2
+    if window and window + grace > limit:
+        raise bad(
+            "rollout_cluster_reconnect_seconds",
+            f"{window:g} s + Ray Client's {grace:g} s grace exceeds half of --distributed-timeout-minutes "
+            f"{distributed_timeout_minutes} ({limit:g} s): the other ranks' wait for rank 0's rollouts would time out "
+            f"first; lower it to at most {max(0.0, limit - grace):g} or raise --distributed-timeout-minutes to "
+            f"{int(-(-2 * (window + grace) // 60))}",
+        )

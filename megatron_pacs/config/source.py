@@ -63,6 +63,7 @@ _FLEET_ONLY = {
         "chunks_per_engine",
         "max_engine_restarts",
         "engine_call_timeout_seconds",
+        "rollout_cluster_reconnect_seconds",
         "off_policy_steps",
         "offload_optimizer_during_rollout",
     ),

@@ -17,7 +17,7 @@ from megatron_pacs.config.model import ModelConfig
 from megatron_pacs.config.optim import OptimConfig
 from megatron_pacs.config.parallel import ParallelConfig
 from megatron_pacs.config.reference import ReferenceConfig
-from megatron_pacs.config.rollout import RolloutConfig
+from megatron_pacs.config.rollout import RolloutConfig, check_reconnect_window
 from megatron_pacs.config.run import CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig
 from megatron_pacs.config.source import SourceConfig, check_source_flags
 
@@ -94,6 +94,7 @@ class TrainConfig:
                     )
         sections = {"rollout": self.rollout, "loss": self.loss, "reward": self.reward, "eval": self.eval}
         check_source_flags(self.source, {**sections, "data": self.data})
+        check_reconnect_window(self.rollout, self.parallel.distributed_timeout_minutes)
         r = self.rollout
         if self.loss.off_policy_correction == "tis" and (r.temperature != 1.0 or r.top_p < 1.0 or r.top_k != -1):
             raise bad(

@@ -17,6 +17,8 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from megatron_pacs.config import RolloutConfig
 from megatron_pacs.rollout.backends import backend_class
+from megatron_pacs.rollout.fleet.reconnect import connect_again, connection_lost
+from megatron_pacs.rollout.lost import RolloutClusterLost, lost_line
 from megatron_pacs.rollout.placement import local_engine_gpus, short_temp_dir, visible_devices
 from megatron_pacs.rollout.sync import SideGroup, close_group
 from megatron_pacs.rollout.types import FleetEngine
@@ -99,6 +101,11 @@ class EngineSet:
         self._call_restarts = 0  # restarts within the current fleet call (--max-engine-restarts)
         self.num_restarts = 0
         self._abandoned = False  # abandon(): no engine is restarted any more
+        # --rollout-cluster-reconnect-seconds: the last update's packed buckets on this host, to re-sync a fleet
+        # started anew on a head that came back (the old cluster's object store went with it)
+        self._host_copy: list[tuple[torch.Tensor, list]] | None = [] if self.reconnects else None
+        self._lost: str | None = None  # the head did not come back: the one line the run stops with
+        self.num_reconnects = 0
         self.num_in_flight = 0  # chunks being generated right now (observability; tests watch it)
         started = time.perf_counter()
         self.engines = [self._spawn(i) for i in range(config.num_engines)]
@@ -116,6 +123,11 @@ class EngineSet:
         """Whether a host copy of the last update stays in the object store (``--keep-weights-for-restart``)."""
         keep = self.config.keep_weights_for_restart
         return self.transport == "object_store" or (keep if keep is not None else not self.on_gpu)
+
+    @property
+    def reconnects(self) -> bool:
+        """Whether a lost rollout cluster head is waited for (``--rollout-cluster-reconnect-seconds`` > 0)."""
+        return self.config.rollout_cluster_reconnect_seconds > 0
 
     # -- start-up ---------------------------------------------------------------------------------------------
 
@@ -297,6 +309,58 @@ class EngineSet:
                         todo.append(i)
         return [answers[i] for i in sorted(answers)]
 
+    # -- a lost rollout cluster head (--rollout-cluster-reconnect-seconds; reconnect.py) ----------------------------
+
+    def _may_reconnect(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the head's loss and waiting for it is asked for."""
+        return self.reconnects and not self._abandoned and connection_lost(exc)
+
+    def _reconnect(self, cause: BaseException) -> None:
+        """The head was lost: wait up to ``--rollout-cluster-reconnect-seconds`` for it, connect again, start every
+        engine anew and re-sync it from the host copy of the last update (the caller then repeats its call).
+
+        Raises:
+            RolloutClusterLost: Not back in time (the fleet is then marked lost: every later call fails at once).
+        """
+        cfg = self.config
+        address, window = cfg.ray_address or "", cfg.rollout_cluster_reconnect_seconds
+        lost_at = time.monotonic()
+        log.warning(
+            "fleet: lost the rollout cluster at %s (%s: %s); waiting up to %g s for it (--rollout-cluster-reconnect-"
+            "seconds)",
+            address,
+            type(cause).__name__,
+            str(cause).splitlines()[0][:200] if str(cause) else "",
+            window,
+        )
+        self.engines, self._placement_groups, self._latest, self._stale = [], {}, [], set()
+        close_group(self._group)
+        self._group = None
+        if not connect_again(address, lost_at + window):
+            self._lost = lost_line(address, window, time.monotonic() - lost_at)
+            raise RolloutClusterLost(self._lost) from cause
+        back = time.monotonic()
+        self.engines = [self._spawn(i) for i in range(cfg.num_engines)]
+        ray.get([e.ready.remote() for e in self.engines], timeout=cfg.engine_call_timeout_seconds)
+        self._hosts = ray.get([e.node_ip.remote() for e in self.engines], timeout=cfg.engine_call_timeout_seconds)
+        if self._updated and self._host_copy:
+            self._latest = [ray.put(packed) for packed in self._host_copy]
+            for engine in self.engines:
+                self._replay(engine)
+            if not self.keeps_weights:
+                self._latest = []
+        self.num_reconnects += 1
+        log.warning(
+            "fleet: connected to %s again %.1f s after the loss was found; %d engine(s) started anew in %.1f s and "
+            "re-synced (%s) (reconnect #%d)",
+            address,
+            back - lost_at,
+            len(self.engines),
+            time.monotonic() - back,
+            f"{len(self._host_copy or [])} buckets" if self._updated else "start-up weights",
+            self.num_reconnects,
+        )
+
     def abandon(self) -> None:
         """Kill every engine now, without asking it to stop, and restart none: the process is about to end (a lost
         training rank; ``os._exit`` follows), and the engines' devices should not wait for Ray Client's reconnect
@@ -311,6 +375,8 @@ class EngineSet:
     def shutdown(self) -> None:
         """Stop every engine, the placement groups, the side group, and a Ray this fleet started."""
         engines, self.engines = getattr(self, "engines", []), []
+        if getattr(self, "_lost", None) is not None:  # the cluster is gone and Ray disconnected: nothing to stop
+            return
         try:
             ray.get([e.call.remote(FleetEngine.shutdown.__name__) for e in engines], timeout=60)
         except Exception as exc:  # noqa: BLE001 - a dead engine has nothing left to stop

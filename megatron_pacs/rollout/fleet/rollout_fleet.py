@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import ray
 import torch
@@ -14,6 +14,7 @@ from ray.exceptions import GetTimeoutError
 from tqdm.auto import tqdm
 
 from megatron_pacs.rollout.fleet.engines import ENGINE_DEAD, ENGINE_LOST, EngineSet, log
+from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.rollout.placement import balance_chunks
 from megatron_pacs.rollout.sync import (
     SideGroup,
@@ -28,6 +29,8 @@ from megatron_pacs.rollout.types import FleetEngine, Prompt, RolloutGroup, Sampl
 
 __all__ = ["RolloutFleet"]
 
+T = TypeVar("T")
+
 
 class RolloutFleet(EngineSet):
     """A fleet of engine actors behind one :class:`~megatron_pacs.rollout.types.RolloutEngine` (see the
@@ -35,13 +38,48 @@ class RolloutFleet(EngineSet):
 
     # -- generation -------------------------------------------------------------------------------------------
 
+    def _reconnecting(self, call: Callable[[], T]) -> T:
+        """``call()``; when the rollout cluster's head is lost on the way, wait for it, start the fleet anew and
+        call again (``--rollout-cluster-reconnect-seconds``; per-request seeds: a generation repeats exactly).
+
+        Raises:
+            RolloutClusterLost: The head did not come back in time (now, or at an earlier call).
+        """
+        while True:
+            if self._lost is not None:
+                raise RolloutClusterLost(self._lost)
+            try:
+                return call()
+            except Exception as exc:
+                if not self._may_reconnect(exc):
+                    raise
+                self._reconnect_until_done(exc)
+
+    def _reconnect_until_done(self, cause: BaseException) -> None:
+        """:meth:`_reconnect`, again when the head is lost once more while the fleet starts on it."""
+        while True:
+            try:
+                return self._reconnect(cause)
+            except RolloutClusterLost:
+                raise
+            except Exception as exc:
+                if not self._may_reconnect(exc):
+                    raise
+                cause = exc
+
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[RolloutGroup]:
         """Sample ``sampling.n`` responses for every prompt across the fleet.
 
         Returns:
             One group per prompt, in the prompts' order, whichever engine ran it (and whether or not an engine
-            died or hung on the way).
+            died or hung on the way, or the rollout cluster's head was lost and came back).
+
+        Raises:
+            RolloutClusterLost: The head was lost and did not come back within --rollout-cluster-reconnect-seconds.
         """
+        return self._reconnecting(lambda: self._generate(prompts, sampling))
+
+    def _generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[RolloutGroup]:
         if not prompts:
             return []
         self._call_restarts = 0
@@ -101,33 +139,72 @@ class RolloutFleet(EngineSet):
 
         The stream is always consumed to its end (on trainer rank 0 it drives the other ranks' gathers). An engine
         lost on the way is restarted and given the whole update from the kept copy; without one
-        (``--keep-weights-for-restart`` off) a broken side-group update fails the step.
+        (``--keep-weights-for-restart`` off) a broken side-group update fails the step. With
+        ``--rollout-cluster-reconnect-seconds`` every update is also packed into a host copy; when the head is lost
+        on the way, the rest of the stream goes into the copy and a fleet started anew on the head that came back
+        gets the whole update from it (not back in time: the next generation raises :class:`RolloutClusterLost`).
 
         Returns:
             ``{"sync/seconds": ..., "sync/megabytes": ..., "sync/num_buckets": ...}``.
         """
         started = time.perf_counter()
+        buckets = iter_buckets(named_tensors, self.config.weight_sync_bucket_mb << 20)
+        copy: list[tuple[torch.Tensor, list]] | None = [] if self._host_copy is not None else None
+        stats = [0, 0]  # elements, buckets
+        if self._lost is None:
+            try:
+                self._update(buckets, copy, stats)
+            except Exception as exc:
+                if not self._may_reconnect(exc):
+                    raise
+                lost: BaseException | None = exc
+            else:
+                lost = None
+        else:
+            lost = RolloutClusterLost(self._lost)
+        for bucket in buckets:  # the stream runs to its end (it drives the other ranks' gathers)
+            stats[1] += 1
+            if copy is not None and self._lost is None:  # what the lost cluster did not get
+                copy.append(pack_bucket(bucket, device="cpu"))
+                stats[0] += copy[-1][0].numel()
+        if copy is not None and self._lost is None:
+            self._host_copy, self._updated = copy, True
+        if lost is not None and self._lost is None:
+            try:
+                self._reconnect_until_done(lost)  # the new engines get the whole update from the copy
+            except RolloutClusterLost as exc:  # the next generation stops the run, on every rank alike
+                log.warning("fleet: %s", exc)
+        seconds = time.perf_counter() - started
+        return {"sync/seconds": seconds, "sync/megabytes": stats[0] / 2**20, "sync/num_buckets": float(stats[1])}
+
+    def _update(self, buckets: Iterator[Any], copy: list[tuple[torch.Tensor, list]] | None, stats: list[int]) -> None:
+        """The update proper (:meth:`update_weights`): each bucket packed, also into ``copy``, then sent."""
         self._call_restarts = 0
-        bucket_bytes = self.config.weight_sync_bucket_mb << 20
         self._restart_dead()
         self._call_all(FleetEngine.begin_weight_update.__name__)
         keep = self.keeps_weights
-        latest, loads, total, num = [], [], 0, 0
+        latest, loads = [], []
         broken: BaseException | None = None  # the side-group transfer failed: the rest only goes into the copy
-        for bucket in iter_buckets(named_tensors, bucket_bytes):
-            num += 1
+        for bucket in buckets:
+            stats[1] += 1
+            num = stats[1]
             if self.transport == "object_store":
                 packed = pack_bucket(bucket, device="cpu")
-                total += packed[0].numel()
+                stats[0] += packed[0].numel()
+                if copy is not None:
+                    copy.append(packed)
                 ref = ray.put(packed)
                 del packed
                 loads += [(i, e.load_bucket.remote(ref)) for i, e in enumerate(self.engines)]
                 latest.append(ref)
                 continue
             buffer, metas = pack_bucket(bucket)
-            total += buffer.numel()
+            stats[0] += buffer.numel()
+            host = (buffer.cpu(), metas) if keep or copy is not None else None
+            if copy is not None and host is not None:
+                copy.append(host)
             if keep:
-                latest.append(ray.put((buffer.cpu(), metas)))
+                latest.append(ray.put(host))
             if broken is None:
                 try:
                     self._send(buffer, metas)
@@ -155,8 +232,6 @@ class RolloutFleet(EngineSet):
             engines=[i for i in range(len(self.engines)) if i not in lost],
             repeat=False,
         )
-        seconds = time.perf_counter() - started
-        return {"sync/seconds": seconds, "sync/megabytes": total / 2**20, "sync/num_buckets": float(num)}
 
     def _send(self, buffer: torch.Tensor, metas: list[Any]) -> None:
         """One packed bucket to every engine over the side channel (broadcast group or CUDA IPC)."""
@@ -255,6 +330,16 @@ class RolloutFleet(EngineSet):
             probe_token_ids: Full sequences (prompt + response) of token ids.
             reference_logprobs: The trainer's ``log p(ids[t + 1] | ids[:t + 1])`` per sequence (length L_i - 1).
         """
+        if self._lost is not None:  # the run stops at the next generation
+            return float("nan")
+        try:
+            return self._reconnecting(lambda: self._verify_sync(probe_token_ids, reference_logprobs))
+        except RolloutClusterLost:
+            return float("nan")
+
+    def _verify_sync(
+        self, probe_token_ids: Sequence[Sequence[int]], reference_logprobs: Sequence[Sequence[float]]
+    ) -> float:
         self._call_restarts = 0
         worst = 0.0
         current = [i for i in range(len(self.engines)) if i not in self._stale]
