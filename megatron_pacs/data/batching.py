@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_pacs.algo.tokens import MicroBatch
+
 __all__ = ["RolloutBatch", "micro_batch_rows", "mini_batch_rows", "mini_batch_shares", "pack_rows", "pad_rows"]
 
 
@@ -34,6 +36,9 @@ class RolloutBatch:
         group_size: n.
         engine_logprobs: ``[sum R_i]`` float32, the engines' log-probs of the held responses' sampled tokens
             (temperature 1, response after response; NaN where the engine gave none), or None.
+        routed_experts: ``[sum L_i, layers, k]`` int16, aligned with ``token_ids``: the experts the engine routed
+            each held token to, for router replay (``--router-replay r3``); -1 where it gave none (a sequence's
+            last token, which the engine never ran through the model); None without replay.
     """
 
     token_ids: torch.Tensor
@@ -43,6 +48,7 @@ class RolloutBatch:
     rewards: torch.Tensor
     group_size: int
     engine_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def from_sequences(
@@ -53,8 +59,11 @@ class RolloutBatch:
         rewards: torch.Tensor,
         group_size: int,
         engine_logprobs: torch.Tensor | None = None,
+        routed_experts: Sequence[torch.Tensor | None] | None = None,
     ) -> RolloutBatch:
-        """A batch holding every sequence, from token lists (prompt followed by response)."""
+        """A batch holding every sequence, from token lists (prompt followed by response), and with
+        ``routed_experts`` the engine's routing of each (``[tokens, layers, k]`` from its first token, vLLM's
+        ``L_i - 1``; None for a sequence without one: the batch then has none)."""
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
         offsets = torch.zeros(len(sequences) + 1, dtype=torch.long)
         offsets[1:] = torch.cumsum(lengths, 0)
@@ -67,6 +76,7 @@ class RolloutBatch:
             rewards,
             group_size,
             engine_logprobs,
+            _aligned_routing(routed_experts, lengths.tolist()),
         )
 
     @property
@@ -122,7 +132,47 @@ class RolloutBatch:
             parts = [self.engine_logprobs[int(eo[i]) : int(eo[i + 1])] for i in keep]
             engine = torch.cat(parts) if parts else self.engine_logprobs[:0]
         flat = torch.cat(tokens) if tokens else self.token_ids[:0]
-        return RolloutBatch(flat, offsets, self.prompt_lens, self.response_lens, self.rewards, self.group_size, engine)
+        routed = None
+        if self.routed_experts is not None:
+            parts = [self.routed_experts[int(self.offsets[i]) : int(self.offsets[i + 1])] for i in keep]
+            routed = torch.cat(parts) if parts else self.routed_experts[:0]
+        return RolloutBatch(
+            flat, offsets, self.prompt_lens, self.response_lens, self.rewards, self.group_size, engine, routed
+        )
+
+    def with_routing(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """``micro_batches`` (of this batch, padded or packed) carrying their tokens' routing
+        (:attr:`MicroBatch.routed_experts`, -1 at padding), when the batch has one; unchanged otherwise."""
+        if self.routed_experts is None:
+            return micro_batches
+        _, layers, k = self.routed_experts.shape
+        for mb in micro_batches:
+            b, length = mb.tokens.shape
+            routed = torch.full((b, length, layers, k), -1, dtype=self.routed_experts.dtype)
+            starts = [0] * b if mb.seqlens is None else torch.tensor([0, *mb.seqlens]).cumsum(0).tolist()
+            for j, i in enumerate(mb.index.tolist()):
+                if i < 0:
+                    continue
+                row, start = (j, 0) if mb.seqlens is None else (0, starts[j])
+                seq = self.routed_experts[int(self.offsets[i]) : int(self.offsets[i + 1])]
+                routed[row, start : start + len(seq)] = seq
+            mb.routed_experts = routed
+        return micro_batches
+
+
+def _aligned_routing(routing: Sequence[torch.Tensor | None] | None, lengths: list[int]) -> torch.Tensor | None:
+    """``[sum L_i, layers, k]`` int16 from each sequence's ``[<= L_i, layers, k]`` (-1 beyond what was given)."""
+    if not routing or any(r is None for r in routing):
+        return None
+    given = [r for r in routing if r is not None]
+    _, layers, k = given[0].shape
+    out = torch.full((sum(lengths), layers, k), -1, dtype=torch.int16)
+    offset = 0
+    for r, n in zip(given, lengths, strict=True):
+        m = min(n, r.shape[0])
+        out[offset : offset + m] = r[:m].to(torch.int16)
+        offset += n
+    return out
 
 
 def mini_batch_rows(

@@ -98,7 +98,8 @@ class StepLayout:
 
     def micro_batches(self, minis: Sequence[int]) -> list[MicroBatch]:
         """This rank's micro-batches over mini-batches ``minis`` (one pass of the model)."""
-        return self._packed(minis) if self.cfg.sequence_packing else self._padded(self.rows(minis))
+        mbs = self._packed(minis) if self.cfg.sequence_packing else self._padded(self.rows(minis))
+        return self.batch.with_routing(mbs)  # router replay: each token's engine routing, when given
 
     def _padded(self, rows: list[int]) -> list[MicroBatch]:
         cfg, batch, lengths = self.cfg, self.batch, self.lengths

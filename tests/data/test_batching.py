@@ -301,3 +301,48 @@ def test_pad_rows_micro_batches_of_a_step():
         seen += index[real].tolist()
         assert int(mask.sum()) == sum(int(batch.response_lens[i]) for i in p)
     assert seen == list(range(8))
+
+
+# --- routed experts (router replay) ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_routed_experts_travel_token_aligned_through_share_padding_and_packing(packing):
+    """Each sequence's engine routing (``L_i - 1`` tokens, as vLLM gives) stays on its tokens through a
+    data-parallel share and the step's padded or packed micro-batches: -1 at the last token and at padding."""
+    from megatron_pacs.config import BatchConfig
+    from megatron_pacs.data.layout import StepLayout
+
+    prompt_lens, response_lens, layers, k = [3, 2, 4, 1], [2, 5, 1, 3], 2, 2
+    lengths = [p + r for p, r in zip(prompt_lens, response_lens, strict=True)]
+    seqs = [[100 * (i + 1) + t for t in range(n)] for i, n in enumerate(lengths)]
+    # token t of sequence i is routed to experts (tokens' value mod 50, + layer), k of them
+    routing = [
+        torch.tensor(s[:-1])[:, None, None] % 50 + torch.arange(layers)[:, None] + torch.zeros(k, dtype=torch.long)
+        for s in seqs
+    ]
+    batch = RolloutBatch.from_sequences(
+        seqs, torch.tensor(prompt_lens), torch.tensor(response_lens), torch.ones(4), 2, routed_experts=routing
+    )
+    assert batch.routed_experts is not None and batch.routed_experts.dtype == torch.int16
+    share = batch.share([2, 3])
+    assert share.routed_experts is not None and share.routed_experts.shape[0] == lengths[2] + lengths[3]
+    cfg = BatchConfig(
+        ppo_mini_batch_size=2, micro_batch_size=2, sequence_packing=packing, global_batch_size=2, group_size=2
+    )
+    layout = StepLayout(share, cfg, dp_rank=1, dp_size=2, pp_size=1, interleaved=False, whole_groups=False)
+    seen = 0
+    for mb in layout.micro_batches([0]):
+        assert mb.routed_experts is not None and mb.routed_experts.shape[:2] == mb.tokens.shape
+        tokens, routed = mb.tokens.reshape(-1), mb.routed_experts.reshape(-1, layers, k).long()
+        real = routed[:, 0, 0] >= 0
+        # where given, the routing names the token it sits on; -1 exactly at last tokens and padding
+        assert torch.equal(routed[real, 1, 0], tokens[real] % 50 + 1)
+        seen += int(real.sum())
+    assert seen == lengths[2] - 1 + lengths[3] - 1
+    assert (
+        RolloutBatch.from_sequences(
+            seqs, torch.tensor(prompt_lens), torch.tensor(response_lens), torch.ones(4), 2
+        ).routed_experts
+        is None
+    )
