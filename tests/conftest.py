@@ -17,6 +17,7 @@ def shared_data() -> Path:
 
 
 _LAUNCHING = pytest.StashKey[list]()
+_QUEUE = pytest.StashKey[LaunchQueue]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -33,11 +34,27 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def launch_queue(request, tmp_path_factory):
     """Every selected module's launches, queued when the first of them is needed (tests/launch_queue.py)."""
     queue = LaunchQueue(workers=2)
+    request.config.stash[_QUEUE] = queue
     for module in request.config.stash.get(_LAUNCHING, []):
         root = tmp_path_factory.mktemp(module.__name__.rsplit(".", 1)[-1])
         queue.plan(module.__name__, module.prepare, module.LAUNCHES, root)
     yield queue
     queue.close()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """Every trainer launch's wall seconds (two run at once, beside the in-process tests), and each module's total."""
+    queue = config.stash.get(_QUEUE, None)
+    timings = queue.timings() if queue is not None else {}
+    if not timings:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", "trainer launches (wall seconds, two at a time)")
+    for module, seconds in timings.items():
+        for name, s in seconds.items():
+            tr.write_line(f"{s:8.1f}s  {module}::{name}")
+        tr.write_line(f"{sum(seconds.values()):8.1f}s  {module} (total)")
+    tr.write_line(f"{sum(sum(s.values()) for s in timings.values()):8.1f}s  all launches")
 
 
 @pytest.fixture(scope="session")

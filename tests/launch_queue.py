@@ -14,11 +14,15 @@ A module declares, at module level:
 
 Its tests take the ``launched`` fixture of the module (``launch_queue.futures(__name__)``) and read their own
 launches' futures: a failed launch fails the tests that read it, with the launch's output.
+
+Every launch's wall time is recorded (:meth:`LaunchQueue.timings`); the session prints them per module at its end
+(``pytest_terminal_summary`` in tests/conftest.py), beside ``--durations``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,16 +44,19 @@ class _Prepared:
         self._prepare, self._root = prepare, root
         self._lock = _PREPARE_LOCK
         self._done = False
+        self.seconds = 0.0
         self._value: Any = None
         self._error: BaseException | None = None
 
     def get(self) -> Any:
         with self._lock:
             if not self._done:
+                started = time.perf_counter()
                 try:
                     self._value = self._prepare(self._root)
                 except Exception as exc:  # noqa: BLE001 - kept: every launch of the module reports it
                     self._error = exc
+                self.seconds = time.perf_counter() - started
                 self._done = True
         if self._error is not None:
             raise RuntimeError(f"prepare({self._root}) failed") from self._error
@@ -79,16 +86,24 @@ class LaunchQueue:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="launch")
         self._futures: dict[str, dict[str, Future]] = {}
         self._roots: dict[str, Path] = {}
+        self._seconds: dict[str, dict[str, float]] = {}
+        self._prepared: dict[str, _Prepared] = {}
 
     def plan(self, module: str, prepare: Callable[[Path], Any], launches: dict[str, Callable[[Any], Any]], root: Path):
         """Queue every launch of ``module`` (after all that were queued before)."""
         prepared = _Prepared(prepare, root)
-        self._roots[module] = root
+        self._roots[module], self._prepared[module] = root, prepared
+        seconds = self._seconds.setdefault(module, {})
 
-        def run(launch: Callable[[Any], Any]) -> Any:
-            return launch(prepared.get())
+        def run(name: str, launch: Callable[[Any], Any]) -> Any:
+            value = prepared.get()
+            started = time.perf_counter()
+            try:
+                return launch(value)
+            finally:
+                seconds[name] = time.perf_counter() - started
 
-        self._futures[module] = {name: self._pool.submit(run, launch) for name, launch in launches.items()}
+        self._futures[module] = {name: self._pool.submit(run, name, launch) for name, launch in launches.items()}
 
     def futures(self, module: str) -> dict[str, Future]:
         """``module``'s launches by name (queued when the session's first launching module started)."""
@@ -97,6 +112,16 @@ class LaunchQueue:
     def root(self, module: str) -> Path:
         """The folder ``module``'s ``prepare`` builds under (its launches' results are complete once read)."""
         return self._roots[module]
+
+    def timings(self) -> dict[str, dict[str, float]]:
+        """Wall seconds of every launch that ran, by module then launch name (``(prepare)``: the module's
+        ``prepare``), in queue order; a launch that failed counts too."""
+        out: dict[str, dict[str, float]] = {}
+        for module, seconds in self._seconds.items():
+            ran = {name: seconds[name] for name in self._futures[module] if name in seconds}
+            if ran:
+                out[module] = {"(prepare)": self._prepared[module].seconds, **ran}
+        return out
 
     def close(self) -> None:
         """Drop the launches that have not started; wait for those running (each has its own time-out)."""
