@@ -51,6 +51,13 @@ def _gather_share(batch: RolloutBatch, rows: list[int]) -> tuple[torch.Tensor, t
     return part.token_ids.to(torch.int32), engine.float()
 
 
+def _routing_bytes(batch: RolloutBatch, rows: list[int]) -> torch.Tensor:
+    """Driver side: one share's routed experts ``[tokens, layers, k]`` int16 as ``[tokens, layers, 2k]`` bytes."""
+    routed = batch.share(rows).routed_experts
+    assert routed is not None
+    return routed.contiguous().view(torch.uint8)
+
+
 def distribute_rollouts(batch: RolloutBatch | None, cfg: BatchConfig, groups: ParallelGroups) -> RolloutBatch:
     """Give every rank its data-parallel share of the driver's rollouts (collective over the world).
 
@@ -81,6 +88,13 @@ def distribute_rollouts(batch: RolloutBatch | None, cfg: BatchConfig, groups: Pa
         rewards.copy_(batch.rewards.to(device))
     dist.broadcast(lens, src=0)
     dist.broadcast(rewards, src=0)
+    # the engine's routing per token (router replay): [layers, k], zeros without; sent as bytes (no int16 in gloo)
+    shape = torch.zeros(2, dtype=torch.long, device=device)
+    if rank == 0 and batch is not None and batch.routed_experts is not None:
+        shape[:] = torch.tensor(batch.routed_experts.shape[1:])
+    dist.broadcast(shape, src=0)
+    layers, k = shape.tolist()
+    routed: torch.Tensor | None = None
     prompt_lens, response_lens, rewards = lens[0].cpu(), lens[1].cpu(), rewards.cpu()
     lengths = (prompt_lens + response_lens).tolist()
     rows = rank_rows(lengths, cfg, group_size, groups.dp_size)
@@ -97,19 +111,29 @@ def distribute_rollouts(batch: RolloutBatch | None, cfg: BatchConfig, groups: Pa
                 continue
             tokens, engine = _gather_share(batch, rows[r])
             pending += [dist.isend(tokens.to(device), dst=dst), dist.isend(engine.to(device), dst=dst)]
+            if layers:
+                pending.append(dist.isend(_routing_bytes(batch, rows[r]).to(device), dst=dst))
         tokens, engine = (t.to(device) for t in _gather_share(batch, mine))
+        if layers:
+            routed = _routing_bytes(batch, mine).to(device)
         for work in pending:
             work.wait()
     else:
         tokens = torch.empty(num_tokens, dtype=torch.int32, device=device)
         engine = torch.empty(num_response_tokens, dtype=torch.float32, device=device)
+        if layers:
+            routed = torch.empty(num_tokens, layers, 2 * k, dtype=torch.uint8, device=device)
         if rank == leader:
             dist.recv(tokens, src=0)
             dist.recv(engine, src=0)
+            if routed is not None:
+                dist.recv(routed, src=0)
     # 3. the leader passes the share on to its TP/PP peers
     if groups.mp_group is not None and dist.get_world_size(groups.mp_group) > 1:
         dist.broadcast(tokens, src=leader, group=groups.mp_group)
         dist.broadcast(engine, src=leader, group=groups.mp_group)
+        if routed is not None:
+            dist.broadcast(routed, src=leader, group=groups.mp_group)
     held = torch.zeros(num, dtype=torch.long)
     held[mine] = prompt_lens[mine] + response_lens[mine]
     offsets = torch.zeros(num + 1, dtype=torch.long)
@@ -122,6 +146,7 @@ def distribute_rollouts(batch: RolloutBatch | None, cfg: BatchConfig, groups: Pa
         rewards=rewards,
         group_size=group_size,
         engine_logprobs=engine.cpu() if has_engine else None,
+        routed_experts=None if routed is None else routed.cpu().view(torch.int16),
     )
 
 

@@ -1,7 +1,10 @@
 """Launched by tests/test_distribute.py (one process per rank, see ensure_world): rank 0's rollouts reach every
 rank as its data-parallel share, exactly.
 
-Usage: python tests/distribute_checks.py --out DIR --world 4 [--tp T] [--pp P]
+Usage: python tests/distribute_checks.py --out DIR --world 4 [--layouts TPxPP,...]
+
+Every layout runs in the same ranks, one after another (Megatron's groups rebuilt for each): the ranks' start-up
+(torch and Megatron imports) is most of a launch's time.
 """
 
 from __future__ import annotations
@@ -29,27 +32,42 @@ def synthetic_batch(num_prompts: int = 8, group_size: int = 4, seed: int = 0):
     ]
     engine = torch.randn(int(response_lens.sum()), generator=gen)
     rewards = (torch.rand(len(seqs), generator=gen) > 0.5).float()
-    return RolloutBatch.from_sequences(seqs, prompt_lens, response_lens, rewards, group_size, engine_logprobs=engine)
+    # the engine's routing (router replay): [L_i - 1 tokens, 3 layers, top-2] of 300 experts (past one byte)
+    routed = [torch.randint(0, 300, (len(s) - 1, 3, 2), generator=gen) for s in seqs]
+    return RolloutBatch.from_sequences(
+        seqs, prompt_lens, response_lens, rewards, group_size, engine_logprobs=engine, routed_experts=routed
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--layouts", default="1x1", help="comma-separated TPxPP layouts, checked in turn")
     args = ap.parse_args()
     code = ensure_world(args.world)
     if code is not None:
         return code
+    from megatron_pacs.mcore.parallel import destroy_parallel
+
+    for layout in args.layouts.split(","):
+        tp, pp = (int(x) for x in layout.split("x"))
+        check_layout(args.out, tp, pp)
+    destroy_parallel()
+    return 0
+
+
+def check_layout(out: Path, tp: int, pp: int) -> None:
+    """Distribute the synthetic batch at TP=tp x PP=pp (DP the rest); rank 0 writes the failures found on every
+    rank to ``out/transport_tp{tp}_pp{pp}.json``."""
     import torch.distributed as dist
 
     from megatron_pacs.config import BatchConfig, ParallelConfig
     from megatron_pacs.data.layout import rank_rows
     from megatron_pacs.distribute import distribute_rollouts
-    from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
+    from megatron_pacs.mcore.parallel import init_parallel
 
-    groups = init_parallel(ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp))
+    groups = init_parallel(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
     full = synthetic_batch()
     failures: list[str] = []
     for packing in (False, True):
@@ -71,6 +89,11 @@ def main() -> int:
             theirs = full.engine_logprobs[int(feo[i]) : int(feo[i + 1])]
             if not torch.equal(mine, theirs):
                 failures.append(f"{tag}: engine log-probs of {i} differ")
+            assert share.routed_experts is not None and full.routed_experts is not None
+            mine = share.routed_experts[int(share.offsets[i]) : int(share.offsets[i + 1])]
+            theirs = full.routed_experts[int(full.offsets[i]) : int(full.offsets[i + 1])]
+            if not torch.equal(mine, theirs):
+                failures.append(f"{tag}: routed experts of {i} differ")
         held_tokens = int(share.token_ids.numel())
         if held_tokens != sum(int(full.lengths[i]) for i in rows):
             failures.append(f"{tag}: holds {held_tokens} tokens, more than its share")
@@ -91,11 +114,7 @@ def main() -> int:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, failures)
     if dist.get_rank() == 0:
-        (args.out / f"transport_tp{args.tp}_pp{args.pp}.json").write_text(
-            json.dumps([f for part in gathered for f in part])
-        )
-    destroy_parallel()
-    return 0
+        (out / f"transport_tp{tp}_pp{pp}.json").write_text(json.dumps([f for part in gathered for f in part]))
 
 
 if __name__ == "__main__":
