@@ -17,11 +17,12 @@ import signal
 import threading
 import time
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from megatron_pacs.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["STOPS_ENV", "ExitSignal", "report_clean_stop"]
 
@@ -83,6 +84,9 @@ class ExitSignal:
 
     def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
         """Collective over ``group``: whether any rank got the signal (every rank gets the same answer)."""
+        import torch  # here: a process that only reports a clean stop (report_clean_stop) needs no torch
+        import torch.distributed as dist
+
         flag = torch.tensor([1 if self.received_at is not None else 0], dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             if dist.get_backend(group) == "nccl":
