@@ -73,12 +73,16 @@ class Response:
         logprobs: One float per entry of ``token_ids`` (empty when not requested).
         finish_reason: ``"stop"`` (end of sequence or a stop string), ``"length"`` (hit ``max_tokens``) or
             ``"abort"``.
+        routed_experts: ``[P + R - 1, layers, k]`` int16, the experts the engine routed each token of the prompt
+            and the response to (all but the last token, which it never ran through the model), when asked for
+            (``--router-replay r3``); None otherwise.
     """
 
     token_ids: list[int]
     text: str
     logprobs: list[float]
     finish_reason: str
+    routed_experts: torch.Tensor | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -10,6 +10,7 @@ to every worker; buckets arrive packed (see :mod:`megatron_pacs.rollout.sync`).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -236,6 +237,28 @@ _CPU_NOTICES = (
 )
 
 
+def _routed_experts_kwargs() -> dict[str, Any]:
+    """``LLM`` keywords that make vLLM return each output's routed experts (``--router-replay r3``).
+
+    Raises:
+        ValueError: this vLLM has no such option (it came in with its auxiliary outputs).
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        raise ValueError("--router-replay r3: this vLLM cannot return routed experts; use vLLM >= 0.32 or drop it")
+    return {"enable_return_routed_experts": True}
+
+
+def _routed_experts(output: Any) -> torch.Tensor | None:
+    """A completion's routed experts ``[prompt + response - 1, layers, k]`` as int16 (vLLM's numpy array), or
+    None where vLLM gave none."""
+    routed = getattr(output, "routed_experts", None)
+    if routed is None:
+        return None
+    return torch.as_tensor(routed).to(torch.int16)
+
+
 class _CpuNoticeFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(_CPU_NOTICES)
@@ -285,6 +308,7 @@ class VLLMEngine:
         kv_cache_gb: float = 1.0,
         enable_sleep_mode: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         self.on_cpu = not torch.cuda.is_available()
         if self.on_cpu:
@@ -309,6 +333,8 @@ class VLLMEngine:
             kwargs["enforce_eager"] = True  # compiling adds about a minute per start on CPU
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
+        if return_routed_experts:
+            kwargs.update(_routed_experts_kwargs())
         kwargs.update(engine_kwargs or {})
         self.llm: LLM = LLM(**kwargs)
         self.multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
@@ -401,10 +427,12 @@ class VLLMEngine:
             for c in out.outputs:
                 ids = list(c.token_ids)
                 lps = [c.logprobs[j][t].logprob for j, t in enumerate(ids)] if c.logprobs else []
-                responses.append(Response(ids, c.text, lps, c.finish_reason or "abort"))
+                routed = _routed_experts(c)
+                responses.append(Response(ids, c.text, lps, c.finish_reason or "abort", routed))
             while len(responses) < sampling.n:
                 r = responses[0]
-                responses.append(Response(list(r.token_ids), r.text, list(r.logprobs), r.finish_reason))
+                copy = Response(list(r.token_ids), r.text, list(r.logprobs), r.finish_reason, r.routed_experts)
+                responses.append(copy)
             assert out.prompt_token_ids is not None  # vLLM fills it for every generation request
             groups.append(RolloutGroup(prompt, list(out.prompt_token_ids), responses))
         return groups

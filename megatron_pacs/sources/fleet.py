@@ -48,12 +48,14 @@ def collect_rollouts(
         scored = scorer.score(texts, truths)
     sequences, prompt_lens, response_lens, records, finish, empty = [], [], [], [], [], 0
     engine_logprobs: list[float] = []
+    routed: list[torch.Tensor | None] = []  # --router-replay r3: the engine's routing of each sequence
     for row, prompt, g in zip(rows, prompts, groups, strict=True):
         for resp in g.responses:
             empty += not resp.token_ids
             ids = list(resp.token_ids) or eos[:1] or [0]  # an empty response still needs one scored token
             engine_logprobs += resp.logprobs if len(resp.logprobs) == len(ids) else [float("nan")] * len(ids)
             sequences.append(prompt + ids)
+            routed.append(resp.routed_experts)
             prompt_lens.append(len(prompt))
             response_lens.append(len(ids))
             finish.append(resp.finish_reason or "")
@@ -76,6 +78,7 @@ def collect_rollouts(
         torch.tensor(scored.scores, dtype=torch.float32),
         b.group_size,
         engine_logprobs=torch.tensor(engine_logprobs, dtype=torch.float32),
+        routed_experts=routed,
     )
     metrics = rollout_metrics(batch, finish, empty_responses=empty)
     metrics.update(
@@ -117,6 +120,7 @@ class FleetSource:
             seed=cfg.run.seed,
             run_dir=run_dir,
             progress=False,
+            return_routed_experts=cfg.model.router_replay == "r3",
         )
 
     def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:

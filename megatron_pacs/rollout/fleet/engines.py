@@ -76,11 +76,13 @@ class EngineSet:
         seed: int = 0,
         run_dir: str = "runs/fleet",
         progress: bool = True,
+        return_routed_experts: bool = False,
     ) -> None:
         if not os.path.isdir(model):
             raise ValueError(f"--hf-model: {model!r} is not a directory; pass a Hugging Face model directory")
         self.config, self.model, self.dtype, self.max_model_len, self.seed = config, model, dtype, max_model_len, seed
         self.run_dir, self.progress = run_dir, progress
+        self.return_routed_experts = return_routed_experts  # --router-replay r3: each response's routing
         self.on_gpu = torch.cuda.is_available()
         self.backend = backend_class(config.rollout_backend)  # imports its module, not its library
         if not self.on_gpu and config.rollout_tensor_parallel_size != 1:
@@ -174,9 +176,12 @@ class EngineSet:
 
     def _engine_kwargs(self) -> dict[str, Any]:
         """The backend's constructor keywords (its own translation of the generic settings)."""
-        return self.backend.engine_kwargs(
+        kwargs = self.backend.engine_kwargs(
             self.config, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed, on_gpu=self.on_gpu
         )
+        if self.return_routed_experts:
+            kwargs["return_routed_experts"] = True
+        return kwargs
 
     def _spawn(self, index: int) -> Any:
         cfg = self.config
