@@ -17,10 +17,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2), (2, 1)], ids=["dp4", "pp2_dp2", "tp2_dp2"])
-def test_every_rank_receives_exactly_its_share(tmp_path, tp, pp):
-    cmd = [sys.executable, str(HERE / "distribute_checks.py"), "--out", str(tmp_path), "--tp", str(tp), "--pp", str(pp)]
+LAYOUTS = {"dp4": (1, 1), "pp2_dp2": (1, 2), "tp2_dp2": (2, 1)}
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory) -> Path:
+    """One launch of 4 ranks checks every layout in turn (their start-up is most of its time)."""
+    out = tmp_path_factory.mktemp("distribute")
+    layouts = ",".join(f"{tp}x{pp}" for tp, pp in LAYOUTS.values())
+    cmd = [sys.executable, str(HERE / "distribute_checks.py"), "--out", str(out), "--layouts", layouts]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-6000:]
-    failures = json.loads((tmp_path / f"transport_tp{tp}_pp{pp}.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_receives_exactly_its_share(checked, layout):
+    tp, pp = LAYOUTS[layout]
+    failures = json.loads((checked / f"transport_tp{tp}_pp{pp}.json").read_text())
     assert failures == []
