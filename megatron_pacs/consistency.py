@@ -77,7 +77,9 @@ def probe_sync(actor: Actor, fleet: Any, batch: RolloutBatch, *, num_probes: int
     the engines' prompt log-probs (collective over the world; the same value on every rank).
 
     Only data-parallel rank 0's model-parallel group computes (its share's first sequences); every pipeline stage
-    of it receives the trainer's log-probs, so the driver compares under PP too.
+    of it receives the trainer's log-probs, so the driver compares under PP too. Under expert parallelism every
+    rank runs the forward (its MoE layers exchange tokens with other data-parallel ranks), each on its own share's
+    first sequences in one shape, ``[num_probes, longest of the step]``; only rank 0's are compared.
 
     Args:
         actor: This rank's actor.
@@ -86,9 +88,11 @@ def probe_sync(actor: Actor, fleet: Any, batch: RolloutBatch, *, num_probes: int
         num_probes: Sequences to probe.
     """
     worst = 0.0
-    if actor.groups.dp_rank == 0:
+    lockstep = actor.groups.ep_size > 1
+    if actor.groups.dp_rank == 0 or lockstep:
         rows = batch.held.nonzero().flatten()[:num_probes].tolist()
-        tokens, _, _ = pad_rows(batch, rows)
+        shape = (num_probes, int(batch.lengths.max())) if lockstep else (None, None)
+        tokens, _, _ = pad_rows(batch, rows, num_rows=shape[0], length=shape[1])
         logp = actor.probe_logprobs(tokens)
         if fleet is not None:
             probes = [batch.sequence(i).tolist() for i in rows]

@@ -67,16 +67,6 @@ class TrainConfig:
         """
         b = self.batch
         dp = self.parallel.data_parallel_size(world_size)
-        if self.parallel.expert_model_parallel_size > 1:
-            # An MoE layer's token exchange pairs every forward of one EP rank with one of each other EP rank; the
-            # RL step's passes are not yet in lockstep across data-parallel ranks (the weight-sync probe runs on
-            # DP rank 0 alone, packed micro-batches differ in number per rank): a run would hang.
-            raise bad(
-                "expert_model_parallel_size",
-                f"{self.parallel.expert_model_parallel_size}: the RL loop cannot run expert parallelism yet (its "
-                "passes are not in lockstep across the ranks that exchange tokens); train MoE at "
-                "--expert-model-parallel-size 1 (docs/architecture.md §3.2)",
-            )
         if b.ppo_mini_batch_size % dp:
             raise bad(
                 "ppo_mini_batch_size",

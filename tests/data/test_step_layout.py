@@ -9,6 +9,7 @@ import torch
 from megatron_pacs.config import BatchConfig
 from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_rows
 from megatron_pacs.data.layout import StepLayout, rank_rows, step_shares
+from megatron_pacs.data.lockstep import Lockstep, lockstep_mode
 
 
 def _batch(num_prompts: int, group_size: int, seed: int = 0) -> RolloutBatch:
@@ -36,6 +37,7 @@ def _layout(
     interleaved: bool = False,
     whole_groups: bool = False,
     align: int = 1,
+    lockstep: Lockstep | None = None,
 ) -> StepLayout:
     """A layout from the four facts of a rank's place (no process group is needed to plan one)."""
     return StepLayout(
@@ -47,6 +49,7 @@ def _layout(
         interleaved=interleaved,
         whole_groups=whole_groups,
         align=align,
+        lockstep=lockstep,
     )
 
 
@@ -137,3 +140,55 @@ def test_the_distribution_sends_each_rank_exactly_what_its_layout_trains(packing
         trained = sorted(int(i) for mb in layout.micro_batches(minis) for i in mb.sequence_index)
         assert trained == sent[r] == sorted(layout.rows(minis))
         assert layout.shares == step_shares(lengths, 4, cfg, 4)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_expert_parallel_lockstep_gives_every_rank_the_same_passes(packing, pp_size):
+    """Under EP > 1 (docs/algorithm.md §4.5) every data-parallel rank runs the same number of micro-batches per pass
+    (a padded cut by token budget gives the ranks different counts: the short ranks get fillers that score nothing)
+    and, for the all-gather dispatcher, micro-batch k has one shape on every rank; what each rank trains is
+    unchanged, and without lockstep (EP=1) so is every micro-batch."""
+    assert (lockstep_mode(1, "allgather"), lockstep_mode(2, "alltoall"), lockstep_mode(2, "allgather")) == (
+        None,
+        "count",
+        "shape",
+    )
+    batch = _batch(8, 4, seed=3)
+    cfg = BatchConfig(
+        global_batch_size=8,
+        group_size=4,
+        ppo_mini_batch_size=8,
+        micro_batch_size=4,
+        max_tokens_per_microbatch=240,
+        max_prompt_length=20,
+        max_response_length=120,
+        sequence_packing=packing,
+    )
+    plain = [_layout(batch, cfg, dp_rank=r, dp_size=4, pp_size=pp_size).micro_batches([0]) for r in range(4)]
+    if not packing:
+        assert len({len(mbs) for mbs in plain}) > 1, "the case must give the ranks different counts"
+    for mode in ("count", "shape"):
+        runs = [
+            _layout(batch, cfg, dp_rank=r, dp_size=4, pp_size=pp_size, lockstep=mode).micro_batches([0])
+            for r in range(4)
+        ]
+        assert len({len(mbs) for mbs in runs}) == 1
+        for mbs, before in zip(runs, plain, strict=True):
+            real = [mb for mb in mbs if mb.sequence_index.numel()]
+            assert [mb.sequence_index.tolist() for mb in real] == [
+                mb.sequence_index.tolist() for mb in before if mb.sequence_index.numel()
+            ]
+            fillers = mbs[len(real) :]
+            assert all(not mb.score_mask.any() and mb.sequence_index.numel() == 0 for mb in fillers)
+        if mode == "shape" or pp_size > 1:
+            for k in range(len(runs[0])):
+                shapes = {tuple(mbs[k].tokens.shape) for mbs in runs} if mode == "shape" else set()
+                assert len(shapes) <= 1
+        if mode == "count" and pp_size == 1:
+            # alltoall takes any shapes: each rank's real micro-batches keep their own
+            assert all(
+                torch.equal(a.tokens, b.tokens)
+                for mbs, before in zip(runs, plain, strict=True)
+                for a, b in zip(mbs, before, strict=False)
+            )

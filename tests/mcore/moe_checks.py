@@ -54,6 +54,70 @@ def _train_step_grad_norm(model_dir: str, groups, ids: torch.Tensor) -> float:
     return optimizer_step(trainable, mbs, loss_fn).grad_norm
 
 
+def _rl_steps(model_dir: str, groups) -> list[float]:
+    """Two RL steps of the project's update (:func:`~megatron_pacs.rl_step.update_policy`: the reference's pass
+    with the old log-probs riding along, then two optimizer steps) on one seeded batch with Bernoulli rewards: the
+    first packed, the second padded and cut by a token budget that gives the two ranks different micro-batch counts
+    (under EP > 1 the short rank runs fillers). Each step's loss and gradient norm, then the weights' checksum."""
+    import random
+
+    from megatron_pacs.algo.objectives import build_objective
+    from megatron_pacs.config import BatchConfig, LossConfig, ModelConfig, OptimConfig
+    from megatron_pacs.data.batching import RolloutBatch
+    from megatron_pacs.mcore.actor import Actor
+    from megatron_pacs.mcore.reference import ReferencePolicy
+    from megatron_pacs.rl_step import update_policy
+    from megatron_pacs.utils.timing import PhaseTimer
+
+    rng = random.Random(0)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    seqs, plens, rlens = [], [], []
+    for _ in range(4):  # prompts
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 8))]
+        for _ in range(2):  # group size
+            response = [rng.randrange(3, vocab) for _ in range(rng.choice([2, 3, 12, 20]))]
+            seqs.append(prompt + response)
+            plens.append(len(prompt))
+            rlens.append(len(response))
+    rewards = torch.tensor([float(rng.random() < 0.5) for _ in seqs])
+    batch = RolloutBatch.from_sequences(seqs, torch.tensor(plens), torch.tensor(rlens), rewards, 2)
+    model = ModelConfig(hf_model=model_dir)
+    actor = Actor(model, groups, OptimConfig(lr=1e-3))
+    reference = ReferencePolicy(model, groups, load=None, offload=False)
+    objective_cfg = LossConfig(loss="pacs", pacs_score_reference="ref")
+    out = []
+    for packing in (True, False):
+        cfg = BatchConfig(
+            global_batch_size=4,
+            group_size=2,
+            ppo_mini_batch_size=4,
+            micro_batch_size=2,
+            max_prompt_length=8,
+            max_response_length=20,
+            max_tokens_per_microbatch=None if packing else 28,
+            sequence_packing=packing,
+        )
+        metrics = update_policy(
+            actor,
+            batch,
+            build_objective(objective_cfg, cfg),
+            cfg,
+            groups,
+            PhaseTimer(),
+            temperature=1.0,
+            reference=reference,
+        )
+        out += [metrics["train/loss"], metrics["train/grad_norm"]]
+    dense, experts = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for name, p in actor.models[0].named_parameters():  # the weights' checksum: experts summed over EP
+        if EXPERT_NAME.search(name):
+            experts += p.detach().double().abs().sum()
+        else:
+            dense += p.detach().double().abs().sum()
+    dist.all_reduce(experts, group=groups.ep_group)
+    return [*out, (dense + experts).item()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -122,6 +186,7 @@ def main() -> None:
     exported = dict(export_hf_weights(models, groups, hf_config))
     export_same = exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
     grad_norm = _train_step_grad_norm(args.model, groups, ids)
+    rl_steps = _rl_steps(args.model, groups) if args.tp == 1 else None
     diffs = torch.tensor([logit_diff.item(), worst_router, worst_expert, 0.0 if export_same else 1.0])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     seen = torch.tensor([experts_seen])
@@ -136,6 +201,7 @@ def main() -> None:
                     "expert_weights_seen": int(seen.item()),
                     "export_bitwise": diffs[3].item() == 0.0,
                     "train_grad_norm": grad_norm,
+                    "rl_steps": rl_steps,
                 }
             )
         )
