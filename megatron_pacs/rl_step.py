@@ -25,7 +25,6 @@ from megatron_pacs.config import BatchConfig
 from megatron_pacs.consistency import with_consistency
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.layout import StepLayout
-from megatron_pacs.data.lockstep import lockstep_mode
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.optim import StepResult
 from megatron_pacs.mcore.parallel import ParallelGroups
@@ -48,7 +47,6 @@ def step_layout(
         interleaved=bool(groups.config.virtual_pipeline_model_parallel_size),
         whole_groups=whole_groups,
         align=align,
-        lockstep=lockstep_mode(groups.ep_size, groups.config.moe_token_dispatcher_type),
     )
 
 
@@ -153,6 +151,11 @@ def update_policy(
                     with timer.phase("consistency"):
                         bf16 = actor.logprobs(mbs, batch.response_lens, temperature=1.0, tokens=True, fp8=False).tokens
                 loss = with_consistency(prepared.loss, batch, bf16)
+                if batch.routed_experts is not None:  # router replay: the trainer's own routing vs the engine's
+                    with timer.phase("consistency"):
+                        assert batch.engine_logprobs is not None
+                        engine = TokenStore(batch.engine_logprobs, batch.engine_offsets)
+                        parts.append(actor.routing_report(mbs, engine))
             with timer.phase("train"):
                 result = actor.optimizer_step(mbs, loss, temperature=temperature, raw_logprobs=check)
             parts.extend(r for r in (prepared.metrics, *result.reports) if r)

@@ -22,7 +22,13 @@ import torch.distributed as dist
 from megatron_pacs.algo.objectives import Logprobs, MicroBatchLoss
 from megatron_pacs.algo.tokens import MicroBatch, TokenLogprobs, TokenStore
 from megatron_pacs.config import ModelConfig, OptimConfig
-from megatron_pacs.mcore.forward import model_token_logprobs, run_schedule_together, token_alignment, token_logprobs
+from megatron_pacs.mcore.forward import (
+    model_token_logprobs,
+    own_routing_report,
+    run_schedule_together,
+    token_alignment,
+    token_logprobs,
+)
 from megatron_pacs.mcore.logprobs import LogprobImpl
 from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, optimizer_step
@@ -130,6 +136,12 @@ class Actor:
             [self], micro_batches, response_lens, temperature=temperature, tokens=[tokens], fp8=fp8
         )
         return out
+
+    def routing_report(self, micro_batches: list[MicroBatch], engine: TokenStore) -> dict[str, torch.Tensor]:
+        """Router replay's metrics on micro-batches that carry the engine's routing: the routers' agreement with it
+        and the engine log-prob gap without replay (:func:`~megatron_pacs.mcore.forward.own_routing_report`; one
+        forward-only pass)."""
+        return own_routing_report(self.chunks, micro_batches, engine, self.groups.tp_group, impl=self.logprob_impl)
 
     def probe_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
         """Every token's log-prob at temperature 1 in the precision the engines run (bf16 even for an FP8 model:

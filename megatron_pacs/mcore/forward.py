@@ -18,7 +18,7 @@ from megatron.core.enums import Fp8Recipe
 from megatron.core.fp8_utils import get_fp8_align_size
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_pacs.algo.tokens import MicroBatch, make_micro_batches
+from megatron_pacs.algo.tokens import MicroBatch, TokenStore, make_micro_batches
 from megatron_pacs.mcore.attention import packed_sequences, uses_own_attention
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.logprobs import LogprobImpl, vocab_parallel_logprobs
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "model_token_logprobs",
     "own_routing_agreement",
+    "own_routing_report",
     "run_schedule",
     "run_schedule_together",
     "sequence_logprobs",
@@ -236,9 +237,8 @@ def run_schedule_together(
 
 @torch.no_grad()
 def own_routing_agreement(models: Sequence[MegatronModule], micro_batches: list[MicroBatch]) -> float:
-    """``moe/router_agreement``: how often the model's routers, choosing for themselves, pick the experts of the
-    micro-batches' given routing (the engine's), over every rank (a collective over the default group: every rank
-    calls it, with its own micro-batches).
+    """How often the model's routers, choosing for themselves, pick the experts of the micro-batches' given
+    routing, over every rank (a collective over the default group: every rank calls it, with its own micro-batches).
 
     Args:
         models: This rank's model chunks, built with ``moe_enable_routing_replay``.
@@ -255,6 +255,53 @@ def own_routing_agreement(models: Sequence[MegatronModule], micro_batches: list[
 
     _schedule(models, micro_batches, loss_fn, forward_only=True, rows_per_message=1, routing=routing)
     return routing.agreement(dist.group.WORLD)
+
+
+@torch.no_grad()
+def own_routing_report(
+    models: Sequence[MegatronModule],
+    micro_batches: list[MicroBatch],
+    engine: TokenStore,
+    tp_group: dist.ProcessGroup,
+    *,
+    impl: LogprobImpl = "auto",
+) -> dict[str, torch.Tensor]:
+    """The router-replay metrics of micro-batches that carry the engine's routing (docs/algorithm.md §9), from one
+    forward-only pass in which the routers choose for themselves, on the same weights:
+
+    - ``moe/router_agreement``: the fraction of the engine's (token, layer, k) choices the router's own top-k holds;
+    - ``moe/logprob_abs_diff_mean_without_replay``: per-token |trainer - engine| log-prob at temperature 1 without
+      replay (``consistency/logprob_abs_diff_mean`` is the same gap with replay).
+
+    Args:
+        models: This rank's model chunks (built with ``moe_enable_routing_replay``).
+        micro_batches: This rank's micro-batches, with ``routed_experts``.
+        engine: The engines' token log-probs of the step's responses (NaN where none).
+        tp_group: Tensor-parallel group (vocab-parallel log-probs).
+        impl: The log-prob kernel (``--logprob-impl``).
+
+    Returns:
+        ``[value, weight]`` entries of this rank (every rank counts its own layers and tokens: summed over ranks,
+        the global fractions and means).
+    """
+    gap = torch.zeros(2, dtype=torch.float64)
+
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+        scored = mb.scored(model_token_logprobs(logits, mb, tp_group, impl=impl).float())
+        given = engine.gather(scored)
+        seen = torch.isfinite(given)
+        delta = torch.where(seen, scored.logp - given, 0.0).abs()
+        gap.add_(torch.stack([delta.sum(), seen.sum()]).double().cpu())
+        return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+    for m in models:
+        m.eval()
+    routing = RoutingPass(models, compare=True)
+    _schedule(models, micro_batches, loss_fn, forward_only=True, rows_per_message=1, routing=routing)
+    return {
+        "moe/router_agreement": torch.tensor([routing.agree, routing.total]),
+        "moe/logprob_abs_diff_mean_without_replay": gap.float(),
+    }
 
 
 def _token_logp_loss_fn(tp_group: dist.ProcessGroup, temperature: float, impl: LogprobImpl) -> LossFn:

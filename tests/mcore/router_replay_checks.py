@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from megatron_pacs.algo.tokens import MicroBatch
+from megatron_pacs.algo.tokens import MicroBatch, TokenStore
 from megatron_pacs.config import ParallelConfig
-from megatron_pacs.mcore.forward import model_token_logprobs, own_routing_agreement, run_schedule
+from megatron_pacs.mcore.forward import model_token_logprobs, own_routing_agreement, own_routing_report, run_schedule
 from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.moe_weights import EXPERT_NAME
 from megatron_pacs.mcore.parallel import init_parallel
@@ -225,13 +225,24 @@ def main() -> None:
     result["unreplayed_vs_forced_diff"] = moved.item()
     # the agreement metric: the model's own routing against HF's natural one (same weights), and the random one
     hf.zero_grad(set_to_none=True)
-    _, natural = _hf_pass(hf, seqs, None)
+    hf_natural, natural = _hf_pass(hf, seqs, None)
     for name, given in (("natural", natural), ("random", routed)):
         natural_given = [g.clone() for g in given]
         for g in natural_given:
             g[-1] = -1
         mbs = _micro_batches(seqs, natural_given, packed=True, align=align)
         result[f"agreement_{name}"] = own_routing_agreement(models, mbs)
+    # the step's report: HF's natural log-probs stand for the engine's (same weights, its own routing)
+    lens = torch.tensor([len(s) - 1 for s in seqs])
+    engine = TokenStore.zeros(lens, "cpu")
+    engine.values[:] = torch.cat(hf_natural)
+    natural_given = [g.clone() for g in natural]
+    mbs = _micro_batches(seqs, natural_given, packed=False, align=align)
+    report = own_routing_report(models, mbs, engine, groups.tp_group)
+    sums = torch.stack([report["moe/router_agreement"], report["moe/logprob_abs_diff_mean_without_replay"]])
+    dist.all_reduce(sums)
+    result["report_agreement"] = (sums[0, 0] / sums[0, 1]).item()
+    result["report_gap_without_replay"] = (sums[1, 0] / sums[1, 1]).item()
     result["cleared_after_agreement"] = all(_replay_left_empty(m) for m in built)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result))

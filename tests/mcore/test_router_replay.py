@@ -84,6 +84,10 @@ def test_router_agreement_with_natural_and_random_routing(results, run):
     assert r["agreement_natural"] == 1.0
     assert abs(r["agreement_random"] - 0.25) < 0.1
     assert r["cleared_after_agreement"] is True
+    # the step's report (own_routing_report): the same agreement, and HF's natural log-probs (standing for the
+    # engine's) matched without replay
+    assert r["report_agreement"] == 1.0
+    assert r["report_gap_without_replay"] < 1e-6
 
 
 def test_routing_shard_cuts_layer_and_sequence_parallel_shard():
