@@ -25,6 +25,7 @@ from megatron_pacs.config import BatchConfig
 from megatron_pacs.consistency import with_consistency
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.layout import StepLayout
+from megatron_pacs.data.lockstep import lockstep_mode
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.optim import StepResult
 from megatron_pacs.mcore.parallel import ParallelGroups
@@ -47,6 +48,7 @@ def step_layout(
         interleaved=bool(groups.config.virtual_pipeline_model_parallel_size),
         whole_groups=whole_groups,
         align=align,
+        lockstep=lockstep_mode(groups.ep_size, groups.config.moe_token_dispatcher_type),
     )
 
 
