@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert checkpoints between Hugging Face and Megatron-Core (distributed checkpoint, any TP/PP layout).
+"""Convert checkpoints between Hugging Face and Megatron-Core (distributed checkpoint, any TP/PP/EP layout).
 
 Examples:
     # HF -> Megatron at TP=2, PP=1 (launches 2 local ranks itself, or run it under torchrun)
@@ -11,6 +11,9 @@ Examples:
     # a training run's --save directory: the checkpoint the tracker names (as the trainer's --load), or --ckpt-step
     python tools/convert_checkpoint.py mcore-to-hf --load ckpt/run1 --ckpt-step 300 --hf-config /models/Qwen2.5-7B \\
         --out hf/run1-step300
+    # Qwen3-MoE: experts split over expert parallelism (EP=2: half the experts per rank); any layout loads back
+    python tools/convert_checkpoint.py hf-to-mcore --hf-dir /models/Qwen3-30B-A3B --out ckpt/a3b-ep8 \\
+        --expert-model-parallel-size 8 --dtype bf16
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.add_argument("--out", required=True, help="checkpoint directory to write")
     a.add_argument("--tensor-model-parallel-size", type=int, default=1)
     a.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    a.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP of the MoE experts' shards")
     a.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype of the checkpoint")
     b = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint (any layout) -> HF directory")
     b.add_argument(
@@ -47,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     b.add_argument("--out", required=True, help="HF directory to write")
     b.add_argument("--tensor-model-parallel-size", type=int, default=1, help="ranks to load with (resharded)")
     b.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    b.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP to load MoE experts with")
     b.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="output dtype (default: as stored)")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0)
     for sp in (a, b):
@@ -95,20 +100,29 @@ def _stored_dtype(meta: dict) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 
 
+def _world_size(args: argparse.Namespace) -> int:
+    return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.expert_model_parallel_size
+
+
 def _setup(args):
     from transformers import AutoConfig
 
     from megatron_pacs.config import ParallelConfig
     from megatron_pacs.mcore.parallel import init_parallel
 
+    cfg_dir = args.hf_dir if args.command == "hf-to-mcore" else args.hf_config
+    hf_config = AutoConfig.from_pretrained(cfg_dir)
+    moe = getattr(hf_config, "model_type", None) == "qwen3_moe"
     groups = init_parallel(
         ParallelConfig(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            # Megatron's MoE layers refuse TP > 1 without it; it changes no weight's layout.
+            sequence_parallel=moe and args.tensor_model_parallel_size > 1,
         )
     )
-    cfg_dir = args.hf_dir if args.command == "hf-to-mcore" else args.hf_config
-    return groups, AutoConfig.from_pretrained(cfg_dir)
+    return groups, hf_config
 
 
 def hf_to_mcore(args) -> None:
@@ -125,11 +139,12 @@ def hf_to_mcore(args) -> None:
         "dtype": args.dtype,
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+        "expert_model_parallel_size": args.expert_model_parallel_size,
         "hf_config": hf_config.to_dict(),
     }
     save_model_checkpoint(models, args.out, meta)
     if groups.tp_rank == groups.pp_rank == groups.dp_rank == 0:
-        print(f"wrote Megatron checkpoint {args.out} (TP={groups.tp_size}, PP={groups.pp_size})")
+        print(f"wrote Megatron checkpoint {args.out} (TP={groups.tp_size}, PP={groups.pp_size}, EP={groups.ep_size})")
 
 
 def mcore_to_hf(args) -> None:
@@ -163,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
-    code = ensure_world(args.tensor_model_parallel_size * args.pipeline_model_parallel_size, argv)
+    code = ensure_world(_world_size(args), argv)
     if code is not None:
         return code
     from megatron_pacs.mcore.parallel import destroy_parallel

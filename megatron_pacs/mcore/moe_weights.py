@@ -96,8 +96,30 @@ def expert_bridge(base: type) -> type:
         def _experts_per_rank(self) -> int:
             return self.hf_config.num_experts // self.mpu.ep_size
 
+        #: Set while mbridge's load_weights runs: the experts are left out of its mapping and loaded apart.
+        _experts_apart = False
+
+        def load_weights(self, models: list[Any], weights_path: str, memory_efficient: bool = False) -> None:
+            # mbridge reads a weight the local spec holds whole on every TP rank on TP rank 0 and scatters it over
+            # the TP group; at TP > 1 and EP > 1 a TP group's ranks hold different experts (TP2 x EP2 on 4 ranks:
+            # the TP group is the EP group), so that gave TP rank 1 rank 0's. Each rank reads its own experts.
+            self._experts_apart = True
+            try:
+                super().load_weights(models, weights_path, memory_efficient)
+            finally:
+                self._experts_apart = False
+            for model in models:
+                state = model.state_dict()
+                for local, name in self._weight_name_mapping_mcore_local_to_global(model).items():
+                    if EXPERT_NAME.search(name):
+                        hf_names = self._weight_name_mapping_mcore_to_hf(name)
+                        weights = [self.safetensor_io.load_one_hf_weight(x) for x in hf_names]
+                        state[local].copy_(self._weight_to_mcore_format(local, weights))
+
         def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True) -> dict[str, str]:
             names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
+            if self._experts_apart:
+                return {local: name for local, name in names.items() if not EXPERT_NAME.search(name)}
             if not consider_ep or self.mpu.ep_size == 1:
                 return names
             offset = self._experts_per_rank() * self.mpu.ep_rank
@@ -126,7 +148,8 @@ def expert_bridge(base: type) -> type:
             self, mcore_weights_name: str, mcore_weights: list[torch.Tensor], param: torch.Tensor
         ) -> torch.Tensor:
             if _whole_on_every_tp_rank(mcore_weights_name):
-                return mcore_weights[0]
+                # This rank's own: at EP > 1 the ranks of a TP group may hold different experts.
+                return mcore_weights[self.mpu.tp_rank]
             return super()._weight_merge_across_tp(mcore_weights_name, mcore_weights, param)
 
         def _weight_split_across_tp(

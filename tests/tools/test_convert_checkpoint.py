@@ -1,4 +1,5 @@
-"""tools/convert_checkpoint.py end to end: HF -> Megatron (TP=2) -> HF bitwise, and clear errors."""
+"""tools/convert_checkpoint.py end to end: HF -> Megatron (TP=2; a Qwen3-MoE at TP=2 x EP=2) -> HF bitwise, and
+clear errors."""
 
 import json
 import subprocess
@@ -34,13 +35,23 @@ def hf_dir(tmp_path_factory):
     return _tiny(tmp_path_factory.mktemp("convert") / "hf", "qwen2")
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # qwen3: qk-norm weights, untied like Qwen3-8B
-def test_round_trip_at_tp2_is_bitwise(family, hf_dir, tmp_path):
+#: (TP, EP) there and back. qwen2 at TP=2, back at TP=1 (resharded); a Qwen3-MoE (qk-norm weights and untied like
+#: Qwen3-8B; 8 experts) loaded at TP=2 x EP=2 on 4 ranks, where a TP group's ranks hold different experts (mbridge's
+#: read on TP rank 0 and scatter gave TP rank 1 rank 0's experts), back at TP=1 x EP=1 (resharded). Dense Qwen3's
+#: export at TP=2: tests/mcore/test_distributed.py; the MoE export at TP=2 and at EP=2: tests/mcore/test_moe.py.
+LAYOUTS = {"qwen2": ((2, 1), (1, 1)), "qwen3_moe": ((2, 2), (1, 1))}
+
+
+@pytest.mark.parametrize("family", list(LAYOUTS))
+def test_round_trip_is_bitwise(family, hf_dir, tmp_path):
     if family != "qwen2":
         hf_dir = _tiny(tmp_path / "hf", family)
-    convert("hf-to-mcore", "--hf-dir", hf_dir, "--out", tmp_path / "mc", "--tensor-model-parallel-size", 2)
+    (tp, ep), (back_tp, back_ep) = LAYOUTS[family]
+    layout = ["--tensor-model-parallel-size", tp, "--expert-model-parallel-size", ep]
+    convert("hf-to-mcore", "--hf-dir", hf_dir, "--out", tmp_path / "mc", *layout)
     assert (tmp_path / "mc" / "megatron_pacs.json").is_file()
-    convert("mcore-to-hf", "--load", tmp_path / "mc", "--hf-config", hf_dir, "--out", tmp_path / "hf2")
+    back = ["--tensor-model-parallel-size", back_tp, "--expert-model-parallel-size", back_ep]
+    convert("mcore-to-hf", "--load", tmp_path / "mc", "--hf-config", hf_dir, "--out", tmp_path / "hf2", *back)
     a, b = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
     assert set(a) == set(b)
     for name in a:
@@ -91,6 +102,7 @@ def test_load_takes_a_save_directory_like_the_trainers_load(tmp_path, capsys):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
+    assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     root = tmp_path / "run"
