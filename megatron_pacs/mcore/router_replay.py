@@ -14,8 +14,9 @@ that list nor its static methods, it finds each model's own routers by walking t
 the recompute queue and the mode) at the start and end of every pass. Router fusion would bypass the replay
 (``moe_router_fusion`` stays off, :func:`~megatron_pacs.mcore.model.moe_settings`).
 
-The same walk measures ``moe/router_agreement`` (:func:`own_routing_agreement`): a forward-only pass in which the
-routers choose for themselves and record it, compared with the engine's choice (docs/algorithm.md §9).
+The same walk measures ``moe/router_agreement`` (:func:`~megatron_pacs.mcore.forward.own_routing_report`): a pass
+in which the routers choose for themselves and record it, compared with the engine's choice (docs/algorithm.md
+§7.3).
 
 Legend: b rows, L micro-batch length, E experts, k experts per token, n layers.
 """
