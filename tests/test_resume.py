@@ -5,6 +5,10 @@ before the checkpoint, one after the resume) and a KL term, and one step off pol
 next step's rollouts, whose weights are gone); an interrupted checkpoint is ignored on resume; a run
 saved at TP=2 resumes at TP=1; the ``--save-hf`` directory loads in transformers and holds exactly the
 checkpoint's weights (checked against tools/convert_checkpoint.py mcore-to-hf).
+
+The resumes start their own fleet (re-synced to the loaded weights), except two that replay the continuous run's
+dumps (``--rollout-source replay``, no fleet): the plain resume beside interrupted writes (the fleet's side of a
+resume is the v2 and the off-policy resumes'), and a second resume of the v2 run.
 """
 
 import json
@@ -61,17 +65,18 @@ def _weights(path):
 
 def _resume_chain(root):
     """The continuous run (checkpoints at steps 2 and 4), then a resume from a copy of its step-2 checkpoint beside
-    a write killed half-way (a temporary folder) and a folder without metadata, which must both be ignored."""
+    a write killed half-way (a temporary folder) and a folder without metadata, which must both be ignored; the
+    resume replays the continuous run's steps 3 and 4 from its dumps."""
     _train(root, "straight", "--train-iters", "4", "--save", str(root / "ckpt_a"), "--save-interval", "2", "--save-hf")
     shutil.copytree(root / "ckpt_a" / "iter_0000002", root / "ckpt_b" / "iter_0000002")
     (root / "ckpt_b" / "latest_checkpointed_iteration.txt").write_text("2\n")
     (root / "ckpt_b" / ".iter_0000003.tmp-crash").mkdir()
     (root / "ckpt_b" / "iter_0000003").mkdir()
     (root / "ckpt_b" / "iter_0000003" / "__0_0.distcp").write_bytes(b"partial")
-    history = _train(
-        root, "split", "--train-iters", "4", "--save", str(root / "ckpt_b"), "--load", str(root / "ckpt_b"), "--save-hf"
-    )
-    return history
+    replay = ["--rollout-source", "replay", "--replay-from", str(root / "straight")]
+    ckpt = str(root / "ckpt_b")
+    flags = ["--train-iters", "4", "--save", ckpt, "--load", ckpt, "--save-hf", *replay]
+    return _train(root, "split", *flags, without_fleet_stack=True)
 
 
 def test_resume_equals_continuous_and_ignores_interrupted_writes(setup, launched):

@@ -6,8 +6,8 @@ parameters, where its mappings know only Transformer Engine's fused names) and k
 tables per instance (mbridge edits a class-level dict for tied embeddings, which would leak into the next model).
 
 Loading reads one safetensors tensor at a time on TP rank 0 of each stage and scatters the shards (MoE experts:
-each rank reads its own, see :mod:`megatron_pacs.mcore.moe_weights`). Export is a
-streaming iterator of ``(hf_name, tensor)`` gathered over TP and PP: every rank must drain it (collectives).
+each rank reads its own, see :mod:`megatron_pacs.mcore.moe_weights`). Export is a streaming iterator of
+``(hf_name, tensor)`` gathered over TP and PP: every rank must drain it (collectives).
 """
 
 from __future__ import annotations
