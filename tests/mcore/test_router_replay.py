@@ -151,3 +151,95 @@ def test_vllm_states_the_reason_the_refusal_quotes():
     assert spec is not None and spec.origin is not None
     source = (Path(spec.origin).parent / "config" / "vllm.py").read_text()
     assert VLLM_ROUTED_EXPERTS_REASON in source
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_vllm_routed_experts_replayed_by_the_trainer(tmp_path):
+    """End to end on CUDA (vLLM returns routed experts from its GPU model runner only): a tiny Qwen3-MoE engine
+    with ``enable_return_routed_experts`` gives each response ``[P + R - 1, layers, k]`` experts; they travel
+    token-aligned into the step's packed micro-batches; Megatron's own routing agrees with them on the same fp32
+    weights, and replaying them brings the trainer's log-probs at least as close to the engine's as its own routing
+    does."""
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM returns routed experts from its GPU model runner only (needs CUDA)")
+    from transformers import AutoConfig
+
+    from megatron_pacs.algo.tokens import TokenStore
+    from megatron_pacs.config import BatchConfig, ParallelConfig
+    from megatron_pacs.data.batching import RolloutBatch
+    from megatron_pacs.data.layout import StepLayout
+    from megatron_pacs.demo.tiny import build_tokenizer
+    from megatron_pacs.mcore.forward import model_token_logprobs, own_routing_report, run_schedule
+    from megatron_pacs.mcore.model import build_gpt_model
+    from megatron_pacs.mcore.parallel import init_parallel
+    from megatron_pacs.mcore.weights import load_hf_weights
+    from megatron_pacs.rollout.types import SamplingConfig
+    from megatron_pacs.rollout.vllm_engine import VLLMEngine
+
+    tok = build_tokenizer(vocab_size=512)
+    config = tiny_hf_config("qwen3_moe", vocab_size=len(tok), hidden=128, heads=4, kv_heads=2, tied=False)
+    model_dir = str(tmp_path / "moe")
+    build_tiny_model(model_dir, config, seed=0, tokenizer=tok, scale=3.0)
+    layers, experts, k = config.num_hidden_layers, config.num_experts, config.num_experts_per_tok
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, len(tok), (12,), generator=gen).tolist() for _ in range(2)]
+    engine = VLLMEngine(
+        model_dir, dtype="float32", max_model_len=128, gpu_memory_utilization=0.3, return_routed_experts=True
+    )
+    try:
+        rollouts = engine.generate(prompts, SamplingConfig(n=2, max_tokens=8, seed=0, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    seqs, routed, prompt_lens, response_lens, engine_logprobs = [], [], [], [], []
+    for group in rollouts:
+        for resp in group.responses:
+            assert resp.routed_experts is not None, "vLLM returned no routed experts"
+            length = len(group.prompt_token_ids) + len(resp.token_ids)
+            assert tuple(resp.routed_experts.shape) == (length - 1, layers, k)
+            assert int(resp.routed_experts.min()) >= 0 and int(resp.routed_experts.max()) < experts
+            seqs.append(list(group.prompt_token_ids) + list(resp.token_ids))
+            routed.append(resp.routed_experts)
+            prompt_lens.append(len(group.prompt_token_ids))
+            response_lens.append(len(resp.token_ids))
+            engine_logprobs += resp.logprobs
+    batch = RolloutBatch.from_sequences(
+        seqs,
+        torch.tensor(prompt_lens),
+        torch.tensor(response_lens),
+        torch.zeros(len(seqs)),
+        2,
+        engine_logprobs=torch.tensor(engine_logprobs, dtype=torch.float32),
+        routed_experts=routed,
+    )
+    cfg = BatchConfig(global_batch_size=2, group_size=2, ppo_mini_batch_size=2, micro_batch_size=2)
+    layout = StepLayout(batch, cfg, dp_rank=0, dp_size=1, pp_size=1, interleaved=False, whole_groups=False)
+    mbs = layout.micro_batches([0])
+    assert all(mb.routed_experts is not None for mb in mbs)
+
+    groups = init_parallel(ParallelConfig())
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    # sdpa spec: Transformer Engine's fp32 GEMMs run TF32 (docs/algorithm.md §7.2), too coarse for this comparison
+    models = build_gpt_model(hf_config, groups, spec="sdpa", moe_enable_routing_replay=True)
+    load_hf_weights(models, model_dir, groups, hf_config)
+    assert batch.engine_logprobs is not None
+    engine_store = TokenStore(batch.engine_logprobs.cuda(), batch.engine_offsets.cuda())
+    report = own_routing_report(models, mbs, engine_store, groups.tp_group)
+    agree, counted = report["moe/router_agreement"].tolist()
+    assert counted == sum(len(s) - 1 for s in seqs) * layers * k
+    assert agree / counted > 0.9  # fp32 on both sides: only near-ties may flip
+    own_value, own_weight = report["moe/logprob_abs_diff_mean_without_replay"].tolist()
+
+    replayed = torch.zeros(2, dtype=torch.float64)
+
+    def loss_fn(logits, mb):
+        scored = mb.scored(model_token_logprobs(logits, mb, groups.tp_group).float())
+        delta = (scored.logp - engine_store.gather(scored)).abs()
+        replayed.add_(torch.stack([delta.sum(), torch.tensor(delta.numel(), device=delta.device)]).double().cpu())
+        return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+    with torch.no_grad():
+        run_schedule(models, mbs, loss_fn, forward_only=True)
+    replay_gap, own_gap = (replayed[0] / replayed[1]).item(), own_value / own_weight
+    assert replay_gap < 1e-2, replay_gap
+    assert replay_gap <= own_gap + 1e-5, (replay_gap, own_gap)
