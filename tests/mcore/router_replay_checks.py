@@ -23,7 +23,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_pacs.algo.tokens import MicroBatch, TokenStore
 from megatron_pacs.config import ParallelConfig
-from megatron_pacs.mcore.forward import model_token_logprobs, own_routing_agreement, own_routing_report, run_schedule
+from megatron_pacs.mcore.forward import (
+    model_token_logprobs,
+    own_routing_agreement,
+    own_routing_report,
+    run_schedule,
+    run_schedule_together,
+)
 from megatron_pacs.mcore.model import build_gpt_model
 from megatron_pacs.mcore.moe_weights import EXPERT_NAME
 from megatron_pacs.mcore.parallel import init_parallel
@@ -217,6 +223,26 @@ def main() -> None:
                     f"{tag}_cleared": diffs[3].item() == 0.0,
                 }
             )
+    # the actor and the reference in one forward-only schedule (run_schedule_together): both replay
+    together: list[dict[int, torch.Tensor]] = [{}, {}]
+
+    def keep(store: dict[int, torch.Tensor]):
+        def loss_fn(logits, mb):
+            scored = mb.scored(model_token_logprobs(logits, mb, groups.tp_group))
+            for s, i in enumerate(scored.index.tolist()):
+                store[i] = scored.logp[scored.seq == s].detach()
+            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+        return loss_fn
+
+    with torch.no_grad():
+        run_schedule_together(
+            built, _micro_batches(seqs, routed, packed=True, align=align), [keep(t) for t in together]
+        )
+    both = torch.tensor([max(((t[i] - hf_forced[i]).abs().max().item() for t in together for i in t), default=0.0)])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    result["together_logprob_diff"] = both.item()
+    result["together_cleared"] = all(_replay_left_empty(m) for m in built)
     models = built[0]
     # without a routing the routers choose: the log-probs move away from the forced ones
     own = _megatron_pass(models, groups, _micro_batches(seqs, None, packed=False, align=align), backward=False)

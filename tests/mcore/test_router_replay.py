@@ -70,6 +70,9 @@ def test_replay_equals_hf_forced_to_the_same_routing(results, run):
         assert r[f"{p}_router_grad_diff"] < FP32_TOL, p
         assert r[f"{p}_expert_grad_diff"] < FP32_TOL, p
         assert r[f"{p}_cleared"] is True, p
+    # the actor and the reference run together (one forward-only schedule, stacked chunks): both replay
+    assert r["together_logprob_diff"] < FP32_TOL
+    assert r["together_cleared"] is True
     # without a routing the routers choose their own experts: the forced routing did change the log-probs
     assert r["unreplayed_vs_forced_diff"] > 1e-2
 
