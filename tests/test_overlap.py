@@ -5,6 +5,10 @@ With ``--lr 0`` the policy never moves, so generating step k+1's rollouts during
 per-step rewards, losses and gradient norms equal the synchronous run's exactly (also with the truncated
 importance correction, whose ratios then compare the same weights in both runs). The lag and timing metrics say
 what happened.
+
+The synchronous run with the correction trains on the synchronous run's rollouts, replayed from its dumps
+(``--rollout-source replay``, no fleet: the same tokens, rewards and engine log-probs, which the frozen policy's
+engines would generate again).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import PINNED_CPU_ENV, TINY_RUN_FLAGS, run_train
+from conftest import PINNED_CPU_ENV, TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -28,7 +32,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 RUNS = {
     "sync": [*FROZEN],
     "off": [*FROZEN, "--off-policy-steps", "1", "--save", "CKPT", "--save-interval", "1", "--keep-last", "3"],
-    "sync_tis": [*FROZEN, "--off-policy-correction", "tis"],
+    "sync_tis": [*FROZEN, "--off-policy-correction", "tis", "--rollout-source", "replay", "--replay-from", "SYNC"],
     "off_tis": [*FROZEN, "--off-policy-steps", "1", "--off-policy-correction", "tis"],
     "grpo_tis_pp2": [*FROZEN[:2], "--train-iters", "1", "--micro-batch-size", "3", "--loss", "grpo", *TIS, *PP2],
 }
@@ -42,19 +46,33 @@ def prepare(root: Path) -> Path:
     return root
 
 
-def _launch(root: Path, name: str) -> list[dict]:
-    base = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
-    flags = [str(root / f"{name}_ckpt") if a == "CKPT" else a for a in RUNS[name]]
-    history = run_train([*base, *flags], log_dir=root / name, cwd=root, world=WORLD.get(name, 1))
+def _run(root: Path, name: str) -> list[dict]:
+    replay = name in REPLAYS
+    base = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl")]
+    base += TINY_TRAIN_FLAGS if replay else TINY_RUN_FLAGS
+    subs = {"CKPT": str(root / f"{name}_ckpt"), "SYNC": str(root / "sync")}
+    flags = [subs.get(a, a) for a in RUNS[name]]
+    world = WORLD.get(name, 1)
+    history = run_train([*base, *flags], log_dir=root / name, cwd=root, world=world, without_fleet_stack=replay)
     return [m for m in history if "train/loss" in m]
 
 
-LAUNCHES = {name: partial(_launch, name=name) for name in RUNS}  # queued for the session (tests/launch_queue.py)
+REPLAYS = {"sync_tis": "sync"}  # run -> the run whose dumps it replays (after it, in the same launch of the queue)
+
+
+def _launch(root: Path, name: str) -> dict[str, list[dict]]:
+    """Run ``name``, then the runs that replay its dumps; returns each run's steps by its name."""
+    return {run: _run(root, run) for run in (name, *(r for r, source in REPLAYS.items() if source == name))}
+
+
+# queued for the session (tests/launch_queue.py)
+LAUNCHES = {name: partial(_launch, name=name) for name in RUNS if name not in REPLAYS}
 
 
 @pytest.fixture(scope="module")
 def launched(launch_queue) -> tuple[Path, dict[str, list[dict]]]:
-    out = {name: future.result() for name, future in launch_queue.futures(__name__).items()}
+    futures = launch_queue.futures(__name__).values()
+    out = {name: steps for future in futures for name, steps in future.result().items()}
     return launch_queue.root(__name__), out
 
 

@@ -9,6 +9,11 @@ warmed-up model, whose rewards are mixed.
   makes it non-zero from the first token).
 - Train/rollout consistency is measured for real at PP=2, DP=2 and T != 1; ``--max-logprob-diff`` stops a run
   whose engines run another dtype, naming the step and the value.
+
+Runs that would see the same rollouts as another replay its dumps (``--rollout-source replay``: the same tokens,
+rewards and engine log-probs, without a fleet, whose start is most of a tiny launch's time): the packed, padded and
+DP=2 KL runs replay the PP=2 one's step (all start from the same weights and seed), and v1 replays v2_reset's first
+two steps (the same first update, bit for bit: the same weights generated step 2).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PINNED_CPU_ENV, TINY_RUN_FLAGS, run_train
+from conftest import PINNED_CPU_ENV, TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -49,14 +54,16 @@ RUNS = {
     # name: (world, flags)
     "v2_reset": (1, [*V2, *ONE_MINI, "--kl-coef", "0.05", "--ref-reset-interval", "2", "--train-iters", "3"]),
     "v1": (1, [*ONE_MINI, "--train-iters", "2"]),
+    "kl_pp2": (2, [*KL, "--ref-load", "REF", "--pipeline-model-parallel-size", "2", "--train-iters", "1"]),
     "kl_packed": (1, [*KL, "--ref-load", "REF", "--train-iters", "1"]),
     "kl_padded": (1, [*KL, "--ref-load", "REF", "--no-sequence-packing", "--train-iters", "1"]),
-    "kl_pp2": (2, [*KL, "--ref-load", "REF", "--pipeline-model-parallel-size", "2", "--train-iters", "1"]),
     "kl_dp2": (2, [*KL, "--ref-load", "REF", "--train-iters", "1"]),
     # sampling at T = 0.7: the consistency check compares the engines' raw (T = 1) log-probs with the trainer's
     # extra T = 1 pass; bounded, in sync, so the run completes
     "t07": (1, ["--temperature", "0.7", "--max-logprob-diff", "1e-3", "--train-iters", "1"]),
 }
+# run -> the run whose dumps it replays (after it, in the same launch of the queue)
+REPLAYS = {"v1": "v2_reset", "kl_packed": "kl_pp2", "kl_padded": "kl_pp2", "kl_dp2": "kl_pp2"}
 
 
 def prepare(root: Path) -> tuple[Path, Path]:
@@ -65,20 +72,31 @@ def prepare(root: Path) -> tuple[Path, Path]:
     return root, _perturbed_reference(root)
 
 
-def _launch(prepared: tuple[Path, Path], name: str) -> list[dict]:
+def _launch(prepared: tuple[Path, Path], name: str) -> dict[str, list[dict]]:
+    """Run ``name`` with the fleet, then the runs that replay its dumps; returns each run's metrics by its name."""
     root, ref = prepared
-    world, extra = RUNS[name]
-    extra = [str(ref) if a == "REF" else a for a in extra]
-    flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
-    return run_train([*flags, "--micro-batch-size", "3", *extra], log_dir=root / name, cwd=root, world=world)
+    out = {}
+    for run in (name, *(r for r, source in REPLAYS.items() if source == name)):
+        world, extra = RUNS[run]
+        extra = [str(ref) if a == "REF" else a for a in extra]
+        flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl")]
+        if run in REPLAYS:
+            flags += [*TINY_TRAIN_FLAGS, "--rollout-source", "replay", "--replay-from", str(root / name)]
+        else:
+            flags += TINY_RUN_FLAGS
+        flags += ["--micro-batch-size", "3", *extra]
+        out[run] = run_train(flags, log_dir=root / run, cwd=root, world=world, without_fleet_stack=run in REPLAYS)
+    return out
 
 
-LAUNCHES = {name: partial(_launch, name=name) for name in RUNS}  # queued for the session (tests/launch_queue.py)
+# queued for the session (tests/launch_queue.py)
+LAUNCHES = {name: partial(_launch, name=name) for name in RUNS if name not in REPLAYS}
 
 
 @pytest.fixture(scope="module")
 def runs(launch_queue) -> tuple[Path, dict[str, list[dict]]]:
-    out = {name: future.result() for name, future in launch_queue.futures(__name__).items()}
+    futures = launch_queue.futures(__name__).values()
+    out = {name: history for future in futures for name, history in future.result().items()}
     return launch_queue.root(__name__), out
 
 
@@ -99,11 +117,15 @@ def test_at_the_reference_kl_and_scores_are_exactly_zero_and_the_loss_is_v1s(run
     assert "perf/time/phase1" not in v2[0] and "perf/time/phase1" not in v2[2] and "perf/time/phase1" in v2[1]
     # At theta = theta_ref the KL gradient is exactly zero and both anchors give s = 0: the same first update.
     assert v2[0]["train/grad_norm"] == v1[0]["train/grad_norm"]
-    assert v2[1]["rollout/reward_mean"] == v1[1]["rollout/reward_mean"]
+    # v1 replays v2's rollouts: its step-2 log-probs equal v2's to the bit (the same weights after step 1), both
+    # compared with the engines' recorded log-probs
+    for key in ("consistency/logprob_abs_diff_max", "consistency/logprob_abs_diff_mean", "consistency/k3"):
+        assert v2[1][key] == v1[1][key], key
 
 
 @pytest.mark.parametrize("other", ["kl_padded", "kl_pp2", "kl_dp2"])
 def test_the_kl_term_does_not_depend_on_packing_pipeline_or_data_parallelism(runs, other):
+    """The same rollouts (kl_pp2's; the others replay them) and reference in every layout."""
     _, out = runs
     base, m = _steps(out["kl_packed"])[0], _steps(out[other])[0]
     assert base["ref/kl"] > 1e-4  # a real KL from the first token (perturbed reference)
@@ -114,15 +136,19 @@ def test_the_kl_term_does_not_depend_on_packing_pipeline_or_data_parallelism(run
 @pytest.mark.parametrize("name", ["kl_packed", "kl_pp2", "kl_dp2", "t07"])
 def test_consistency_is_measured_for_real_at_every_layout_and_temperature(runs, name):
     """Engine vs trainer log-probs of the same tokens under the same weights, compared on the last pipeline stage
-    (PP=2 too) and over every data-parallel rank's tokens; fp32 on CPU: rounding only. The sync probe (vLLM's
-    prompt log-probs after the sync) runs under PP as well."""
+    (PP=2 too) and over every data-parallel rank's tokens (kl_packed and kl_dp2 against the engine log-probs
+    recorded by kl_pp2's fleet); fp32 on CPU: rounding only. The sync probe (vLLM's prompt log-probs after the sync)
+    runs under PP as well (at DP=2: tests/mcore/test_moe.py's EP=2 run)."""
     _, out = runs
     m = _steps(out[name])[0]
     assert 0.0 <= m["consistency/logprob_abs_diff_max"] < 1e-4  # compared, and it agrees
     assert m["consistency/logprob_abs_diff_mean"] <= m["consistency/logprob_abs_diff_max"]
     assert m["consistency/seq_logprob_abs_diff_max"] < 1e-3
     assert 0.0 <= m["consistency/k3"] < 1e-8
-    assert 0.0 <= m["sync/max_logprob_diff"] < 1e-4
+    if name in REPLAYS:
+        assert "sync/max_logprob_diff" not in m and "perf/time/generate" not in m  # no engines
+    else:
+        assert 0.0 <= m["sync/max_logprob_diff"] < 1e-4
 
 
 def test_max_logprob_diff_stops_a_run_whose_engines_run_another_dtype(runs):
