@@ -1,0 +1,140 @@
+"""A rollout cluster that can come back (issue 30.5, ``--rollout-cluster-reconnect-seconds``): its head killed in
+its namespace mid-run, on the shared virtual cluster, in both cases in one test (two trainer launches, the least
+suite time): the head not back within the window (a clean stop that saves and names the address and the flag, then
+a resume once the cluster is back), and back within it (the trainer connects again and the run completes). Every
+step equals the continuous run's (per-request sampling seeds: a regenerated step is the same step).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from cluster_fixtures import *  # noqa: F403 - the fixtures
+from cluster_fixtures import wait_engines_gone
+from deploy import ROLLOUT_HOSTS, TRAIN_HOSTS
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm")
+ADDRESS = "ray://rollout-head:10001"
+#: Ray Client's own grace before it reports the lost connection (default 30 s): shortened to save suite time.
+GRACE = {"RAY_CLIENT_RECONNECT_GRACE_PERIOD": "5", "SAVE_INTERVAL": "3"}
+
+
+class _Watch:
+    """Records when each pattern first appears in a log after ``offset`` (monotonic time), from a thread."""
+
+    def __init__(self, path, offset: int, patterns: list[str]) -> None:
+        self.path, self.offset = path, offset
+        self.seen: dict[str, float | None] = dict.fromkeys(patterns)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and any(v is None for v in self.seen.values()):
+            text = self.path.read_text(errors="replace")[self.offset :] if self.path.exists() else ""
+            for p, v in self.seen.items():
+                if v is None and p in text:
+                    self.seen[p] = time.monotonic()
+            time.sleep(0.2)
+
+    def since(self, start: float) -> dict[str, float | None]:
+        self._stop.set()
+        self._thread.join()
+        return {p: None if v is None else round(v - start, 1) for p, v in self.seen.items()}
+
+
+def _wait_row(d, name: str, step: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r.get("step") == step for r in d.metrics(name)):
+            return True
+        if any(p.poll() is not None for p in d.trainers.values()):
+            return False
+        time.sleep(0.3)
+    return False
+
+
+def _kill_rollout_cluster(d) -> float:
+    """The head first (killed in its namespace), then the worker (the whole rollout job, as a requeue would)."""
+    d.cluster.kill_host("rollout-head")
+    killed = time.monotonic()
+    d.cluster.kill_host("rollout1")
+    return killed
+
+
+def _offsets(d, name: str) -> dict[str, int]:
+    return {h: d.log(f"{name}-{h}").stat().st_size if d.log(f"{name}-{h}").exists() else 0 for h in TRAIN_HOSTS}
+
+
+def _text(d, name: str, host: str, offset: int) -> str:
+    return d.log(f"{name}-{host}").read_text(errors="replace")[offset:]
+
+
+def test_lost_rollout_head_stops_cleanly_when_not_back_and_reconnects_when_back(deployment, continuous):
+    """(b) Both rollout hosts killed during step 2's generation, not restarted (window 10 s): every rank saves step 1
+    (--save-interval 3: not checkpointed yet) and exits non-zero, rank 0 with one line naming the address and the
+    flag. (a) The cluster started again, the same command (window 60 s) resumes; the head is killed again during step
+    3's generation and restarted within the window: the trainer connects again, starts the engines anew, re-syncs and
+    regenerates step 3; the run completes, and steps 1-3 equal the continuous run's."""
+    d = deployment
+    started = time.monotonic()
+    # -- (b) not back within the window ---------------------------------------------------------------------------
+    flags = ("--rollout-cluster-reconnect-seconds", "10")
+    off = _offsets(d, "reco")
+    d.start_trainers("reco", *flags, **GRACE)
+    assert _wait_row(d, "reco", 1, 600), _text(d, "reco", "train0", off["train0"])[-6000:]
+    watch = _Watch(d.log("reco-train0"), off["train0"], ["fleet: lost the rollout cluster"])
+    killed = _kill_rollout_cluster(d)
+    codes = d.wait_trainers(timeout=120)
+    exited = time.monotonic() - killed
+    seen = watch.since(killed)
+    logs = {h: _text(d, "reco", h, off[h]) for h in TRAIN_HOSTS}
+    assert codes["train0"] not in (0, None) and codes["train1"] not in (0, None), (codes, logs["train0"][-6000:])
+    line = f"error: the rollout cluster at {ADDRESS} was lost and did not come back within 10 s"
+    assert logs["train0"].count(line) == 1 and "(--rollout-cluster-reconnect-seconds;" in logs["train0"], logs[
+        "train0"
+    ][-6000:]
+    assert "stopped with rank 0, which lost the rollout cluster" in logs["train1"], logs["train1"][-6000:]
+    for h in TRAIN_HOSTS:
+        assert "]: Traceback" not in logs[h], logs[h][-6000:]  # no rank failed ([rankN]: Traceback)
+    assert [r["step"] for r in d.metrics("reco")] == [1]
+    assert (d.workdir / "reco-ckpt" / "iter_0000001" / "megatron_pacs.json").exists()  # saved by the stop
+    assert not any(d.engine_pids().values())
+    print(f"reconnect (b): lost found {seen} s after the kill; every rank exited {exited:.1f} s after it")
+
+    # -- (a) back within the window ---------------------------------------------------------------------------------
+    t0 = time.monotonic()
+    d.start_rollout_cluster()
+    restarted = time.monotonic() - t0
+    flags = ("--rollout-cluster-reconnect-seconds", "60")
+    off = _offsets(d, "reco")
+    d.start_trainers("reco", *flags, **GRACE)  # the same command: resumes from step 1
+    assert _wait_row(d, "reco", 2, 600), _text(d, "reco", "train0", off["train0"])[-6000:]
+    patterns = ["fleet: lost the rollout cluster", "fleet: connected to"]
+    watch = _Watch(d.log("reco-train0"), off["train0"], patterns)
+    killed = _kill_rollout_cluster(d)
+    d.start_rollout_cluster()  # the head first: the trainer connects as soon as its client port answers
+    back = time.monotonic() - killed
+    stepped = _wait_row(d, "reco", 3, 600)
+    step3 = time.monotonic() - killed
+    codes = d.wait_trainers(timeout=120)
+    seen = watch.since(killed)
+    logs = {h: _text(d, "reco", h, off[h]) for h in TRAIN_HOSTS}
+    assert stepped and codes == {"train0": 0, "train1": 0}, (codes, logs["train0"][-6000:])
+    rows = d.metrics("reco")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["rollout/cluster_reconnects"] == 1.0, rows[-1]
+    by_step = {r["step"]: r for r in continuous.rows}
+    for r in rows:
+        assert {k: r[k] for k in KEYS} == {k: by_step[r["step"]][k] for k in KEYS}, r["step"]
+    assert wait_engines_gone(d) == {}
+    assert all(p.poll() is None for h in ROLLOUT_HOSTS for p in d.cluster.hosts[h].procs[-1:])
+    print(
+        f"reconnect (a): cluster restarted in {restarted:.1f} s (between the runs); after the kill: lost found, "
+        f"connected again {seen} s, cluster back (both nodes) {back:.1f} s, step 3 logged {step3:.1f} s; "
+        f"test {time.monotonic() - started:.1f} s"
+    )
