@@ -7,6 +7,11 @@ direct (groups intact), and GRPO, each at TP=1 (one process) and PP=2 (two gloo 
 packed twins of three of them. Every step records ``rollout/reward_mean``, ``train/loss``, ``train/grad_norm`` and a
 SHA-256 and the L2 norm of the weights the step produced (the ``--save-hf`` export of that step's checkpoint).
 
+The packed twins train on their padded twin's rollouts, replayed from its dumps (``--rollout-source replay``, no
+fleet): a packed run with its own fleet generated the same tokens (the engines' weights differ from the padded run's
+by rounding only; the trace, recorded that way, pins the same rewards, losses and weights), and the fleet's start is
+most of a tiny launch's time. Two padded runs are also replayed into themselves (``REPLAYED``).
+
 The trace in ``tests/golden/trace.json`` pins the arithmetic of the step: a change that alters it must fail here.
 Bit for bit is defined only on one code path through the float kernels, so the trace also records the platform it
 was recorded on (``conftest.cpu_platform``; every run pins the kernels with ``PINNED_CPU_ENV``). On that platform
@@ -27,6 +32,7 @@ import os
 import shutil
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,36 +112,35 @@ def _launch(root: Path, name: str, out_name: str, *extra: str, without_fleet_sta
     return trace, history
 
 
-def _run(root: Path, name: str) -> list[dict]:
-    return _launch(root, name, name)[0]
-
-
 # Replayed from their own dumps, from the same initial weights, with Ray, vLLM and math-verify absent: PACS at TP=1
 # and GRPO at PP=2 (the reference policy with a reset, and a resume in the middle of a replay: tests/test_resume.py).
 REPLAYED = ("pacs_two_phase_tp1", "grpo_pp2")
 CONSISTENCY = ("consistency/logprob_abs_diff_max", "consistency/k3")
 
-
-def _run_and_replay(root: Path, name: str) -> dict[str, list[dict]]:
-    trace, history = _launch(root, name, name)
-    flags = ("--rollout-source", "replay", "--replay-from", str(root / name))
-    replay, replayed = _launch(root, name, f"{name}_replay", *flags, without_fleet_stack=True)
-    return {
-        "trace": trace,
-        "replay": replay,
-        "consistency": [{k: m[k] for k in CONSISTENCY} for m in history if "train/loss" in m],
-        "replay_consistency": [{k: m[k] for k in CONSISTENCY} for m in replayed if "train/loss" in m],
-        "replay_metrics": replayed,
-    }
-
-
-# Packed twins vs their padded runs: the same rollouts (rewards equal exactly), and losses and gradient norms equal to
-# fp32 rounding of different GEMM shapes, compounded through three Adam steps: measured <= 3.5e-6 relative when
-# recorded. A trace replayed on another platform differs the same way (<= 6e-6 relative measured between two CI
-# machine kinds). The bound leaves a 15-30x margin.
+# Packed twins vs their padded runs, whose dumped rollouts they replay: losses and gradient norms equal to fp32
+# rounding of different GEMM shapes, compounded through three Adam steps: measured <= 3.5e-6 relative when recorded
+# (each twin then ran its own fleet, which generated the padded run's tokens). A trace replayed on another platform
+# differs the same way (<= 6e-6 relative measured between two CI machine kinds). The bound leaves a 15-30x margin.
 PACKED_TWINS = {"pacs_two_phase_tp1_packed": "pacs_two_phase_tp1", "pacs_direct_pp2_packed": "pacs_direct_pp2"}
 PACKED_TWINS["grpo_tp1_packed"] = "grpo_tp1"
 ROUNDING_REL_TOL = 1e-4
+
+
+def _run_and_replays(root: Path, name: str) -> dict[str, dict]:
+    """Run ``name`` with the fleet, then the runs that replay its dumps (one launch of the queue: they need them):
+    ``name`` itself when in ``REPLAYED``, and its packed twin. Returns each run's results by its name."""
+    trace, history = _launch(root, name, name)
+    out: dict[str, Any] = {"trace": trace}
+    flags = ("--rollout-source", "replay", "--replay-from", str(root / name))
+    if name in REPLAYED:
+        replay, replayed = _launch(root, name, f"{name}_replay", *flags, without_fleet_stack=True)
+        out["replay"], out["replay_metrics"] = replay, replayed
+        out["consistency"] = [{k: m[k] for k in CONSISTENCY} for m in history if "train/loss" in m]
+        out["replay_consistency"] = [{k: m[k] for k in CONSISTENCY} for m in replayed if "train/loss" in m]
+    results = {name: out}
+    for packed in (p for p, padded in PACKED_TWINS.items() if padded == name):
+        results[packed] = {"trace": _launch(root, packed, packed, *flags, without_fleet_stack=True)[0]}
+    return results
 
 
 def _assert_equal_to_rounding(got: list[dict], want: list[dict], what: str) -> None:
@@ -152,18 +157,25 @@ def prepare(root: Path) -> Path:
     return root
 
 
-# queued for the session (tests/launch_queue.py)
-LAUNCHES = {name: partial(_run_and_replay if name in REPLAYED else _run, name=name) for name in RUNS}
+# queued for the session (tests/launch_queue.py): each fleet run with the replays of its dumps, longest chains first
+LAUNCHES = {
+    name: partial(_run_and_replays, name=name)
+    for name in sorted(
+        (n for n in RUNS if n not in PACKED_TWINS),
+        key=lambda n: -(n in REPLAYED) - (n in PACKED_TWINS.values()),
+    )
+}
 
 
 @pytest.fixture(scope="module")
-def launched(launch_queue) -> dict:
-    return {name: future.result() for name, future in launch_queue.futures(__name__).items()}
+def launched(launch_queue) -> dict[str, dict]:
+    """Every run's results by its name (a launch returns its fleet run's and its replays')."""
+    return {name: out for future in launch_queue.futures(__name__).values() for name, out in future.result().items()}
 
 
 @pytest.fixture(scope="module")
 def traces(launched) -> dict[str, list[dict]]:
-    results = {name: out["trace"] if name in REPLAYED else out for name, out in launched.items()}
+    results = {name: launched[name]["trace"] for name in RUNS}
     if RECORD:
         GOLDEN.parent.mkdir(exist_ok=True)
         golden = {"platform": cpu_platform(), "runs": results}
@@ -187,6 +199,8 @@ def test_trace_equals_the_recorded_one(traces, name):
 
 @pytest.mark.parametrize("packed", list(PACKED_TWINS))
 def test_packed_runs_equal_their_padded_twins_to_rounding(traces, packed):
+    """Trained on the same rollouts (the padded twin's, replayed): the same rewards, and losses, gradient norms and
+    weights equal to rounding (packing changes only the GEMM shapes)."""
     _assert_equal_to_rounding(traces[packed], traces[PACKED_TWINS[packed]], packed)
 
 
