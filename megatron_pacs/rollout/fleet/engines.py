@@ -423,15 +423,19 @@ def _local_ray_processes(temp_dir: str | None) -> list[psutil.Process]:
     return list(found.values())
 
 
-def _reap(procs: list[psutil.Process], grace: float = 15.0) -> None:
-    """Wait (bounded) for the local Ray's processes to exit after ``ray.shutdown()``, SIGKILL what outlives
-    ``grace``. ``ray.shutdown()`` kills the daemons and returns; workers notice their raylet's death only later (an
-    engine actor still in ``__init__`` loading vLLM takes seconds), and until then they hold memory and devices."""
-    _, alive = psutil.wait_procs(procs, timeout=grace)
+def _reap(procs: list[psutil.Process], grace: float = 10.0) -> None:
+    """End the local Ray's processes left after ``ray.shutdown()``: SIGTERM, then SIGKILL what outlives ``grace``.
+    ``ray.shutdown()`` kills the daemons and returns; the workers would notice their raylet's death only seconds
+    later (an engine actor still in ``__init__`` loading vLLM), holding memory and devices until then."""
+    _, alive = psutil.wait_procs(procs, timeout=0.5)
+    for p in alive:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=grace)
     if alive:
-        log.warning(
-            "fleet: %d Ray process(es) still running %.0f s after ray.shutdown(); killing them", len(alive), grace
-        )
+        log.warning("fleet: %d Ray process(es) outlived SIGTERM by %.0f s; killing them", len(alive), grace)
         for p in alive:
             try:
                 p.kill()
