@@ -78,7 +78,8 @@ def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
 
     Args:
         source: The rollout source.
-        sections: The run's other sections by name (``rollout``, ``loss``, ``reward``, ``eval``, ``data``).
+        sections: The run's other sections by name (``rollout``, ``loss``, ``reward``, ``eval``, ``data``,
+            ``model``).
 
     Raises:
         ValueError: naming the flag and the source.
@@ -86,6 +87,12 @@ def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
     kind = source.rollout_source
     if kind == "fleet":
         return
+    if sections["model"].router_replay == "r3":
+        raise bad(
+            "router_replay",
+            f"r3 replays the experts the fleet's engines routed each token to, and --rollout-source {kind} "
+            "rollouts carry none (dumps do not keep them); use --router-replay off",
+        )
     for section, names in _FLEET_ONLY.items():
         values = sections[section]
         for name in names:

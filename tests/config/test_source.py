@@ -54,3 +54,12 @@ def test_synthetic_rollouts_have_no_engine_log_probs_to_compare_or_weight_by():
 
 def test_the_update_s_own_settings_stay_available():
     _validate("--rollout-source", "synthetic", "--temperature", "0.7", "--kl-coef", "0.01", "--ref-reset-interval", "2")
+
+
+@pytest.mark.parametrize(
+    "source", [["--rollout-source", "synthetic"], ["--rollout-source", "replay", "--replay-from", "r"]]
+)
+def test_router_replay_needs_the_fleet_s_routed_experts(source):
+    with pytest.raises(ValueError, match=rf"^--router-replay: r3 replays .* --rollout-source {source[1]} rollouts"):
+        _validate(*source, "--router-replay", "r3")
+    _validate(*source, "--router-replay", "off")
