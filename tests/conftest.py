@@ -168,6 +168,12 @@ def run_train(
             "-m",
             "megatron_pacs.train",
         ]
+    if world > 1 and "--heartbeat-timeout-seconds" not in flags:
+        # Four or more busy processes per core here (two launches, their engines, the in-process tests): a rank's
+        # heartbeat thread went 33 s without CPU in a clean-clone run, and the default 60 s timeout (a peer is stale
+        # after 30 s) ended a healthy run. These launches test other things; tests/utils/test_heartbeat.py and the
+        # cluster tests set their own timeouts.
+        flags = [*flags, "--heartbeat-timeout-seconds", "300"]
     env = dict(os.environ, **PINNED_CPU_ENV)
     if without_fleet_stack:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (NO_FLEET_STACK, env.get("PYTHONPATH")) if p)

@@ -226,9 +226,14 @@ def test_a_tiny_qwen3_moe_trains_through_the_cli_with_the_real_fleet(launched, e
 def test_two_rl_steps_at_ep2_equal_ep1(results):
     """The RL update (the reference's pass with the old log-probs riding along, two optimizer steps per RL step;
     packed, then padded and cut by a token budget that gives rank 0 four micro-batches and rank 1 three, so at EP=2
-    rank 1 runs a filler) on two data-parallel ranks: EP=2 with all-to-all equals EP=1 to 1e-6 relative (measured
-    8.6e-8: fp32, only the experts' summation order differs), the weights' checksum after both steps too; EP=2 with
-    all-gather (micro-batch k of one shape on both ranks) runs the same passes without hanging."""
+    rank 1 runs a filler) on two data-parallel ranks: EP=2 with all-to-all equals EP=1 (fp32, only the experts'
+    summation order differs): the first step's loss and gradient norm to 1e-6 relative (bit-equal when measured),
+    the second step's and the weights' checksum to 1e-4, the golden trace's rounding bound: Adam's first update
+    moves every weight by about the learning rate whatever its gradient's size, so the rounding noise of a
+    near-zero gradient entry becomes a full-size step (the second step's gradient norm measured 8e-8 apart on one
+    run and 3.6e-5 on a clean-clone run). EP=2 with all-gather (micro-batch k of one shape on both ranks) runs the
+    same passes without hanging."""
     ep1, ep2 = (results[(1, ep, d, True)]["rl_steps"] for ep, d in ((1, "allgather"), (2, "alltoall")))
-    assert ep2 == pytest.approx(ep1, rel=1e-6), (ep1, ep2)
+    assert ep2[:2] == pytest.approx(ep1[:2], rel=1e-6), (ep1, ep2)
+    assert ep2[2:] == pytest.approx(ep1[2:], rel=1e-4), (ep1, ep2)
     assert all(math.isfinite(v) for v in results[(1, 2, "allgather", False)]["rl_steps"])
