@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "model_token_logprobs",
-    "own_routing_agreement",
     "own_routing_report",
     "run_schedule",
     "run_schedule_together",
@@ -233,28 +232,6 @@ def run_schedule_together(
         return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
     _schedule(stacked, micro_batches, loss_fn, forward_only=True, rows_per_message=len(model_sets))
-
-
-@torch.no_grad()
-def own_routing_agreement(models: Sequence[MegatronModule], micro_batches: list[MicroBatch]) -> float:
-    """How often the model's routers, choosing for themselves, pick the experts of the micro-batches' given
-    routing, over every rank (a collective over the default group: every rank calls it, with its own micro-batches).
-
-    Args:
-        models: This rank's model chunks, built with ``moe_enable_routing_replay``.
-        micro_batches: This rank's micro-batches, each with its ``routed_experts``.
-
-    Returns:
-        The fraction of the given (token, layer, k) choices that the router's own top-k set holds (tokens without a
-        given routing not counted); NaN when there were none.
-    """
-    routing = RoutingPass(models, compare=True)
-
-    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-        return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
-
-    _schedule(models, micro_batches, loss_fn, forward_only=True, rows_per_message=1, routing=routing)
-    return routing.agreement(dist.group.WORLD)
 
 
 @torch.no_grad()

@@ -158,14 +158,6 @@ class RoutingPass:
             self.agree += agree
             self.total += total
 
-    def agreement(self, group: dist.ProcessGroup | None) -> float:
-        """The fraction of agreeing choices over the ranks of ``group`` (all of them: every stage and shard holds
-        some layers' and tokens' routers), NaN when no token had a given routing."""
-        counts = torch.tensor([self.agree, self.total], dtype=torch.float64)
-        if group is not None and dist.is_initialized():
-            dist.all_reduce(counts, group=group)
-        return float(counts[0] / counts[1]) if counts[1] > 0 else float("nan")
-
 
 def routing_agreement(own: torch.Tensor, given: torch.Tensor) -> tuple[float, float]:
     """How many of the given expert choices the router made too.

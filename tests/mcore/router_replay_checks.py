@@ -25,7 +25,6 @@ from megatron_pacs.algo.tokens import MicroBatch, TokenStore
 from megatron_pacs.config import ParallelConfig
 from megatron_pacs.mcore.forward import (
     model_token_logprobs,
-    own_routing_agreement,
     own_routing_report,
     run_schedule,
     run_schedule_together,
@@ -252,14 +251,17 @@ def main() -> None:
     # the agreement metric: the model's own routing against HF's natural one (same weights), and the random one
     hf.zero_grad(set_to_none=True)
     hf_natural, natural = _hf_pass(hf, seqs, None)
+    lens = torch.tensor([len(s) - 1 for s in seqs])
     for name, given in (("natural", natural), ("random", routed)):
         natural_given = [g.clone() for g in given]
         for g in natural_given:
             g[-1] = -1
         mbs = _micro_batches(seqs, natural_given, packed=True, align=align)
-        result[f"agreement_{name}"] = own_routing_agreement(models, mbs)
+        counts = own_routing_report(models, mbs, TokenStore.zeros(lens, "cpu"), groups.tp_group)
+        agree = counts["moe/router_agreement"].double()
+        dist.all_reduce(agree)
+        result[f"agreement_{name}"] = (agree[0] / agree[1]).item()
     # the step's report: HF's natural log-probs stand for the engine's (same weights, its own routing)
-    lens = torch.tensor([len(s) - 1 for s in seqs])
     engine = TokenStore.zeros(lens, "cpu")
     engine.values[:] = torch.cat(hf_natural)
     natural_given = [g.clone() for g in natural]
