@@ -17,12 +17,14 @@ Checkpoints are trusted input: the RNG state loads with ``weights_only=True``, b
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import random
 import shutil
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,7 @@ from megatron_pacs.utils.checkpoint_dirs import (
     read_parents,
     set_aside,
 )
+from megatron_pacs.utils.exit_signal import ignore_stop_signals
 from megatron_pacs.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -189,6 +192,7 @@ def _write(
     driver_objects: dict[str, Any] | None,
 ) -> None:
     """Every rank's shards, RNG state and (rank 0) driver objects into ``tmp``."""
+    _start_write_results_queue()
     with cuda_to_cpu():
         dist_checkpointing.save(_sharded(models, optimizer, is_loading=False), tmp)
         for name, chunks in (extra_models or {}).items():
@@ -207,6 +211,30 @@ def _write(
         for name, obj in (driver_objects or {}).items():
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     _barrier()
+
+
+_write_results_manager: SyncManager | None = None
+
+
+def _start_write_results_queue() -> None:
+    """Serve Megatron's checkpoint-writer results queue from a process that outlives a scheduler's SIGTERM.
+
+    Megatron's writer reports each save through a queue served by a multiprocessing Manager, a child process it
+    starts at the first save and keeps (``filesystem_async._results_queue``). Slurm signals every process of the job
+    step, so a preemption's or a time limit's warning SIGTERM ended that server too, and the save that
+    ``--exit-signal-handler`` makes next failed with ``[Errno 32] Broken pipe``: every stop after the first periodic
+    checkpoint was lost. This starts the server first, ignoring SIGTERM and SIGINT and ending with its rank
+    (:func:`~megatron_pacs.utils.exit_signal.ignore_stop_signals`).
+    """
+    global _write_results_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _write_results_manager is not None or filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))  # spawn, as Megatron's: this process has threads
+    manager.start(ignore_stop_signals, (os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _write_results_manager = manager  # the queue's server lives as long as the manager object
 
 
 def os_error_of(exc: BaseException, directory: Path) -> OSError | None:

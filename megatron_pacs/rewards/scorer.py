@@ -11,7 +11,6 @@ run; only a pool none of whose workers ever starts raises.
 from __future__ import annotations
 
 import multiprocessing as mp
-import signal
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from megatron_pacs.rewards.math_verify import ERROR, OK, TIMEOUT, TOO_LONG, VERIFY_TIMEOUT, score_with_status
+from megatron_pacs.utils.exit_signal import ignore_stop_signals
 from megatron_pacs.utils.logging import get_logger
 
 __all__ = ["RewardScorer", "ScoreResult"]
@@ -72,10 +72,7 @@ def _call(fn: RewardFn, response: Any, ground_truth: Any) -> tuple[float, str]:
 
 def _worker_main(conn: Connection, fn: RewardFn) -> None:
     """Worker loop: warm up, say ready, then answer ``(idx, response, gt)`` with ``(idx, score, status)``."""
-    # A scheduler's SIGTERM (or Ctrl-C) reaches every process of the job: the trainer decides when the pool stops
-    # (with --exit-signal-handler it finishes the step first), so a worker must not die under the item it scores.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_stop_signals()  # the trainer decides when the pool stops; a worker ends on its pipe's end (EOFError)
     _call(fn, "\\boxed{1}", "1")  # import and build the verifier before the first timed item
     conn.send("ready")
     while True:

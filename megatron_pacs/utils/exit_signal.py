@@ -24,7 +24,7 @@ from megatron_pacs.utils.logging import get_logger
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["STOPS_ENV", "ExitSignal", "report_clean_stop"]
+__all__ = ["STOPS_ENV", "ExitSignal", "ignore_stop_signals", "report_clean_stop"]
 
 log = get_logger("exit_signal")
 
@@ -38,6 +38,29 @@ def report_clean_stop() -> None:
     root = os.environ.get(STOPS_ENV)
     if root:
         Path(root, os.environ.get("LOCAL_RANK", "0")).write_text(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def ignore_stop_signals(parent_pid: int | None = None) -> None:
+    """Call first in a helper process that a rank starts (a reward worker, a checkpoint writer's queue server).
+
+    A scheduler's SIGTERM (Slurm signals every process of a job step, descendants included) or a Ctrl-C reaches the
+    helpers as well as the rank; the rank decides when they stop (with ``--exit-signal-handler`` it finishes the step
+    and saves first), so a helper ignores both signals. With ``parent_pid``, a daemon thread ends the helper once that
+    process is gone: one with no other way to learn it would otherwise outlive its rank.
+
+    Args:
+        parent_pid: The rank's pid, for a helper that must end with it (None: the helper ends by itself).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent_pid is not None:
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(1.0)
+            os._exit(0)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class ExitSignal:

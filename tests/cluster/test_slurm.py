@@ -218,14 +218,22 @@ def test_scancel_signal_term_mid_step_saves_requeues_resumes_and_equals_the_plai
 
 def test_signal_term_before_the_time_limit_saves_and_requeues(slurm, cluster_setup, tmp_path):  # noqa: F811
     """``--time=3`` with ``--signal=TERM@100`` (grace 8 s + margin 7 s), on one node, in the middle of a run too long
-    for the limit: the rank stops after the step in progress, saves it, and the job requeues itself (the resume after
-    a requeue is the preemption test's; here the requeued job is cancelled). Slurm 22.05 sends the signal N to N + 30 s
-    before the limit when its controller's periodic check runs on time, here 50-80 s after the start: after the
-    trainer has started and installed its handler even on a loaded machine (a SIGTERM before that fails the run). The
-    100 s left to the limit absorb a late check: with ``--time=2 --signal=TERM@45`` a clean-clone run saw no warning
-    at all before the limit's SIGTERM (the job cancelled, its save cut off). About 60-90 s."""
+    for the limit, saving every 20 steps: the rank stops after the step in progress, saves it, and the job requeues
+    itself (the resume after a requeue is the preemption test's; here the requeued job is cancelled). The periodic
+    saves before the signal matter: Slurm's SIGTERM also reached the queue server of Megatron's checkpoint writer,
+    started at the first save, and the stop's save failed with a broken pipe (a clean-clone run's failure). Slurm 22.05
+    sends the signal N to N + 30 s before the limit when its controller's periodic check runs on time, here 50-80 s
+    after the start: after the trainer has started and installed its handler even on a loaded machine (a SIGTERM
+    before that fails the run). The 100 s left to the limit absorb a late check. About 60-90 s."""
     run = tmp_path / "limit"
-    env = _env(cluster_setup, run, TRAIN_ITERS="2000", EXIT_SIGNAL_GRACE_SECONDS="8", SIGNAL_MARGIN_SECONDS="7")
+    env = _env(
+        cluster_setup,
+        run,
+        TRAIN_ITERS="2000",
+        SAVE_INTERVAL="20",
+        EXIT_SIGNAL_GRACE_SECONDS="8",
+        SIGNAL_MARGIN_SECONDS="7",
+    )
     # one node: the signal's path is the same, at half the CPU of a wait that Slurm's schedule makes long
     job = _submit(slurm, run, "--time=3", "--nodes=1", **env, SBATCH_SIGNAL="TERM@100")
     started = time.monotonic()
@@ -241,8 +249,10 @@ def test_signal_term_before_the_time_limit_saves_and_requeues(slurm, cluster_set
     out = _job_out(run)
     assert running is not None and int(slurm.job(job).get("Restarts", "0")) == 1, out
     assert "exit signal: got SIGTERM; stopping after the step in progress (grace period 8s)" in out, out
-    stopped = _stopped_step(run, last=2000)
-    assert 1 <= stopped < 2000 and len(_metrics(run)) == stopped
+    stopped = int((run / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    meta = json.loads((run / "ckpt" / f"iter_{stopped:07d}" / "megatron_pacs.json").read_text())
+    assert 20 < stopped < 2000 and len(_metrics(run)) == stopped
+    assert meta["parent"] == f"iter_{stopped - 1 - (stopped - 1) % 20:07d}", meta  # a periodic save came first
     assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, out
     assert "CANCELLED" not in slurm.job(job).get("Reason", "") and "DUE TO TIME LIMIT" not in out, out
     print(

@@ -1,17 +1,23 @@
-"""Training checkpoints on a real single-rank gloo group (Megatron's distributed checkpointing, no model): which
-checkpoint a resume takes after a rollback, ``--keep-last`` along the lineage, corrupt metadata named, a full disk,
-and the RNG state loaded without running pickled code."""
+"""Training checkpoints on a real single-rank gloo group (Megatron's distributed checkpointing, no model or one
+tensor): which checkpoint a resume takes after a rollback, ``--keep-last`` along the lineage, corrupt metadata named, a
+full disk, the RNG state loaded without running pickled code, and a save after a scheduler's SIGTERM reached every
+process the rank started."""
 
 import json
 import logging
+import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_pacs.mcore.cpu_support import apply_cpu_support
 from megatron_pacs.mcore.training_checkpoint import (
@@ -199,3 +205,33 @@ def test_rng_state_loads_without_running_pickled_code(tmp_path, monkeypatch):
         load_training_checkpoint(ckpt, [], None)
     assert not (tmp_path / "pwned").exists()
     assert json.loads((ckpt / "megatron_pacs.json").read_text())["step"] == 1
+
+
+class _OneTensor(torch.nn.Module):
+    """What a model gives a save (its sharded state dict), with one tensor for Megatron's writer to write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(8.0))
+
+    def sharded_state_dict(self):
+        return {"weight": ShardedTensor.from_rank_offsets("weight", self.weight.detach(), replica_id=0)}
+
+
+def test_a_save_after_sigterm_to_every_process_the_rank_started_goes_through(tmp_path):
+    """Slurm's warning SIGTERM (``--signal``, a preemption) reaches every process of the job step. Megatron's
+    checkpoint writer keeps a queue server, a child process started at the first save; it died of that SIGTERM, and
+    the save ``--exit-signal-handler`` makes next failed with ``Broken pipe`` (seen in the Slurm time-limit test when
+    the signal came after a periodic save). Here: a save, SIGTERM to the queue's server, a second save."""
+    model = _OneTensor()
+    save_training_checkpoint(tmp_path, 1, [model], None, {"branch": "any"}, parent=None, keep_last=2)
+    # the queue's server, started by this save or an earlier one in this process (this module's, test_optim's)
+    servers = [psutil.Process(p.pid) for p in mp.active_children() if p.name.startswith("SyncManager")]
+    assert len(servers) == 1, mp.active_children()
+    servers[0].send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # a process that dies of the signal is gone by now
+    assert servers[0].is_running() and servers[0].status() != psutil.STATUS_ZOMBIE
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ckpt = save_training_checkpoint(tmp_path, 2, [model], None, {"branch": "any"}, parent=tmp_path / "iter_0000001")
+    assert ckpt.name == "iter_0000002" and find_latest_checkpoint(tmp_path) == ckpt
