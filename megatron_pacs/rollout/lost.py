@@ -3,8 +3,8 @@
 Ray-free, so that every rank can stop on it: the driver's fleet raises :class:`RolloutClusterLost` once the head has
 been gone for the whole window; the driver then sends the stop in place of the step's rollouts
 (:func:`megatron_pacs.distribute.send_stop`) and the other ranks raise the same exception out of their wait for
-them. Every rank then saves the last completed step if it has no checkpoint yet, and exits 1
-(:mod:`megatron_pacs.train`).
+them. Every rank then saves the last step whose update the weights hold if it has no checkpoint yet, and exits 1
+(:mod:`megatron_pacs.train`), or 0 after the exit signal (a scheduler stopping the job stops its Ray cluster too).
 """
 
 from __future__ import annotations
