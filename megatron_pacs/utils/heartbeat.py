@@ -20,6 +20,11 @@ stuck in C++ where no exception reaches it. Checkpoints are written atomically, 
 The driver's cleanup kills its engine actors (Ray would release them only after Ray Client's reconnect grace
 period, 30 s after the driver's exit).
 
+A rank whose own exchange with the store has not completed for half the stale time (0.2 ``T``, at most 15 s)
+writes every thread's stack and goes on (:meth:`~megatron_pacs.utils.stacks.StackDumps.arm_late_dump`, re-armed
+after each exchange): a beat thread starved of the GIL by a long C call, or blocked in a store call, is caught in the
+act, where the peers' verdict (0.4 ``T``) would show only their own side.
+
 With ``T`` the timeout: reads every ``i = T/10`` (at most 5 s); a peer is declared lost after ``T - 4 i - T/5`` of
 no progress (0.4 ``T``; 30 s of the default 60 s). That leaves room for the peer's last beat and the read and watch
 intervals (up to ``3 i``), the exit (``T/5``, at most 10 s: stacks, cleanups, the verdict read by the others) and
@@ -69,6 +74,9 @@ class Timings:
         self.interval_s = min(timeout_s / 10, 5.0)
         self.exit_s = min(timeout_s / 5, 10.0)
         self.stale_s = timeout_s - 4 * self.interval_s - self.exit_s
+        # no exchange for this long: this rank's stacks are written, the run goes on (a stall of 15 s is worth a
+        # look whatever the timeout)
+        self.late_s = min(self.stale_s / 2, 15.0)
 
 
 def tcp_store_client(host: str, port: int, timeout_s: float) -> Store:
@@ -194,6 +202,10 @@ class Heartbeat:
             return
         keys = [self._key(r) for r in self._peers]
         verdict_key = f"{self.prefix}/lost"
+        late = (
+            f"heartbeat: no exchange with {self.store_name} for {self.timings.late_s:.1f}s (the other ranks take "
+            f"this one for lost after {self.timings.stale_s:.1f}s; the run goes on)"
+        )
         count, present = 0, False
         while not self._stop.is_set():
             self._wake.clear()
@@ -221,6 +233,10 @@ class Heartbeat:
                 self._wake.wait(self.timings.interval_s)
                 continue
             now = time.monotonic()
+            if self.stacks is not None and not self._stop.is_set():
+                # a stall of this thread (the GIL held through a long C call, a store call blocked) leaves the
+                # stacks of that moment, long before a peer would take this rank for lost (0.4 T)
+                self.stacks.arm_late_dump(self.timings.late_s, late)
             with self._lock:
                 self._contact = now
                 self._verdict = verdict
@@ -305,4 +321,6 @@ class Heartbeat:
         # bounded: a store that is gone leaves the beat thread stuck in a call (a daemon thread, it ends with us)
         self._left.wait(timeout=self.timings.interval_s + 1.0)
         self._stop.set()
+        if self.stacks is not None:
+            self.stacks.disarm_late_dump()
         self._watch_thread.join(timeout=1.0)

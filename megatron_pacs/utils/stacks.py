@@ -1,6 +1,8 @@
 """Hang diagnosis: every thread's Python stack written to ``<log-dir>/stacks/rank<R>-<time>.txt``.
 
 :meth:`StackDumps.dump` writes one file now (the heartbeat does before it ends a process on a lost rank).
+:meth:`StackDumps.arm_late_dump` writes one if it is not called again in time (the heartbeat re-arms it after each
+exchange with the store, so a rank whose beats stall leaves the stacks of that moment, and the run goes on).
 :meth:`StackDumps.install` makes SIGUSR1 do the same at any time without stopping the run::
 
     pkill -USR1 -f 'python[0-9.]* -u -m megatron_pacs.train'     # every rank on this host (not the launcher)
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import faulthandler
 import fcntl
+import logging
 import os
 import signal
 import threading
@@ -53,6 +56,8 @@ class StackDumps:
         self._write_fd: int | None = None
         self._signum: int | None = None
         self._reader: threading.Thread | None = None
+        self._late_write_fd: int | None = None  # the watchdog's pipe (arm_late_dump)
+        self._late_reader: threading.Thread | None = None
 
     def _path(self) -> Path:
         """A new file: ``rank<R>-<YYYYmmddTHHMMSS>.txt`` (``-2``, ``-3``... for more dumps in the same second)."""
@@ -90,17 +95,43 @@ class StackDumps:
         """Dump on ``signum`` from now on (see the module docstring); :meth:`close` undoes it."""
         if self._signum is not None:
             return
-        self._read_fd, self._write_fd = os.pipe()
-        try:
-            fcntl.fcntl(self._write_fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        except OSError:  # above /proc/sys/fs/pipe-max-size: keep the default (64 KiB, enough for most processes)
-            pass
+        self._read_fd, self._write_fd = _pipe()
         faulthandler.register(signum, file=self._write_fd, all_threads=True, chain=False)
         self._signum = signum
-        self._reader = threading.Thread(target=self._read, args=(self._read_fd,), name="stack-dumps", daemon=True)
+        name = signal.Signals(signum).name
+        self._reader = threading.Thread(
+            target=self._read,
+            args=(self._read_fd, f"{name} (asked for; the run goes on)", logging.INFO),
+            name="stack-dumps",
+        )
+        self._reader.daemon = True
         self._reader.start()
 
-    def _read(self, fd: int) -> None:
+    def arm_late_dump(self, seconds: float, reason: str) -> None:
+        """Write every thread's stack ``seconds`` from now unless this is called again first (or
+        :meth:`disarm_late_dump`). :mod:`faulthandler`'s watchdog thread writes it without the GIL, so a thread that
+        holds the GIL through a long C call is caught in it; the run goes on. One watchdog per process: this replaces
+        any other :func:`faulthandler.dump_traceback_later`.
+
+        Args:
+            seconds: How long to wait for the next call.
+            reason: The file's first line (fixed by the first call).
+        """
+        if self._late_write_fd is None:
+            read_fd, self._late_write_fd = _pipe()
+            self._late_reader = threading.Thread(
+                target=self._read, args=(read_fd, reason, logging.WARNING), name="late-stack-dumps"
+            )
+            self._late_reader.daemon = True
+            self._late_reader.start()
+        faulthandler.dump_traceback_later(seconds, repeat=False, file=self._late_write_fd, exit=False)
+
+    def disarm_late_dump(self) -> None:
+        """Cancel the dump :meth:`arm_late_dump` armed, if any."""
+        if self._late_write_fd is not None:
+            faulthandler.cancel_dump_traceback_later()
+
+    def _read(self, fd: int, reason: str, level: int) -> None:
         """Copy each burst the handler writes into the pipe into its own file, until the write end closes."""
         import select
 
@@ -114,18 +145,24 @@ class StackDumps:
                 if not more:
                     break
                 parts.append(more)
-            name = signal.Signals(self._signum).name if self._signum is not None else "signal"
             with self._lock:
                 try:
                     path = self._path()
-                    path.write_bytes(self._header(f"{name} (asked for; the run goes on)").encode() + b"".join(parts))
-                    log.info("stacks: %s: every thread's stack written to %s", name, path)
+                    path.write_bytes(self._header(reason).encode() + b"".join(parts))
+                    log.log(level, "stacks: %s: every thread's stack written to %s", reason, path)
                 except OSError as exc:
                     log.warning("stacks: could not write a dump under %s: %s", self.folder, exc)
         os.close(fd)
 
     def close(self) -> None:
-        """Restore the signal's previous handling and stop the reader thread (bounded)."""
+        """Restore the signal's previous handling, cancel a late dump, and stop the reader threads (bounded)."""
+        if self._late_write_fd is not None:
+            faulthandler.cancel_dump_traceback_later()
+            os.close(self._late_write_fd)  # its reader returns
+            self._late_write_fd = None
+        if self._late_reader is not None:
+            self._late_reader.join(timeout=5.0)
+            self._late_reader = None
         if self._signum is None:
             return
         faulthandler.unregister(self._signum)
@@ -136,3 +173,13 @@ class StackDumps:
         if self._reader is not None:
             self._reader.join(timeout=5.0)
             self._reader = None
+
+
+def _pipe() -> tuple[int, int]:
+    """A pipe that holds a whole dump (:data:`_PIPE_BYTES`); returns (read end, write end)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except OSError:  # above /proc/sys/fs/pipe-max-size: keep the default (64 KiB, enough for most processes)
+        pass
+    return read_fd, write_fd

@@ -2,7 +2,8 @@
 ranks (tests/utils/heartbeat_ranks.py, one process each, rank 0 hosting the store): a rank SIGSTOPped while the
 others wait in a collective with it ends them within the bound (the collective timeout is 30 minutes), each naming
 it and writing a stack file that shows the collective; SIGUSR1 to a rank waiting in a collective writes a dump and
-the run goes on. (The lost host of a real deployment, its links down: tests/cluster/test_faults.py.)"""
+the run goes on; a rank whose beat thread is starved of the GIL writes its own stacks, caught in the call that holds
+it, and the run goes on. (The lost host of a real deployment, its links down: tests/cluster/test_faults.py.)"""
 
 import os
 import signal
@@ -97,3 +98,23 @@ def test_sigusr1_dumps_the_stacks_of_a_rank_waiting_in_a_collective_and_the_run_
     assert "in wait_in_collective" in text and "in all_reduce" in text, text
     assert "heartbeat-watch" in text  # the thread names
     assert "lost training rank" not in logs[0] + logs[1]  # nor rank 1 once it left
+
+
+def test_a_rank_whose_beats_stall_writes_its_own_stacks_in_the_call_that_holds_the_gil_and_goes_on(tmp_path):
+    """Rank 0 holds the GIL in a C call for 5 s (heartbeat timeout 20 s: late dump at 4 s, its store verdict at 8 s):
+    faulthandler's watchdog, which needs no GIL, writes rank 0's stacks during the call; both ranks finish cleanly.
+    A clean-clone run saw rank 1 take rank 0 for lost after 33 s without beats, with nothing to say why."""
+    procs = _start("late", 2, tmp_path, 20.0)
+    try:
+        _wait_ready(procs, tmp_path)
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        _end(procs)
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+    assert codes == [0, 0], logs
+    dumps = list((tmp_path / "stacks").glob("rank0-*.txt"))
+    assert len(dumps) == 1 and not list((tmp_path / "stacks").glob("rank1-*.txt")), dumps
+    dump = dumps[0].read_text()
+    assert dump.startswith("rank 0, pid ") and "heartbeat: no exchange with" in dump.splitlines()[0], dump
+    assert "in hold_the_gil" in dump, dump
+    assert "every thread's stack written to" in logs[0] and "lost training rank" not in "".join(logs), logs
