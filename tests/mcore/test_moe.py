@@ -72,6 +72,7 @@ def _fleet_run(root: Path, ep: int) -> list[dict]:
     rl = root / "rl"
     flags = [*_rl_flags(rl), "--reward-workers", "1", "--train-iters", "3", "--num-engines", "1"]
     flags += ["--kv-cache-gb", "0.25", "--max-logprob-diff", "1e-4", "--expert-model-parallel-size", str(ep)]
+    flags += ["--save", str(rl / f"ckpt_ep{ep}"), "--save-hf"]  # the last step's checkpoint, with its HF export
     return run_train(flags, log_dir=rl / f"run_ep{ep}", cwd=rl, world=ep)
 
 
@@ -237,3 +238,39 @@ def test_two_rl_steps_at_ep2_equal_ep1(results):
     assert ep2[:2] == pytest.approx(ep1[:2], rel=1e-6), (ep1, ep2)
     assert ep2[2:] == pytest.approx(ep1[2:], rel=1e-4), (ep1, ep2)
     assert all(math.isfinite(v) for v in results[(1, 2, "allgather", False)]["rl_steps"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_save_hf_at_ep2_writes_every_expert_once_under_its_own_number_loadable_by_transformers(launch_queue, launched):
+    """``--save-hf`` of the 3-step CLI run at EP=2: each rank holds half the experts and the export gathers them,
+    each under its own number (the names of the EP=1 run's export; every expert trained, none a copy of another); the
+    folder loads as a Qwen3-MoE in transformers with exactly these weights. (The two runs' weights are not compared:
+    their rewards are all 0, so their updates are rounding noise amplified by Adam's first step; the export's order
+    is pinned bit for bit by the parity launches.)"""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    for ep in (1, 2):
+        launched[f"rl_ep{ep}"].result()
+    rl = launch_queue.root(__name__) / "rl"
+    hf = rl / "ckpt_ep2" / "iter_0000003" / "hf"
+    saved, initial = load_file(str(hf / "model.safetensors")), load_file(str(rl / "model" / "model.safetensors"))
+    assert sorted(saved) == sorted(load_file(str(rl / "ckpt_ep1" / "iter_0000003" / "hf" / "model.safetensors")))
+    experts = sorted(k for k in saved if ".mlp.experts." in k)
+    assert len(experts) == 2 * 8 * 3, experts  # 2 layers x 8 experts x (gate, up, down)
+    assert all(not torch.equal(saved[k], initial[k]) for k in experts)  # every expert's update, rank 1's included
+    for layer in (0, 1):
+        downs = [saved[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"] for e in range(8)]
+        assert all(not torch.equal(downs[a], downs[b]) for a in range(8) for b in range(a))
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    loaded = model.state_dict()
+    for name in (k for k in saved if ".mlp.experts." not in k):
+        assert torch.equal(loaded[name], saved[name]), name
+    for layer in (0, 1):  # transformers stacks the experts as it loads: gate and up fused, then down
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for e in range(8):
+            gate_up = torch.cat([saved[f"{prefix}.{e}.gate_proj.weight"], saved[f"{prefix}.{e}.up_proj.weight"]])
+            assert torch.equal(loaded[f"{prefix}.gate_up_proj"][e], gate_up), (layer, e)
+            assert torch.equal(loaded[f"{prefix}.down_proj"][e], saved[f"{prefix}.{e}.down_proj.weight"]), (layer, e)
