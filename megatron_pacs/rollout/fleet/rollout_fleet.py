@@ -137,7 +137,8 @@ class RolloutFleet(EngineSet):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Push HF-named weights into every engine, bucket by bucket, then reset their prefix caches.
 
-        The stream is always consumed to its end (on trainer rank 0 it drives the other ranks' gathers). An engine
+        The stream is always consumed to its end, a failed update's too (on trainer rank 0 it drives the other
+        ranks' gathers, which then stop with it instead of waiting in one). An engine
         lost on the way is restarted and given the whole update from the kept copy; without one
         (``--keep-weights-for-restart`` off) a broken side-group update fails the step. With
         ``--rollout-cluster-reconnect-seconds`` every update is also packed into a host copy; when the head is lost
@@ -156,6 +157,8 @@ class RolloutFleet(EngineSet):
                 self._update(buckets, copy, stats)
             except Exception as exc:
                 if not self._may_reconnect(exc):
+                    for _ in buckets:  # the other ranks finish their gathers, so that they can stop with this one
+                        pass
                     raise
                 lost: BaseException | None = exc
             else:
