@@ -138,9 +138,9 @@ class RolloutFleet(EngineSet):
         """Push HF-named weights into every engine, bucket by bucket, then reset their prefix caches.
 
         The stream is always consumed to its end, a failed update's too (on trainer rank 0 it drives the other
-        ranks' gathers, which then stop with it instead of waiting in one). An engine
-        lost on the way is restarted and given the whole update from the kept copy; without one
-        (``--keep-weights-for-restart`` off) a broken side-group update fails the step. With
+        ranks' gathers, which then stop with it instead of waiting in one). An engine lost on the way is restarted
+        and given the whole update from the kept copy; without one (``--keep-weights-for-restart`` off) a broken
+        side-group update fails the step. With
         ``--rollout-cluster-reconnect-seconds`` every update is also packed into a host copy; when the head is lost
         on the way, the rest of the stream goes into the copy and a fleet started anew on the head that came back
         gets the whole update from it (not back in time: the next generation raises :class:`RolloutClusterLost`).
