@@ -127,12 +127,14 @@ class ModelConfig:
             "masked_softmax": self.masked_softmax_fusion,
         }
 
-    def check_router_replay(self, *, cuda: bool) -> None:
+    def check_router_replay(self, *, cuda: bool, engines: bool) -> None:
         """Refuse ``--router-replay r3`` where it cannot run, before anything starts (reads the checkpoint's
         config.json, which must exist).
 
         Args:
             cuda: Whether this machine has CUDA (the engines run where the trainer does).
+            engines: Whether the routing comes from this run's engines (``--rollout-source fleet``), not from
+                dumps (``replay``), whose routing a CPU trainer replays as well.
         """
         if self.router_replay == "off":
             return
@@ -140,7 +142,7 @@ class ModelConfig:
             model_type = json.load(f).get("model_type")
         if model_type != "qwen3_moe":
             raise bad("router_replay", f"r3 replays an MoE model's routing; model_type={model_type!r} is dense")
-        if not cuda or _vllm_cpu():
+        if engines and (not cuda or _vllm_cpu()):
             raise bad(
                 "router_replay",
                 f"r3 needs the experts the engines routed each token to, and vLLM does not return them on CPU: "

@@ -87,11 +87,11 @@ def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
     kind = source.rollout_source
     if kind == "fleet":
         return
-    if sections["model"].router_replay == "r3":
+    if sections["model"].router_replay == "r3" and kind == "synthetic":
         raise bad(
             "router_replay",
-            f"r3 replays the experts the fleet's engines routed each token to, and --rollout-source {kind} "
-            "rollouts carry none (dumps do not keep them); use --router-replay off",
+            "r3 replays the experts the engines routed each token to, and --rollout-source synthetic rollouts carry "
+            "none; use --router-replay off (or replay the dumps of a run that had r3 on: --rollout-source replay)",
         )
     for section, names in _FLEET_ONLY.items():
         values = sections[section]

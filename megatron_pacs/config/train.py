@@ -159,7 +159,7 @@ class TrainConfig:
         if not self.model.hf_model or not os.path.isfile(os.path.join(self.model.hf_model, "config.json")):
             raise bad("hf_model", f"{self.model.hf_model!r} has no config.json; pass a Hugging Face model directory")
         self._check_positions()
-        self.model.check_router_replay(cuda=_cuda_available())
+        self.model.check_router_replay(cuda=_cuda_available(), engines=self.source.rollout_source == "fleet")
         self._check_checkpoint_dirs()
         if not self.data.train_data:
             raise bad("train_data", "give at least one prepared training file (tools/prepare_data.py)")

@@ -7,7 +7,9 @@ Per step, under ``<--log-dir>/rollouts/`` (``--no-dump-rollouts`` turns both off
   response (int32), the engines' per-token log-probs (float32, NaN where an engine gave none), the rewards, and in
   the metadata the group structure (group size, the prompts' ids), the finish reasons, the sampling temperature,
   the tokenizer's fingerprint and the model's vocabulary size, the step's rollout metrics, and a SHA-256 of the
-  tensors. No pickle: loading a dump runs no code.
+  tensors. With ``--router-replay r3`` also the experts the engines routed every token to (int16, ``[sum L_i,
+  layers, k]``, -1 where none), so that a replay of the dump replays that routing too (format 2; a dump without
+  routing stays format 1, which older versions read). No pickle: loading a dump runs no code.
 
 Legend: S responses of the step, P prompts, L_i sequence i's length (prompt + response), R_i its response length.
 """
@@ -31,6 +33,7 @@ from megatron_pacs.sources.base import StepRollouts
 
 __all__ = [
     "DUMP_FORMAT",
+    "ROUTED_DUMP_FORMAT",
     "DumpContext",
     "dump_path",
     "dump_rollouts",
@@ -40,6 +43,9 @@ __all__ = [
 ]
 
 DUMP_FORMAT = "megatron_pacs.rollouts/1"
+"""A dump without routed experts."""
+ROUTED_DUMP_FORMAT = "megatron_pacs.rollouts/2"
+"""A dump with the engines' routed experts (``--router-replay r3``)."""
 _TENSORS = ("token_ids", "offsets", "prompt_lens", "response_lens", "rewards", "engine_logprobs")
 
 
@@ -97,6 +103,8 @@ def _tensors(batch: RolloutBatch) -> dict[str, torch.Tensor]:
         "rewards": batch.rewards,
         "engine_logprobs": engine,
     }
+    if batch.routed_experts is not None:
+        values["routed_experts"] = batch.routed_experts.to(torch.int16)
     return {k: v.detach().cpu().contiguous() for k, v in values.items()}
 
 
@@ -115,11 +123,13 @@ def dump_rollouts(run: RunConfig, step: int, rollouts: StepRollouts, context: Du
     from safetensors.torch import save_file
 
     tensors = _tensors(rollouts.batch)
+    routed = rollouts.batch.routed_experts is not None
     meta = {
-        "format": DUMP_FORMAT,
+        "format": ROUTED_DUMP_FORMAT if routed else DUMP_FORMAT,
         "step": step,
         "group_size": rollouts.batch.group_size,
         "has_engine_logprobs": rollouts.batch.engine_logprobs is not None,
+        "has_routed_experts": routed,
         "prompt_ids": rollouts.prompt_ids,
         "finish_reasons": rollouts.finish_reasons,
         "metrics": {k: v for k, v in rollouts.metrics.items() if not k.startswith("perf/")},
@@ -155,8 +165,12 @@ def read_dump_metadata(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: no such rollout dump") from None
     except (ValueError, KeyError, TypeError, struct.error, OSError) as exc:
         raise ValueError(f"{path}: not a readable rollout dump ({exc}); dump the step again") from exc
-    if meta.get("format") != DUMP_FORMAT:
-        raise ValueError(f"{path}: a rollout dump of format {meta.get('format')!r}; this version reads {DUMP_FORMAT}")
+    if meta.get("format") not in (DUMP_FORMAT, ROUTED_DUMP_FORMAT):
+        raise ValueError(
+            f"{path}: a rollout dump of format {meta.get('format')!r}; this version reads {DUMP_FORMAT} and "
+            f"{ROUTED_DUMP_FORMAT}"
+        )
+    meta.setdefault("has_routed_experts", False)
     return meta
 
 
@@ -177,7 +191,8 @@ def load_dump(path: str | Path, records: Iterable[dict[str, Any]] = ()) -> StepR
         tensors = load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types for damaged files
         raise ValueError(f"{path}: not a readable rollout dump ({exc}); dump the step again") from exc
-    if sorted(tensors) != sorted(_TENSORS) or _digest(tensors) != meta["sha256"]:
+    expected = (*_TENSORS, "routed_experts") if meta["has_routed_experts"] else _TENSORS
+    if sorted(tensors) != sorted(expected) or _digest(tensors) != meta["sha256"]:
         raise ValueError(f"{path}: the tensors do not match the SHA-256 recorded with them (corrupt); dump it again")
     batch = RolloutBatch(
         token_ids=tensors["token_ids"].long(),
@@ -187,6 +202,7 @@ def load_dump(path: str | Path, records: Iterable[dict[str, Any]] = ()) -> StepR
         rewards=tensors["rewards"],
         group_size=int(meta["group_size"]),
         engine_logprobs=tensors["engine_logprobs"] if meta["has_engine_logprobs"] else None,
+        routed_experts=tensors.get("routed_experts"),
     )
     return StepRollouts(
         batch,

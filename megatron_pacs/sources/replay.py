@@ -12,6 +12,7 @@ and the mismatch. A dump's tensors are checked against their SHA-256 when the st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -78,6 +79,11 @@ class ReplaySource:
                         f"{path}: made with {name} {got[key]!r}, this run has {getattr(want, key)!r}; replay with "
                         "the --hf-model (tokenizer and model) and --temperature of the run that dumped it"
                     )
+            if self.cfg.model.router_replay == "r3" and not meta["has_routed_experts"]:
+                raise ValueError(
+                    f"{path}: no routed experts (dumped by a run without --router-replay r3), and --router-replay r3 "
+                    "replays them; use --router-replay off, or replay a run that had it on"
+                )
             if meta["group_size"] != b.group_size:
                 raise ValueError(f"{path}: group size {meta['group_size']}, this run has --group-size {b.group_size}")
             if len(meta["prompt_ids"]) != b.global_batch_size:
@@ -94,6 +100,8 @@ class ReplaySource:
         if text.is_file():
             records = [json.loads(line) for line in text.read_text(encoding="utf-8").splitlines() if line]
         rollouts = load_dump(path, records)
+        if rollouts.batch.routed_experts is not None and self.cfg.model.router_replay != "r3":
+            rollouts.batch = dataclasses.replace(rollouts.batch, routed_experts=None)  # the routers choose
         ids = [row.id for row in rows]
         if ids != rollouts.prompt_ids:
             log.warning(

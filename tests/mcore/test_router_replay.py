@@ -137,10 +137,11 @@ def test_r3_is_refused_on_cpu_with_vllms_reason_and_on_dense_models(tmp_path):
     moe = ModelConfig(hf_model=str(tmp_path / "qwen3_moe"), router_replay="r3")
     assert moe.moe == {"moe_enable_routing_replay": True}
     with pytest.raises(ValueError, match=f"--router-replay: r3 .*'{VLLM_ROUTED_EXPERTS_REASON}'"):
-        moe.check_router_replay(cuda=torch.cuda.is_available())
+        moe.check_router_replay(cuda=torch.cuda.is_available(), engines=True)
+    moe.check_router_replay(cuda=False, engines=False)  # the routing of replayed dumps: a CPU trainer replays it
     with pytest.raises(ValueError, match="--router-replay: r3 replays an MoE model's routing; model_type='qwen3'"):
-        ModelConfig(hf_model=str(tmp_path / "qwen3"), router_replay="r3").check_router_replay(cuda=True)
-    ModelConfig(hf_model=str(tmp_path / "qwen3")).check_router_replay(cuda=False)  # off: nothing to check
+        ModelConfig(hf_model=str(tmp_path / "qwen3"), router_replay="r3").check_router_replay(cuda=True, engines=True)
+    ModelConfig(hf_model=str(tmp_path / "qwen3")).check_router_replay(cuda=False, engines=True)  # off: nothing
 
 
 def test_vllm_states_the_reason_the_refusal_quotes():

@@ -15,7 +15,7 @@ from megatron_pacs.sources.dumps import dump_path, read_dump_metadata
 CONTEXT = DumpContext(tokenizer_size=512, tokenizer_sha256="ab" * 32, vocab_size=512, temperature=1.0)
 
 
-def _rollouts(num_prompts: int = 2, group_size: int = 2, seed: int = 0) -> StepRollouts:
+def _rollouts(num_prompts: int = 2, group_size: int = 2, seed: int = 0, routed: bool = False) -> StepRollouts:
     g = torch.Generator().manual_seed(seed)
     seqs, plens, rlens = [], [], []
     for _ in range(num_prompts * group_size):
@@ -25,8 +25,16 @@ def _rollouts(num_prompts: int = 2, group_size: int = 2, seed: int = 0) -> StepR
         rlens.append(r)
     engine = -torch.rand(sum(rlens), generator=g)
     engine[1] = float("nan")  # an engine gave no log-prob for this token
+    # the engine's routing of every token but the last (2 layers, top-2 of 8 experts), as vLLM returns it
+    routing = [torch.randint(0, 8, (len(s) - 1, 2, 2), generator=g, dtype=torch.int16) for s in seqs]
     batch = RolloutBatch.from_sequences(
-        seqs, torch.tensor(plens), torch.tensor(rlens), torch.tensor([1.0, 0.0] * num_prompts), group_size, engine
+        seqs,
+        torch.tensor(plens),
+        torch.tensor(rlens),
+        torch.tensor([1.0, 0.0] * num_prompts),
+        group_size,
+        engine,
+        routed_experts=routing if routed else None,
     )
     return StepRollouts(
         batch,
@@ -149,3 +157,28 @@ def test_a_safetensors_file_that_is_not_a_rollout_dump_is_refused(tmp_path):
     save_file({"x": torch.zeros(2)}, str(path), metadata={"megatron_pacs": json.dumps({"format": "other/9"})})
     with pytest.raises(ValueError, match=r"a rollout dump of format 'other/9'"):
         read_dump_metadata(path)
+
+
+def test_routed_experts_are_dumped_and_read_back_bit_for_bit_and_a_replay_with_r3_needs_them(tmp_path):
+    """Issue 31: a run with --router-replay r3 dumps the engines' routing with its rollouts (format 2; without
+    routing a dump stays format 1); a replay with r3 replays it, one without r3 drops it, and r3 refuses dumps
+    without routing, naming the file and the flag."""
+    from megatron_pacs.sources.dumps import DUMP_FORMAT, ROUTED_DUMP_FORMAT
+
+    rollouts = _rollouts(routed=True)
+    routed = rollouts.batch.routed_experts
+    assert routed is not None and (routed[rollouts.batch.offsets[1:] - 1] == -1).all()  # no routing: last tokens
+    written = dump_rollouts(_run(tmp_path).run, 1, rollouts, CONTEXT)
+    assert read_dump_metadata(written[1])["format"] == ROUTED_DUMP_FORMAT
+    back = load_dump(written[1]).batch.routed_experts
+    assert back is not None and back.dtype == torch.int16 and torch.equal(back, routed)
+    plain = dump_rollouts(_run(tmp_path / "plain").run, 1, _rollouts(), CONTEXT)[1]
+    assert read_dump_metadata(plain)["format"] == DUMP_FORMAT and load_dump(plain).batch.routed_experts is None
+
+    src = _dumped(tmp_path / "r3", steps=(1, 2), routed=True)
+    source = _replay(tmp_path, src, "--router-replay", "r3")
+    source.check([1, 2])
+    assert torch.equal(source.collect([], 2).batch.routed_experts, load_dump(dump_path(src, 2)).batch.routed_experts)
+    assert _replay(tmp_path, src).collect([], 2).batch.routed_experts is None  # r3 off: the routers choose
+    with pytest.raises(ValueError, match=r"step_000001\.safetensors: no routed experts .* --router-replay r3"):
+        _replay(tmp_path, _dumped(tmp_path / "plain_run", steps=(1,)), "--router-replay", "r3").check([1])
