@@ -42,6 +42,23 @@ def models(tmp_path_factory):
     return paths, tok
 
 
+def _shm_left(before: set[str]) -> set[str]:
+    """Files in /dev/shm made since ``before`` that no live process holds open or mapped (a launch running beside
+    this module holds its own)."""
+    import psutil
+
+    new = {f"/dev/shm/{name}" for name in set(os.listdir("/dev/shm")) - before}
+    for proc in psutil.process_iter():
+        if not new:
+            break
+        try:
+            held = {m.path for m in proc.memory_maps()} | {f.path for f in proc.open_files()}
+        except psutil.Error:
+            continue
+        new -= held
+    return new
+
+
 @pytest.fixture(scope="module")
 def fleet(models, tmp_path_factory):
     from megatron_pacs.config import RolloutConfig
@@ -60,21 +77,24 @@ def fleet(models, tmp_path_factory):
     yield f
     import psutil
 
+    from megatron_pacs.rollout.fleet.engines import _local_ray_processes
+
+    # This fleet's processes only: launches of later modules run beside this module (two at a time, each with its
+    # own Ray and engines), and the cluster tests' rollout hosts outlive it by design.
+    temp_dir = f._temp_dir
+    assert temp_dir is not None
+    ours = _local_ray_processes(temp_dir)  # its daemons (named by its temp folder) and all they forked
+    assert ours, "the fleet's local Ray runs under this process"
     f.shutdown()  # waits (bounded) for the local Ray's processes to exit
     leftovers = []
-    own_net = os.readlink("/proc/self/ns/net")
-    for child in psutil.Process().children(recursive=True):
+    for proc in ours + _local_ray_processes(temp_dir):
         try:
-            cmd = " ".join(child.cmdline())
-            # the cluster tests' shared rollout hosts (other network namespaces) outlive this module by design
-            if os.readlink(f"/proc/{child.pid}/ns/net") != own_net:
-                continue
-        except (psutil.Error, OSError):
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                leftovers.append(" ".join(proc.cmdline()))
+        except psutil.Error:
             continue
-        if any(word in cmd for word in ("ray", "raylet", "gcs_server", "vllm", "EngineActor")):
-            leftovers.append(cmd)
     assert leftovers == []
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert _shm_left(shm_before) == set()
     assert not (run_dir / "ray").exists()
 
 

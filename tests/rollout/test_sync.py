@@ -1,5 +1,6 @@
 """Weight-sync plumbing without vLLM: buckets, packing, the tied output layer, a broadcast side group, chunking."""
 
+import io
 import multiprocessing as mp
 
 import pytest
@@ -63,7 +64,11 @@ def _receiver(port, rank, world, metas, nbytes, queue):
     group = standalone_group("gloo", "127.0.0.1", port, rank, world, timeout_s=60)
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     broadcast_buffer(group, buffer, src=0)
-    queue.put([(n, t.clone()) for n, t in unpack_bucket(buffer, metas)])
+    # as bytes: a tensor in a queue travels as a file descriptor that this process serves until it exits, and it
+    # exits next (a clean-clone run's parent met the server gone: FileNotFoundError)
+    out = io.BytesIO()
+    torch.save([(n, t.clone()) for n, t in unpack_bucket(buffer, metas)], out)
+    queue.put(out.getvalue())
 
 
 def test_broadcast_side_group_delivers_the_bucket_to_every_receiver():
@@ -84,7 +89,7 @@ def test_broadcast_side_group_delivers_the_bucket_to_every_receiver():
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    for received in got:
+    for received in (torch.load(io.BytesIO(data), weights_only=True) for data in got):
         for (n, a), (m, b) in zip(named, received, strict=True):
             assert n == m and torch.equal(a, b)
 
