@@ -7,12 +7,15 @@ c10d finds the hosts' names by reverse lookup). The hosts share the filesystem, 
 
 Processes start through ``ip netns exec`` in their own session (process group) and end by group; killing a host
 SIGKILLs every process in its namespace (``ip netns pids``). :meth:`VirtualCluster.close` always runs (context
-manager, ``atexit``, and SIGINT/SIGTERM turned into exceptions by the fixture), and is idempotent.
+manager, ``atexit``, and SIGINT/SIGTERM turned into exceptions by the fixture), and is idempotent. A process killed
+outright (SIGKILL) runs none of that: each cluster records its owner's pid in :data:`OWNERS`, and the next cluster
+made on the machine first deletes the namespaces, bridge and hosts files of clusters whose owner is gone.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import os
 import random
@@ -81,11 +84,45 @@ class Host:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
 
+OWNERS = Path("/run/megatron_pacs_clusters")
+"""One file per cluster, named by its id, holding the pid of the process that made it."""
+
+
+def remove_orphaned_clusters() -> list[str]:
+    """Delete what clusters whose owner process is gone left behind (namespaces, their processes, the bridge, the
+    hosts files); returns their ids. A cluster whose owner lives, another session's included, is left alone."""
+    removed = []
+    for owner in OWNERS.glob("*") if OWNERS.is_dir() else []:
+        try:
+            alive = Path(f"/proc/{int(owner.read_text())}").exists()
+        except (OSError, ValueError):
+            alive = False
+        if alive:
+            continue
+        prefix = f"mpc{owner.name}-"
+        for line in _ip("netns", "list", check=False).stdout.splitlines():
+            netns = line.split()[0] if line.split() else ""
+            if netns.startswith(prefix):
+                pids = _ip("netns", "pids", netns, check=False).stdout.split()
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+                _ip("netns", "del", netns, check=False)
+                shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
+        _ip("link", "del", f"mpb{owner.name}", check=False)
+        owner.unlink(missing_ok=True)
+        removed.append(owner.name)
+    return removed
+
+
 class VirtualCluster:
     """Hosts ``names`` as network namespaces on one bridge (see the module docstring)."""
 
     def __init__(self, names: list[str], workdir: Path) -> None:
+        remove_orphaned_clusters()
         self.id = uuid.uuid4().hex[:6]
+        OWNERS.mkdir(parents=True, exist_ok=True)
+        (OWNERS / self.id).write_text(str(os.getpid()))  # before anything is made: an orphan is always found
         self.workdir = workdir
         self.subnet = _free_subnet()
         self.bridge = f"mpb{self.id}"
@@ -218,6 +255,7 @@ class VirtualCluster:
                 _ip("netns", "del", h.netns, check=False)
             shutil.rmtree(Path("/etc/netns") / h.netns, ignore_errors=True)
         _ip("link", "del", self.bridge, check=False)
+        (OWNERS / self.id).unlink(missing_ok=True)
         atexit.unregister(self.close)
 
     def exists(self) -> bool:
