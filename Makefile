@@ -138,7 +138,7 @@ COMPAT_TESTS ?= tests/rollout tests/test_trainer.py tests/test_distribute.py
 COMPAT_PIP := $(COMPAT_PY) -m pip install -q --disable-pip-version-check
 
 test-compat: $(COMPAT_VENV)/.installed
-	$(COMPAT_PY) -c "from megatron_pacs.rollout.vllm_engine import vllm_features; print('vLLM features:', vllm_features())"
+	$(COMPAT_PY) -c "from megatron_pacs.rollout.vllm_backend import vllm_features; print('vLLM features:', vllm_features())"
 	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -p no:cacheprovider $(PYTEST_ARGS)
 
 $(COMPAT_VENV)/.installed: setup.py constraints/cpu.txt constraints/lock.py

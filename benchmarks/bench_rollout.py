@@ -85,7 +85,7 @@ def main() -> None:
     megabytes = sum(t.numel() * t.element_size() for _, t in state_b) / 2**20
     rows = []
 
-    from megatron_pacs.rollout.vllm_engine import VLLMEngine
+    from megatron_pacs.rollout.vllm_backend import VLLMEngine
 
     engine = VLLMEngine(path_a, dtype="float32", max_model_len=512)
     local_tps = _gen(engine, prompts, sampling, args.repeats)

@@ -307,6 +307,8 @@ class Trainer:
             assert gen is not None
             elapsed = time.perf_counter() - started
             metrics.update(gen.rollouts.metrics)
+            if self.fleet is not None:  # read now: a loss during this step's sync or probe counts in this step
+                metrics.update(self.fleet.fault_counts())
             if cfg.source.rollout_source == "fleet":  # how long engines and trainer waited for each other
                 metrics.update(overlap_metrics(ran, train, (started, started + elapsed), waited))
             metrics["rollout/policy_lag"] = float(step - 1 - gen.version)

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from launch_queue import LaunchQueue
+from launch_queue import LaunchQueue, run_launch
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -18,6 +18,63 @@ def shared_data() -> Path:
 
 _LAUNCHING = pytest.StashKey[list]()
 _QUEUE = pytest.StashKey[LaunchQueue]()
+_FOREGROUND = pytest.StashKey[bool]()
+
+
+def _launches(item: pytest.Item) -> bool:
+    return hasattr(getattr(item, "module", None), "LAUNCHES")
+
+
+def _in_cluster(item: pytest.Item) -> bool:
+    return "cluster" in item.path.parent.parts[-1:]
+
+
+#: The launching modules in the queue's order: the longest launches first (their totals in the table at the end of
+#: every run), so that what runs last, while a core may idle, is short; modules not named here come after them.
+_LONGEST_FIRST = {
+    name: rank
+    for rank, name in enumerate(
+        ("test_golden_trace", "test_resume", "test_moe", "test_reference", "test_overlap", "test_router_replay"),
+        start=-10,
+    )
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that declare trainer launches run last (the longest launches first), and the launch queue starts
+    with the session: their tests mostly wait for launches, which run beside every other module's tests (which ran
+    after them before, with the launch workers idle). While the cluster tests run (first), the queue is in the
+    background, one launch at a time at the lowest CPU priority (tests/launch_queue.py): their heartbeat and Slurm
+    timings are measured on a machine whose idle CPU alone goes to the launches."""
+    launching = sorted((i for i in items if _launches(i)), key=lambda i: _LONGEST_FIRST.get(i.path.stem, 0))
+    items[:] = [i for i in items if not _launches(i)] + launching
+    if launching:
+        # the fixture's closure read by pytest's setup (Function.fixturenames), extended after collection
+        items[0].fixturenames.insert(0, "launch_queue")  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    """The launch queue, started in the background with the session, comes to the foreground with the first test
+    outside ``tests/cluster/``."""
+    yield
+    queue = item.config.stash.get(_QUEUE, None)
+    if queue is not None and not _in_cluster(item) and not item.config.stash.get(_FOREGROUND, False):
+        item.config.stash[_FOREGROUND] = True
+        queue.background(False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the last test that uses the shared virtual cluster (tests/cluster/cluster_fixtures.py), its rollout
+    hosts begin their graceful stop in the background."""
+    yield
+    if "shared_cluster" in item.fixturenames and (nextitem is None or "shared_cluster" not in nextitem.fixturenames):
+        import sys
+
+        fixtures = sys.modules.get("cluster_fixtures")  # imported by the cluster test modules (tests/cluster/)
+        if fixtures is not None:
+            fixtures.stop_shared_in_background()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -32,8 +89,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def launch_queue(request, tmp_path_factory):
-    """Every selected module's launches, queued when the first of them is needed (tests/launch_queue.py)."""
+    """Every selected module's launches, queued with the session's first test (tests/launch_queue.py)."""
     queue = LaunchQueue(workers=2)
+    queue.background(True)  # until the first test outside tests/cluster/ (pytest_runtest_setup)
     request.config.stash[_QUEUE] = queue
     for module in request.config.stash.get(_LAUNCHING, []):
         root = tmp_path_factory.mktemp(module.__name__.rsplit(".", 1)[-1])
@@ -152,7 +210,6 @@ def run_train(
     process of the run has Ray, vLLM and math-verify absent (:data:`NO_FLEET_STACK`)."""
     import json
     import os
-    import subprocess
     import sys
 
     launcher = [sys.executable, "-m", "megatron_pacs.train"]
@@ -178,6 +235,6 @@ def run_train(
     if without_fleet_stack:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (NO_FLEET_STACK, env.get("PYTHONPATH")) if p)
     cmd = [*launcher, *flags, "--log-dir", str(log_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=cwd)
+    proc = run_launch(cmd, timeout=900, env=env, cwd=cwd)
     assert proc.returncode == 0, f"{log_dir.name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]

@@ -17,10 +17,19 @@ launches' futures: a failed launch fails the tests that read it, with the launch
 
 Every launch's wall time is recorded (:meth:`LaunchQueue.timings`); the session prints them per module at its end
 (``pytest_terminal_summary`` in tests/conftest.py), beside ``--durations``.
+
+A launch starts its processes with :func:`run_launch`: in a session of their own, so that the kernel schedules them
+as one group (Linux's autogroups) whose priority the queue sets. In the background (:meth:`LaunchQueue.background`,
+while the cluster tests run: their timings are measured) one launch at a time runs at the lowest priority, on the
+CPU those tests leave idle; in the foreground two run at the normal priority.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +37,45 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LaunchQueue"]
+__all__ = ["LaunchQueue", "run_launch"]
+
+#: The autogroup nice of launches in the background: the lowest priority (weight 15 against 1024 at nice 0).
+BACKGROUND_NICE = 19
+
+_LOCAL = threading.local()  # .queue: the LaunchQueue whose worker thread this is (unset elsewhere)
+
+
+def _set_group_nice(pid: int, nice: int) -> None:
+    """The nice of ``pid``'s autogroup (its session's processes, children included)."""
+    with contextlib.suppress(OSError):  # no autogroups in this kernel, or not permitted: plain scheduling
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_launch(cmd: list[str], *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)`` for a launch: from a queue
+    worker, in a session of its own at the queue's priority, its whole process group killed on a timeout (or when
+    the queue closes); elsewhere (a test's own run) plainly."""
+    queue: LaunchQueue | None = getattr(_LOCAL, "queue", None)
+    if queue is None:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
+    queue._started(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    finally:
+        queue._ended(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 # One prepare at a time: a prepare imports from transformers, whose lazy module is not thread-safe (two threads
@@ -84,6 +131,11 @@ class LaunchQueue:
         )
 
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="launch")
+        self._workers = workers
+        self._slots, self._nice, self._running = workers, 0, 0
+        self._gate = threading.Condition()
+        self._live: set[subprocess.Popen] = set()
+        self._closed = False
         self._futures: dict[str, dict[str, Future]] = {}
         self._roots: dict[str, Path] = {}
         self._seconds: dict[str, dict[str, float]] = {}
@@ -96,12 +148,24 @@ class LaunchQueue:
         seconds = self._seconds.setdefault(module, {})
 
         def run(name: str, launch: Callable[[Any], Any]) -> Any:
-            value = prepared.get()
-            started = time.perf_counter()
+            with self._gate:
+                self._gate.wait_for(lambda: self._running < self._slots or self._closed)
+                if self._closed:
+                    raise RuntimeError("the launch queue closed before this launch started")
+                self._running += 1
+            _LOCAL.queue = self
             try:
-                return launch(value)
+                value = prepared.get()
+                started = time.perf_counter()
+                try:
+                    return launch(value)
+                finally:
+                    seconds[name] = time.perf_counter() - started
             finally:
-                seconds[name] = time.perf_counter() - started
+                _LOCAL.queue = None
+                with self._gate:
+                    self._running -= 1
+                    self._gate.notify_all()
 
         self._futures[module] = {name: self._pool.submit(run, name, launch) for name, launch in launches.items()}
 
@@ -123,6 +187,32 @@ class LaunchQueue:
                 out[module] = {"(prepare)": self._prepared[module].seconds, **ran}
         return out
 
+    def background(self, on: bool) -> None:
+        """In the background: one launch at a time at the lowest priority (those running now included);
+        otherwise ``workers`` at once at the normal priority."""
+        with self._gate:
+            self._slots, self._nice = (1, BACKGROUND_NICE) if on else (self._workers, 0)
+            for proc in self._live:
+                _set_group_nice(proc.pid, self._nice)
+            self._gate.notify_all()
+
+    def _started(self, proc: subprocess.Popen) -> None:
+        with self._gate:
+            self._live.add(proc)
+            _set_group_nice(proc.pid, self._nice)
+
+    def _ended(self, proc: subprocess.Popen) -> None:
+        with self._gate:
+            self._live.discard(proc)
+
     def close(self) -> None:
-        """Drop the launches that have not started; wait for those running (each has its own time-out)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Drop the launches that have not started and end those still running (the session no longer needs
+        them: a test that read their results ended before, or the session was interrupted)."""
+        with self._gate:
+            self._closed = True
+            live = list(self._live)
+            self._gate.notify_all()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for proc in live:
+            _kill_group(proc)
+        self._pool.shutdown(wait=True)

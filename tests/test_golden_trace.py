@@ -7,10 +7,12 @@ direct (groups intact), and GRPO, each at TP=1 (one process) and PP=2 (two gloo 
 packed twins of three of them. Every step records ``rollout/reward_mean``, ``train/loss``, ``train/grad_norm`` and a
 SHA-256 and the L2 norm of the weights the step produced (the ``--save-hf`` export of that step's checkpoint).
 
-The packed twins train on their padded twin's rollouts, replayed from its dumps (``--rollout-source replay``, no
-fleet): a packed run with its own fleet generated the same tokens (the engines' weights differ from the padded run's
-by rounding only; the trace, recorded that way, pins the same rewards, losses and weights), and the fleet's start is
-most of a tiny launch's time. Two padded runs are also replayed into themselves (``REPLAYED``).
+Only the three padded TP=1 runs generate with the fleet. The PP=2 runs and the packed twins train on a TP=1 run's
+rollouts, replayed from its dumps (``--rollout-source replay``, no fleet; ``REPLAYS``): the trace was recorded with
+each run's own fleet, which generated the same tokens (the engines' weights differ between the layouts by rounding
+only; checked: PACS direct and GRPO at PP=2, each with its own fleet and replayed from its TP=1 twin's dumps, give
+the same trace bit for bit), and the fleet's start is most of a tiny launch's time. PACS two-phase is also replayed
+into itself (``REPLAYED``).
 
 The trace in ``tests/golden/trace.json`` pins the arithmetic of the step: a change that alters it must fail here.
 Bit for bit is defined only on one code path through the float kernels, so the trace also records the platform it
@@ -112,15 +114,25 @@ def _launch(root: Path, name: str, out_name: str, *extra: str, without_fleet_sta
     return trace, history
 
 
-# Replayed from their own dumps, from the same initial weights, with Ray, vLLM and math-verify absent: PACS at TP=1
-# and GRPO at PP=2 (the reference policy with a reset, and a resume in the middle of a replay: tests/test_resume.py).
-REPLAYED = ("pacs_two_phase_tp1", "grpo_pp2")
+# The runs that generate with the fleet; every other run replays one of their dumps (the module docstring says why).
+FLEET_RUNS = ("pacs_two_phase_tp1", "pacs_direct_tp1", "grpo_tp1")
+REPLAYS = {
+    "pacs_two_phase_pp2": "pacs_two_phase_tp1",
+    "pacs_direct_pp2": "pacs_direct_tp1",
+    "grpo_pp2": "grpo_tp1",
+    "pacs_two_phase_tp1_packed": "pacs_two_phase_tp1",
+    "pacs_direct_pp2_packed": "pacs_direct_tp1",
+    "grpo_tp1_packed": "grpo_tp1",
+}
+# Replayed from its own dumps, from the same initial weights, with Ray, vLLM and math-verify absent (the reference
+# policy with a reset, and a resume in the middle of a replay: tests/test_resume.py).
+REPLAYED = ("pacs_two_phase_tp1",)
 CONSISTENCY = ("consistency/logprob_abs_diff_max", "consistency/k3")
 
-# Packed twins vs their padded runs, whose dumped rollouts they replay: losses and gradient norms equal to fp32
-# rounding of different GEMM shapes, compounded through three Adam steps: measured <= 3.5e-6 relative when recorded
-# (each twin then ran its own fleet, which generated the padded run's tokens). A trace replayed on another platform
-# differs the same way (<= 6e-6 relative measured between two CI machine kinds). The bound leaves a 15-30x margin.
+# Packed twins vs their padded runs (the same rollouts): losses and gradient norms equal to fp32 rounding of
+# different GEMM shapes, compounded through three Adam steps: measured <= 3.5e-6 relative when recorded (each twin
+# then ran its own fleet, which generated the padded run's tokens). A trace replayed on another platform differs the
+# same way (<= 6e-6 relative measured between two CI machine kinds). The bound leaves a 15-30x margin.
 PACKED_TWINS = {"pacs_two_phase_tp1_packed": "pacs_two_phase_tp1", "pacs_direct_pp2_packed": "pacs_direct_pp2"}
 PACKED_TWINS["grpo_tp1_packed"] = "grpo_tp1"
 ROUNDING_REL_TOL = 1e-4
@@ -128,7 +140,7 @@ ROUNDING_REL_TOL = 1e-4
 
 def _run_and_replays(root: Path, name: str) -> dict[str, dict]:
     """Run ``name`` with the fleet, then the runs that replay its dumps (one launch of the queue: they need them):
-    ``name`` itself when in ``REPLAYED``, and its packed twin. Returns each run's results by its name."""
+    ``name`` itself when in ``REPLAYED``, and those ``REPLAYS`` names. Returns each run's results by its name."""
     trace, history = _launch(root, name, name)
     out: dict[str, Any] = {"trace": trace}
     flags = ("--rollout-source", "replay", "--replay-from", str(root / name))
@@ -138,8 +150,8 @@ def _run_and_replays(root: Path, name: str) -> dict[str, dict]:
         out["consistency"] = [{k: m[k] for k in CONSISTENCY} for m in history if "train/loss" in m]
         out["replay_consistency"] = [{k: m[k] for k in CONSISTENCY} for m in replayed if "train/loss" in m]
     results = {name: out}
-    for packed in (p for p, padded in PACKED_TWINS.items() if padded == name):
-        results[packed] = {"trace": _launch(root, packed, packed, *flags, without_fleet_stack=True)[0]}
+    for other in (r for r, source in REPLAYS.items() if source == name):
+        results[other] = {"trace": _launch(root, other, other, *flags, without_fleet_stack=True)[0]}
     return results
 
 
@@ -160,10 +172,7 @@ def prepare(root: Path) -> Path:
 # queued for the session (tests/launch_queue.py): each fleet run with the replays of its dumps, longest chains first
 LAUNCHES = {
     name: partial(_run_and_replays, name=name)
-    for name in sorted(
-        (n for n in RUNS if n not in PACKED_TWINS),
-        key=lambda n: -(n in REPLAYED) - (n in PACKED_TWINS.values()),
-    )
+    for name in sorted(FLEET_RUNS, key=lambda n: -(n in REPLAYED) - sum(s == n for s in REPLAYS.values()))
 }
 
 

@@ -9,13 +9,13 @@ everywhere. All must equal a plain-PyTorch reference: HF transformers log-probs,
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_rl_setup
+from launch_queue import run_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -45,7 +45,7 @@ def _checks(root: Path) -> Path:
             "--out",
             str(root),
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        proc = run_launch(cmd, timeout=900, env=env)
         assert proc.returncode == 0, f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     return root
 

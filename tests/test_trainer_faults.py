@@ -13,7 +13,6 @@ in Ray), the real scorer and Megatron, launched by tests/trainer_fault_checks.py
 
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from concurrent.futures import Future
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_rl_setup
+from launch_queue import run_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -43,7 +43,7 @@ def _launch(root: Path, mode: str) -> dict:
     cmd = [sys.executable, str(HERE / "trainer_fault_checks.py"), mode, "--model", str(root / "model")]
     cmd += ["--data", str(root / "train.jsonl"), "--out", str(root)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    proc = run_launch(cmd, timeout=900, env=env)
     assert proc.returncode == 0, f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     return json.loads((root / f"results_{mode}.json").read_text())
 

@@ -178,7 +178,7 @@ def environment() -> dict:
     for dist in ("transformer-engine", "transformer-engine-torch", "vllm", "megatron-core", "mbridge", "triton", "ray"):
         env[dist] = _version(dist)
     if env["vllm"]:
-        probe = "from megatron_pacs.rollout.vllm_engine import vllm_features as f; import json; print(json.dumps(f()))"
+        probe = "from megatron_pacs.rollout.vllm_backend import vllm_features as f; import json; print(json.dumps(f()))"
         out = subprocess.run([PY, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
         env["vllm_features"] = out.stdout.strip().splitlines()[-1] if out.returncode == 0 else out.stderr[-300:]
     return env

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # imported on demand by __getattr__ below
         RolloutGroup,
         SamplingConfig,
     )
-    from megatron_pacs.rollout.vllm_engine import VLLMEngine
+    from megatron_pacs.rollout.vllm_backend import VLLMEngine
 
 __all__ = [
     "FleetEngine",
@@ -44,7 +44,7 @@ def __getattr__(name: str):
 
         return getattr(fleet, name)
     if name == "VLLMEngine":
-        from megatron_pacs.rollout.vllm_engine import VLLMEngine
+        from megatron_pacs.rollout.vllm_backend import VLLMEngine
 
         return VLLMEngine
     raise AttributeError(name)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "backend_class"]
 
 BACKENDS: dict[str, str] = {
-    "vllm": "megatron_pacs.rollout.vllm_engine:VLLMEngine",
+    "vllm": "megatron_pacs.rollout.vllm_backend:VLLMEngine",
 }
 """Backend name -> ``"module:Class"`` of its engine class."""
 

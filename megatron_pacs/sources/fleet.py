@@ -125,16 +125,13 @@ class FleetSource:
 
     def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
         """Generate, score and pack step ``step``'s rollouts, with their ``perf/time/generate`` and
-        ``perf/time/reward``, the engines lost so far (``rollout/engine_failures``) and the times the fleet
-        connected again to a rollout cluster head that came back (``rollout/cluster_reconnects``).
+        ``perf/time/reward`` (the fleet's fault counters are read when the step is logged).
 
         Raises:
             RolloutClusterLost: The head was lost and did not come back within --rollout-cluster-reconnect-seconds.
         """
         timer = PhaseTimer()
         rollouts = collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, timer)
-        rollouts.metrics["rollout/engine_failures"] = float(self.fleet.num_restarts)  # engines lost in this run
-        rollouts.metrics["rollout/cluster_reconnects"] = float(self.fleet.num_reconnects)  # heads come back
         rollouts.metrics.update(timer.collect())
         return rollouts
 

@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +19,15 @@ import pytest
 from deploy import HOSTS, ROLLOUT_HOSTS, TRAIN_HOSTS, Deployment
 from netns import VirtualCluster, namespaces_unavailable
 
-__all__ = ["Run", "cluster_setup", "continuous", "deployment", "netns_ok", "shared_cluster", "wait_engines_gone"]
+__all__ = [
+    "Run",
+    "cluster_setup",
+    "continuous",
+    "deployment",
+    "netns_ok",
+    "shared_cluster",
+    "wait_engines_gone",
+]
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +91,8 @@ def virtual_deployment(setup: Path, workdir: Path) -> Iterator[Deployment]:
 
 def _shared(setup: Path, tmp_path_factory: pytest.TempPathFactory) -> Deployment:
     """The session's shared deployment, its rollout cluster started (made on first use, and again after a discard)."""
+    if "stopping" in _SESSION:  # a test after the last expected one (another order): the old one ends first
+        discard_shared()
     if "shared" not in _SESSION:
         stack = contextlib.ExitStack()
         d = stack.enter_context(virtual_deployment(setup, tmp_path_factory.mktemp("cluster")))
@@ -97,16 +108,39 @@ def _shared(setup: Path, tmp_path_factory: pytest.TempPathFactory) -> Deployment
 def discard_shared(graceful: bool = False) -> dict[str, list[int]]:
     """End the shared cluster and delete its namespaces. ``graceful``: first stop the rollout hosts as an operator
     would (SIGTERM to ``ray_cluster.sh``, then SIGKILL); returns what was still running anywhere after that stop."""
+    stopping = cast("threading.Thread | None", _SESSION.pop("stopping", None))
+    if stopping is not None:
+        stopping.join()
     entry = _SESSION.pop("shared", None)
     if entry is None:
         return {}
     stack, d = cast(tuple[contextlib.ExitStack, Deployment], entry)
     with stack:
+        if stopping is not None:
+            return cast(dict[str, list[int]], _SESSION.pop("leftovers", {})) if graceful else {}
         if not graceful:
             return {}
-        for host in ROLLOUT_HOSTS:
-            d.cluster.stop_host(host)
-        return d.cluster.leftovers()
+        _stop_rollout_hosts(d)
+        return cast(dict[str, list[int]], _SESSION.pop("leftovers"))
+
+
+def _stop_rollout_hosts(d: Deployment) -> None:
+    for host in ROLLOUT_HOSTS:
+        d.cluster.stop_host(host)
+    _SESSION["leftovers"] = d.cluster.leftovers()
+
+
+def stop_shared_in_background() -> None:
+    """Begin the graceful stop of the shared rollout hosts in a thread (about 40 s, mostly waiting for Ray's
+    processes to exit), called after the last test that uses the cluster: the tests after it run meanwhile, and its
+    idle Ray nodes no longer take CPU for the rest of the session. The namespaces go, and the stop's leftovers are
+    checked, in :func:`discard_shared` (main thread: it restores pytest's SIGTERM handler)."""
+    entry = _SESSION.get("shared")
+    if entry is None or "stopping" in _SESSION:
+        return
+    d = cast(tuple[contextlib.ExitStack, Deployment], entry)[1]
+    _SESSION["stopping"] = thread = threading.Thread(target=_stop_rollout_hosts, args=(d,), name="stop-shared-cluster")
+    thread.start()
 
 
 def _fit(d: Deployment) -> bool:

@@ -77,9 +77,10 @@ def _text(d, name: str, host: str, offset: int) -> str:
 def test_lost_rollout_head_stops_cleanly_when_not_back_and_reconnects_when_back(deployment, continuous):
     """(b) Both rollout hosts killed during step 2's generation, not restarted (window 10 s): every rank saves step 1
     (--save-interval 3: not checkpointed yet) and exits non-zero, rank 0 with one line naming the address and the
-    flag. (a) The cluster started again, the same command (window 60 s) resumes; the head is killed again during step
-    3's generation and restarted within the window: the trainer connects again, starts the engines anew, re-syncs and
-    regenerates step 3; the run completes, and steps 1-3 equal the continuous run's."""
+    flag. (a) The cluster started again, the same command (window 60 s) resumes; the head is killed again once step 2
+    is logged (step 3's generation or, where that was quicker than the kill, its weight sync) and restarted within the
+    window: the trainer connects again, starts the engines anew, re-syncs and goes on; the run completes, step 3's row
+    counts the reconnect, and steps 1-3 equal the continuous run's."""
     d = deployment
     started = time.monotonic()
     # -- (b) not back within the window ---------------------------------------------------------------------------

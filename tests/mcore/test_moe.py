@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from concurrent.futures import Future
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from launch_queue import run_launch
 
 from megatron_pacs.config import ParallelConfig
 from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
@@ -37,7 +37,7 @@ def _launch(work: Path, tp: int, ep: int, dispatcher: str, norm: bool) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
     cmd += [str(HERE / "moe_checks.py"), "--model", str(work / f"moe_norm{int(norm)}")]
     cmd += ["--tp", str(tp), "--ep", str(ep), "--dispatcher", dispatcher, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_launch(cmd, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, f"TP={tp} EP={ep} {dispatcher} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
+from launch_queue import run_launch
 
 from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
 from megatron_pacs.utils.launch import free_port
@@ -34,7 +34,7 @@ def _launch(root: Path, tp: int, pp: int, norm: bool) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
     cmd += [str(HERE / "router_replay_checks.py"), "--model", str(root / f"moe_norm{int(norm)}")]
     cmd += ["--tp", str(tp), "--pp", str(pp), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_launch(cmd, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, f"TP={tp} PP={pp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 
@@ -179,7 +179,7 @@ def test_vllm_routed_experts_replayed_by_the_trainer(tmp_path):
     from megatron_pacs.mcore.parallel import init_parallel
     from megatron_pacs.mcore.weights import load_hf_weights
     from megatron_pacs.rollout.types import SamplingConfig
-    from megatron_pacs.rollout.vllm_engine import VLLMEngine
+    from megatron_pacs.rollout.vllm_backend import VLLMEngine
 
     tok = build_tokenizer(vocab_size=512)
     config = tiny_hf_config("qwen3_moe", vocab_size=len(tok), hidden=128, heads=4, kv_heads=2, tied=False)

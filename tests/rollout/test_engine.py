@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from megatron_pacs.demo.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
-    from megatron_pacs.rollout.vllm_engine import VLLMEngine
+    from megatron_pacs.rollout.vllm_backend import VLLMEngine
 
     tok = build_tokenizer(vocab_size=512)
     cfg = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=64, heads=2, kv_heads=1, layers=2, tied=False)
@@ -29,7 +29,7 @@ def _deferred_layers(worker) -> tuple[list[str], list[str]]:
     """On the worker: the modules our predicate defers, and the attention modules vLLM's own reload defers."""
     from vllm.model_executor.layers.attention import Attention, MLAAttention
 
-    from megatron_pacs.rollout.vllm_engine import deferred_attention_check
+    from megatron_pacs.rollout.vllm_backend import deferred_attention_check
 
     predicate = deferred_attention_check()
     model: torch.nn.Module = worker.model_runner.get_model()
@@ -41,7 +41,7 @@ def _deferred_layers(worker) -> tuple[list[str], list[str]]:
 def test_deferred_attention_check_selects_exactly_the_attention_layers_of_a_running_engine(engine):
     """Whichever way the installed vLLM offers it (its own predicate or the class check 0.26.0 uses), the layers
     deferred to the end of a reload are the model's attention layers, one per transformer layer, and nothing else."""
-    from megatron_pacs.rollout.vllm_engine import vllm_features
+    from megatron_pacs.rollout.vllm_backend import vllm_features
 
     [(ours, attention)] = engine.llm.collective_rpc(_deferred_layers)
     assert len(attention) == 2  # two transformer layers
@@ -85,7 +85,7 @@ def _gpu_engine(monkeypatch, multiprocess: bool = True):
     """A VLLMEngine as built on a GPU (simulated: CUDA is reported present), around a signature-checked LLM."""
     import vllm
 
-    from megatron_pacs.rollout.vllm_engine import VLLMEngine
+    from megatron_pacs.rollout.vllm_backend import VLLMEngine
 
     llm = _SignatureCheckedLLM()
     captured: dict = {}
@@ -140,7 +140,7 @@ def test_simulated_gpu_calls_bind_to_the_installed_vllm_and_its_worker_extension
 
     from megatron_pacs.rollout.colocate import Colocation
     from megatron_pacs.rollout.sync import pack_bucket
-    from megatron_pacs.rollout.vllm_engine import WeightSyncExtension
+    from megatron_pacs.rollout.vllm_backend import WeightSyncExtension
 
     engine, llm, _ = _gpu_engine(monkeypatch)
     buffer, metas = pack_bucket([("w", torch.ones(2, 3)), ("b", torch.zeros(4))], device="cpu")

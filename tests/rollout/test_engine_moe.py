@@ -12,13 +12,14 @@ pytestmark = pytest.mark.slow
 def test_moe_weight_sync_keeps_the_engine_equal_to_the_new_weights(tmp_path, monkeypatch):
     """A tiny Qwen3-MoE synced a -> b -> a -> b: after every update the engine's log-probs equal HF's on the new
     weights to 1e-5. vLLM copies the new experts into the layer but its CPU MoE kernel keeps the experts it
-    prepacked at start (rollout/vllm_engine.py ``_reprepare_moe_kernels``); the same sync without that step is
+    prepacked at start (rollout/vllm_backend/worker.py ``_reprepare_moe_kernels``); the same sync without that step is
     shown off by > 0.1 first, so this test fails without the fix."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    import megatron_pacs.rollout.vllm_engine as vllm_engine
+    import megatron_pacs.rollout.vllm_backend.worker as worker
     from megatron_pacs.demo.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
+    from megatron_pacs.rollout.vllm_backend import VLLMEngine
 
     tok = build_tokenizer(vocab_size=512)
     cfg = tiny_hf_config("qwen3_moe", vocab_size=len(tok), hidden=64, heads=2, kv_heads=1, layers=2, tied=False)
@@ -37,8 +38,8 @@ def test_moe_weight_sync_keeps_the_engine_equal_to_the_new_weights(tmp_path, mon
     # dense engine's groups lack (VLLMEngine.shutdown releases them)
     dense = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=64, heads=2, kv_heads=1, layers=2, tied=False)
     build_tiny_model(str(tmp_path / "dense"), dense, seed=0, tokenizer=tok)
-    vllm_engine.VLLMEngine(str(tmp_path / "dense"), dtype="float32", max_model_len=128).shutdown()
-    engine = vllm_engine.VLLMEngine(str(models["a"]), dtype="float32", max_model_len=128)
+    VLLMEngine(str(tmp_path / "dense"), dtype="float32", max_model_len=128).shutdown()
+    engine = VLLMEngine(str(models["a"]), dtype="float32", max_model_len=128)
     try:
 
         def gap(name: str) -> float:
@@ -50,7 +51,7 @@ def test_moe_weight_sync_keeps_the_engine_equal_to_the_new_weights(tmp_path, mon
 
         assert gap("a") < 1e-5
         with monkeypatch.context() as m:
-            m.setattr(vllm_engine, "_reprepare_moe_kernels", lambda model: 0)
+            m.setattr(worker, "_reprepare_moe_kernels", lambda model: 0)
             sync("b")
             assert gap("b") > 0.1  # the silent drift the fix removes
         for name in ("a", "b", "a"):

@@ -202,7 +202,7 @@ class _Records(logging.Handler):
 def test_tied_embedding_model_on_the_in_process_engine(models):
     """The exporter omits lm_head for tied models; the engine must still refresh vLLM's own output layer."""
     from megatron_pacs.rollout.types import RolloutEngine, SamplingConfig
-    from megatron_pacs.rollout.vllm_engine import VLLMEngine
+    from megatron_pacs.rollout.vllm_backend import VLLMEngine
 
     paths, tok = models
     engine = VLLMEngine(paths["c"], dtype="float32", max_model_len=256)

@@ -2,7 +2,7 @@
 
 - Start: connects to a Ray cluster (``ray_address``) or starts a local one whose temp folder lives in the run
   directory; one actor per engine, each holding an engine of the ``--rollout-backend`` (vLLM:
-  :class:`~megatron_pacs.rollout.vllm_engine.VLLMEngine`), called through
+  :class:`~megatron_pacs.rollout.vllm_backend.VLLMEngine`), called through
   :class:`~megatron_pacs.rollout.types.FleetEngine` (GPU: a placement group with ``tensor_parallel_size`` GPUs per
   engine; CPU: one in-process engine per actor).
 - Generate: prompts are cut into chunks balanced by expected tokens (longest first onto the lightest chunk), and

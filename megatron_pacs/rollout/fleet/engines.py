@@ -131,6 +131,14 @@ class EngineSet:
         """Whether a lost rollout cluster head is waited for (``--rollout-cluster-reconnect-seconds`` > 0)."""
         return self.config.rollout_cluster_reconnect_seconds > 0
 
+    def fault_counts(self) -> dict[str, float]:
+        """The engines lost so far in this run (``rollout/engine_failures``) and the times the fleet connected again
+        to a rollout cluster head that came back (``rollout/cluster_reconnects``)."""
+        return {
+            "rollout/engine_failures": float(self.num_restarts),
+            "rollout/cluster_reconnects": float(self.num_reconnects),
+        }
+
     # -- start-up ---------------------------------------------------------------------------------------------
 
     def _start_ray(self) -> None:

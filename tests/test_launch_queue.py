@@ -1,0 +1,77 @@
+"""The session's launch queue (tests/launch_queue.py): priority and concurrency in the background and foreground,
+and a close that ends the launches still running."""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from launch_queue import BACKGROUND_NICE, LaunchQueue, run_launch
+
+AUTOGROUP = Path("/proc/self/autogroup")
+pytestmark = pytest.mark.skipif(not AUTOGROUP.exists(), reason="this kernel has no autogroups")
+
+# prints its autogroup ("/autogroup-N nice K") after a while, so launches overlap where allowed
+SHOW = [sys.executable, "-c", "import time; time.sleep(0.5); print(open('/proc/self/autogroup').read().strip())"]
+
+
+def _nice(line: str) -> int:
+    return int(line.rsplit(" ", 1)[1])
+
+
+def _queue(tmp_path: Path, launches: dict, background: bool) -> LaunchQueue:
+    queue = LaunchQueue(workers=2)
+    queue.background(background)
+    queue.plan("m", lambda root: root, launches, tmp_path)
+    return queue
+
+
+def _timed(_root: Path) -> tuple[float, float, str]:
+    started = time.monotonic()
+    out = run_launch(SHOW, timeout=60).stdout
+    return started, time.monotonic(), out
+
+
+def test_background_runs_one_launch_at_a_time_at_the_lowest_priority_foreground_two_at_normal(tmp_path):
+    queue = _queue(tmp_path, {"a": _timed, "b": _timed}, background=True)
+    try:
+        (a0, a1, a), (b0, b1, b) = (f.result(timeout=60) for f in queue.futures("m").values())
+    finally:
+        queue.close()
+    assert _nice(a) == _nice(b) == BACKGROUND_NICE, (a, b)
+    assert b0 >= a1 or a0 >= b1, "two launches ran at once in the background"
+    assert _nice(AUTOGROUP.read_text()) == 0  # pytest's own group is untouched: each launch has its own session
+
+    queue = _queue(tmp_path, {"a": _timed, "b": _timed}, background=False)
+    try:
+        (a0, a1, a), (b0, b1, b) = (f.result(timeout=60) for f in queue.futures("m").values())
+    finally:
+        queue.close()
+    assert _nice(a) == _nice(b) == 0, (a, b)
+    assert b0 < a1 and a0 < b1, "the foreground ran its two launches one after the other"
+
+
+def test_a_launch_running_in_the_background_comes_to_the_foreground_and_close_ends_what_still_runs(tmp_path):
+    ready = threading.Event()
+
+    def long(_root: Path):
+        script = "import sys, time; print(open('/proc/self/autogroup').read().strip(), flush=True); time.sleep(600)"
+        ready.set()
+        return run_launch([sys.executable, "-c", script], timeout=600)
+
+    queue = _queue(tmp_path, {"long": long}, background=True)
+    future = queue.futures("m")["long"]
+    assert ready.wait(30)
+    deadline = time.monotonic() + 30
+    while not queue._live and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (proc,) = queue._live
+    group = Path(f"/proc/{proc.pid}/autogroup")
+    assert _nice(group.read_text()) == BACKGROUND_NICE
+    queue.background(False)
+    assert _nice(group.read_text()) == 0
+    started = time.monotonic()
+    queue.close()
+    assert time.monotonic() - started < 30
+    assert future.result(timeout=5).returncode == -9  # killed by the close, with its process group
