@@ -41,13 +41,14 @@ _LONGEST_FIRST = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules that declare trainer launches run last (the longest launches first), and the launch queue starts
-    with the session: their tests mostly wait for launches, which run beside every other module's tests (which ran
-    after them before, with the launch workers idle). While the cluster tests run (first), the queue is in the
-    background, one launch at a time at the lowest CPU priority (tests/launch_queue.py): their heartbeat and Slurm
-    timings are measured on a machine whose idle CPU alone goes to the launches."""
+    """The cluster tests run first and the modules that declare trainer launches last (the longest launches first);
+    the launch queue starts with the session: those modules' tests mostly wait for launches, which run beside every
+    other module's tests (which ran after them before, with the launch workers idle). While the cluster tests run,
+    the queue is in the background, one launch at a time at the lowest CPU priority (tests/launch_queue.py): their
+    heartbeat and Slurm timings are measured on a machine whose idle CPU alone goes to the launches."""
     launching = sorted((i for i in items if _launches(i)), key=lambda i: _LONGEST_FIRST.get(i.path.stem, 0))
-    items[:] = [i for i in items if not _launches(i)] + launching
+    cluster = [i for i in items if _in_cluster(i)]
+    items[:] = cluster + [i for i in items if not _launches(i) and not _in_cluster(i)] + launching
     if launching:
         # the fixture's closure read by pytest's setup (Function.fixturenames), extended after collection
         items[0].fixturenames.insert(0, "launch_queue")  # type: ignore[attr-defined]

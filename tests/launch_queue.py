@@ -19,9 +19,11 @@ Every launch's wall time is recorded (:meth:`LaunchQueue.timings`); the session 
 (``pytest_terminal_summary`` in tests/conftest.py), beside ``--durations``.
 
 A launch starts its processes with :func:`run_launch`: in a session of their own, so that the kernel schedules them
-as one group (Linux's autogroups) whose priority the queue sets. In the background (:meth:`LaunchQueue.background`,
-while the cluster tests run: their timings are measured) one launch at a time runs at the lowest priority, on the
-CPU those tests leave idle; in the foreground two run at the normal priority.
+as one group (Linux's autogroups) whose priority the queue sets; processes that start sessions of their own
+(torchrun's workers do) are found among the launch's descendants every second and get the same priority. In the
+background (:meth:`LaunchQueue.background`, while the cluster tests run: their timings are measured) one launch at a
+time runs at the lowest priority, on the CPU those tests leave idle; in the foreground two run at the normal
+priority.
 """
 
 from __future__ import annotations
@@ -51,16 +53,48 @@ def _set_group_nice(pid: int, nice: int) -> None:
         Path(f"/proc/{pid}/autogroup").write_text(str(nice))
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _group_nice(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().rsplit(" ", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """Every living process below ``roots`` (from each process's parent in /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launch's process group and every descendant (those in sessions of their own hold its pipes)."""
+    below = _descendants({proc.pid})  # before the kill: orphans leave the tree
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
 
 
 def run_launch(cmd: list[str], *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)`` for a launch: from a queue
-    worker, in a session of its own at the queue's priority, its whole process group killed on a timeout (or when
-    the queue closes); elsewhere (a test's own run) plainly."""
+    worker, in a session of its own at the queue's priority, all its processes killed on a timeout (or when the
+    queue closes); elsewhere (a test's own run) plainly."""
     queue: LaunchQueue | None = getattr(_LOCAL, "queue", None)
     if queue is None:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
@@ -71,7 +105,7 @@ def run_launch(cmd: list[str], *, timeout: float, **kwargs: Any) -> subprocess.C
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
-        _kill_group(proc)
+        _kill_tree(proc)
         raise
     finally:
         queue._ended(proc)
@@ -136,6 +170,8 @@ class LaunchQueue:
         self._gate = threading.Condition()
         self._live: set[subprocess.Popen] = set()
         self._closed = False
+        self._watch = threading.Thread(target=self._watch_sessions, name="launch-priority", daemon=True)
+        self._watch.start()
         self._futures: dict[str, dict[str, Future]] = {}
         self._roots: dict[str, Path] = {}
         self._seconds: dict[str, dict[str, float]] = {}
@@ -192,9 +228,22 @@ class LaunchQueue:
         otherwise ``workers`` at once at the normal priority."""
         with self._gate:
             self._slots, self._nice = (1, BACKGROUND_NICE) if on else (self._workers, 0)
-            for proc in self._live:
-                _set_group_nice(proc.pid, self._nice)
+            roots = {p.pid for p in self._live}
             self._gate.notify_all()
+        for pid in roots | _descendants(roots):
+            _set_group_nice(pid, self._nice)
+
+    def _watch_sessions(self) -> None:
+        """Every second: the queue's priority for the sessions that the launches' descendants started."""
+        while not self._closed:
+            with self._gate:
+                roots, nice = {p.pid for p in self._live}, self._nice
+            if roots:
+                for pid in _descendants(roots):
+                    current = _group_nice(pid)
+                    if current is not None and current != nice:
+                        _set_group_nice(pid, nice)
+            time.sleep(1.0)
 
     def _started(self, proc: subprocess.Popen) -> None:
         with self._gate:
@@ -214,5 +263,5 @@ class LaunchQueue:
             self._gate.notify_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for proc in live:
-            _kill_group(proc)
+            _kill_tree(proc)
         self._pool.shutdown(wait=True)

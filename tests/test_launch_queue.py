@@ -52,11 +52,30 @@ def test_background_runs_one_launch_at_a_time_at_the_lowest_priority_foreground_
     assert b0 < a1 and a0 < b1, "the foreground ran its two launches one after the other"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _child_pid(proc) -> int | None:
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    pids = children.read_text().split() if children.exists() else []
+    return int(pids[0]) if pids else None
+
+
 def test_a_launch_running_in_the_background_comes_to_the_foreground_and_close_ends_what_still_runs(tmp_path):
+    """Its child in a session of its own (as torchrun starts its workers) gets the launch's priority too."""
     ready = threading.Event()
+    # a child in its own session (an autogroup of its own), then a long wait
+    script = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+        "time.sleep(600)"
+    )
 
     def long(_root: Path):
-        script = "import sys, time; print(open('/proc/self/autogroup').read().strip(), flush=True); time.sleep(600)"
         ready.set()
         return run_launch([sys.executable, "-c", script], timeout=600)
 
@@ -69,9 +88,21 @@ def test_a_launch_running_in_the_background_comes_to_the_foreground_and_close_en
     (proc,) = queue._live
     group = Path(f"/proc/{proc.pid}/autogroup")
     assert _nice(group.read_text()) == BACKGROUND_NICE
+    while (child := _child_pid(proc)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child is not None
+    child_group = Path(f"/proc/{child}/autogroup")
+    while _nice(child_group.read_text()) != BACKGROUND_NICE and time.monotonic() < deadline:
+        time.sleep(0.1)  # the queue's watch finds it within a second
+    assert child_group.read_text() != group.read_text()  # another group, at the same priority
+    assert _nice(child_group.read_text()) == BACKGROUND_NICE
     queue.background(False)
-    assert _nice(group.read_text()) == 0
+    assert _nice(group.read_text()) == _nice(child_group.read_text()) == 0
     started = time.monotonic()
     queue.close()
     assert time.monotonic() - started < 30
     assert future.result(timeout=5).returncode == -9  # killed by the close, with its process group
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the child in its own session outlived the close"
