@@ -21,9 +21,8 @@ Every launch's wall time is recorded (:meth:`LaunchQueue.timings`); the session 
 A launch starts its processes with :func:`run_launch`: in a session of their own, so that the kernel schedules them
 as one group (Linux's autogroups) whose priority the queue sets; processes that start sessions of their own
 (torchrun's workers do) are found among the launch's descendants every second and get the same priority. In the
-background (:meth:`LaunchQueue.background`, while the cluster tests run: their timings are measured) one launch at a
-time runs at the lowest priority, on the CPU those tests leave idle; in the foreground two run at the normal
-priority.
+background (:meth:`LaunchQueue.background`, while the cluster tests run: their timings are measured) the launches run
+at the lowest priority, on the CPU those tests leave idle; in the foreground at the normal priority.
 """
 
 from __future__ import annotations
@@ -165,9 +164,8 @@ class LaunchQueue:
         )
 
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="launch")
-        self._workers = workers
-        self._slots, self._nice, self._running = workers, 0, 0
-        self._gate = threading.Condition()
+        self._nice = 0
+        self._gate = threading.Lock()
         self._live: set[subprocess.Popen] = set()
         self._closed = False
         self._watch = threading.Thread(target=self._watch_sessions, name="launch-priority", daemon=True)
@@ -184,11 +182,8 @@ class LaunchQueue:
         seconds = self._seconds.setdefault(module, {})
 
         def run(name: str, launch: Callable[[Any], Any]) -> Any:
-            with self._gate:
-                self._gate.wait_for(lambda: self._running < self._slots or self._closed)
-                if self._closed:
-                    raise RuntimeError("the launch queue closed before this launch started")
-                self._running += 1
+            if self._closed:
+                raise RuntimeError("the launch queue closed before this launch started")
             _LOCAL.queue = self
             try:
                 value = prepared.get()
@@ -199,9 +194,6 @@ class LaunchQueue:
                     seconds[name] = time.perf_counter() - started
             finally:
                 _LOCAL.queue = None
-                with self._gate:
-                    self._running -= 1
-                    self._gate.notify_all()
 
         self._futures[module] = {name: self._pool.submit(run, name, launch) for name, launch in launches.items()}
 
@@ -224,12 +216,12 @@ class LaunchQueue:
         return out
 
     def background(self, on: bool) -> None:
-        """In the background: one launch at a time at the lowest priority (those running now included);
-        otherwise ``workers`` at once at the normal priority."""
+        """The launches' CPU priority (those running now included): the lowest in the background, else the normal."""
+        if on and os.geteuid() != 0:
+            return  # raising a group's priority again needs CAP_SYS_NICE: without it, stay at the normal one
         with self._gate:
-            self._slots, self._nice = (1, BACKGROUND_NICE) if on else (self._workers, 0)
+            self._nice = BACKGROUND_NICE if on else 0
             roots = {p.pid for p in self._live}
-            self._gate.notify_all()
         for pid in roots | _descendants(roots):
             _set_group_nice(pid, self._nice)
 
@@ -249,6 +241,9 @@ class LaunchQueue:
         with self._gate:
             self._live.add(proc)
             _set_group_nice(proc.pid, self._nice)
+            closed = self._closed
+        if closed:  # started while the queue closed, after close() looked
+            _kill_tree(proc)
 
     def _ended(self, proc: subprocess.Popen) -> None:
         with self._gate:
@@ -260,7 +255,6 @@ class LaunchQueue:
         with self._gate:
             self._closed = True
             live = list(self._live)
-            self._gate.notify_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for proc in live:
             _kill_tree(proc)
