@@ -53,8 +53,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The cluster tests run first and the modules that declare trainer launches last (the longest launches first);
     the launch queue starts with the session: those modules' tests mostly wait for launches, which run beside every
     other module's tests (which ran after them before, with the launch workers idle). While the cluster tests run,
-    the queue is in the background, its launches at the lowest CPU priority (tests/launch_queue.py): their heartbeat
-    and Slurm timings are measured on a machine whose idle CPU alone goes to the launches."""
+    the queue is in the background, one launch at a time at a low CPU priority (tests/launch_queue.py): their
+    heartbeat and Slurm timings are measured on a machine whose idle CPU goes to that launch."""
     launching = sorted((i for i in items if _launches(i)), key=lambda i: _LONGEST_FIRST.get(i.path.stem, 0))
     cluster = [i for i in items if _in_cluster(i)]
     items[:] = cluster + [i for i in items if not _launches(i) and not _in_cluster(i)] + launching

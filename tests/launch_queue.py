@@ -21,8 +21,8 @@ Every launch's wall time is recorded (:meth:`LaunchQueue.timings`); the session 
 A launch starts its processes with :func:`run_launch`: in a session of their own, so that the kernel schedules them
 as one group (Linux's autogroups) whose priority the queue sets; processes that start sessions of their own
 (torchrun's workers do) are found among the launch's descendants every second and get the same priority. In the
-background (:meth:`LaunchQueue.background`, while the cluster tests run: their timings are measured) the launches run
-at the lowest priority, on the CPU those tests leave idle; in the foreground at the normal priority.
+background (:meth:`LaunchQueue.background`, while the cluster tests run: their timings are measured) one launch at a
+time runs at a low priority, on the CPU those tests leave idle; in the foreground two run at the normal priority.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from typing import Any
 
 __all__ = ["LaunchQueue", "run_launch"]
 
-#: The autogroup nice of launches in the background: the lowest priority (weight 15 against 1024 at nice 0).
-BACKGROUND_NICE = 19
+#: The autogroup nice of launches in the background: weight 110 against 1024 at nice 0. Not 19 (weight 15): a launch
+#: starved that much let Ray's node start-up time out ("The current node timed out during startup", 44 s).
+BACKGROUND_NICE = 10
 
 _LOCAL = threading.local()  # .queue: the LaunchQueue whose worker thread this is (unset elsewhere)
 
@@ -164,8 +165,9 @@ class LaunchQueue:
         )
 
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="launch")
-        self._nice = 0
-        self._gate = threading.Lock()
+        self._workers = workers
+        self._slots, self._nice, self._running = workers, 0, 0
+        self._gate = threading.Condition()
         self._live: set[subprocess.Popen] = set()
         self._closed = False
         self._watch = threading.Thread(target=self._watch_sessions, name="launch-priority", daemon=True)
@@ -182,8 +184,11 @@ class LaunchQueue:
         seconds = self._seconds.setdefault(module, {})
 
         def run(name: str, launch: Callable[[Any], Any]) -> Any:
-            if self._closed:
-                raise RuntimeError("the launch queue closed before this launch started")
+            with self._gate:
+                self._gate.wait_for(lambda: self._running < self._slots or self._closed)
+                if self._closed:
+                    raise RuntimeError("the launch queue closed before this launch started")
+                self._running += 1
             _LOCAL.queue = self
             try:
                 value = prepared.get()
@@ -194,6 +199,9 @@ class LaunchQueue:
                     seconds[name] = time.perf_counter() - started
             finally:
                 _LOCAL.queue = None
+                with self._gate:
+                    self._running -= 1
+                    self._gate.notify_all()
 
         self._futures[module] = {name: self._pool.submit(run, name, launch) for name, launch in launches.items()}
 
@@ -216,21 +224,24 @@ class LaunchQueue:
         return out
 
     def background(self, on: bool) -> None:
-        """The launches' CPU priority (those running now included): the lowest in the background, else the normal."""
+        """In the background: one launch at a time at a low priority (those running now included); otherwise
+        ``workers`` at once at the normal priority."""
         if on and os.geteuid() != 0:
-            return  # raising a group's priority again needs CAP_SYS_NICE: without it, stay at the normal one
+            return  # raising a group's priority again needs CAP_SYS_NICE: without it, stay in the foreground
         with self._gate:
-            self._nice = BACKGROUND_NICE if on else 0
+            self._slots, self._nice = (1, BACKGROUND_NICE) if on else (self._workers, 0)
             roots = {p.pid for p in self._live}
+            self._gate.notify_all()
         for pid in roots | _descendants(roots):
             _set_group_nice(pid, self._nice)
 
     def _watch_sessions(self) -> None:
-        """Every second: the queue's priority for the sessions that the launches' descendants started."""
+        """Every second in the background: its priority for the sessions that the launches' descendants started
+        (in the foreground their own, the normal one, is the queue's)."""
         while not self._closed:
             with self._gate:
                 roots, nice = {p.pid for p in self._live}, self._nice
-            if roots:
+            if roots and nice:
                 for pid in _descendants(roots):
                     current = _group_nice(pid)
                     if current is not None and current != nice:
@@ -255,6 +266,7 @@ class LaunchQueue:
         with self._gate:
             self._closed = True
             live = list(self._live)
+            self._gate.notify_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for proc in live:
             _kill_tree(proc)

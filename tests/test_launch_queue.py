@@ -33,14 +33,14 @@ def _timed(_root: Path) -> tuple[float, float, str]:
     return started, time.monotonic(), out
 
 
-def test_launches_run_two_at_once_at_the_lowest_priority_in_the_background_and_at_the_normal_one_else(tmp_path):
+def test_background_runs_one_launch_at_a_time_at_a_low_priority_foreground_two_at_normal(tmp_path):
     queue = _queue(tmp_path, {"a": _timed, "b": _timed}, background=True)
     try:
         (a0, a1, a), (b0, b1, b) = (f.result(timeout=60) for f in queue.futures("m").values())
     finally:
         queue.close()
     assert _nice(a) == _nice(b) == BACKGROUND_NICE, (a, b)
-    assert b0 < a1 and a0 < b1, "the background ran its two launches one after the other"
+    assert b0 >= a1 or a0 >= b1, "two launches ran at once in the background"
     assert _nice(AUTOGROUP.read_text()) == 0  # pytest's own group is untouched: each launch has its own session
 
     queue = _queue(tmp_path, {"a": _timed, "b": _timed}, background=False)
