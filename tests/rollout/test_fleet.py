@@ -331,7 +331,6 @@ def test_broadcast_side_group_is_rebuilt_after_an_engine_restart(fleet, models):
     so the replacement had no group (``AttributeError: _mp_group`` on a GPU) and the survivors hung in the
     collective. Now the restart drops it and the next update builds it anew; the replacement receives the update
     over it (gloo here, NCCL on a GPU)."""
-    import ray
 
     paths, tok = models
     fleet.transport = "broadcast"
@@ -339,7 +338,9 @@ def test_broadcast_side_group_is_rebuilt_after_an_engine_restart(fleet, models):
         fleet.update_weights(_state(paths["b"], drop_lm_head=False))
         old_group, restarts = fleet._group, fleet.num_restarts
         assert old_group is not None
-        ray.kill(fleet.engines[0])
+        # dead before the update (ray.kill is asynchronous: an update sent at once could reach the live engine, lose
+        # it mid-broadcast and finish from the kept copy, the next test's case, leaving no group)
+        _kill(fleet, 0)
         fleet.update_weights(_state(paths["a"], drop_lm_head=False))
         assert fleet.num_restarts == restarts + 1
         assert fleet._group is not None and fleet._group is not old_group
