@@ -80,28 +80,32 @@ def test_a_launch_running_in_the_background_comes_to_the_foreground_and_close_en
         return run_launch([sys.executable, "-c", script], timeout=600)
 
     queue = _queue(tmp_path, {"long": long}, background=True)
-    future = queue.futures("m")["long"]
-    assert ready.wait(30)
-    deadline = time.monotonic() + 30
-    while not queue._live and time.monotonic() < deadline:
-        time.sleep(0.05)
-    (proc,) = queue._live
-    group = Path(f"/proc/{proc.pid}/autogroup")
-    assert _nice(group.read_text()) == BACKGROUND_NICE
-    while (child := _child_pid(proc)) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert child is not None
-    child_group = Path(f"/proc/{child}/autogroup")
-    # its own group once it has called setsid (right after the fork it is still in the launch's), then the queue's
-    # watch gives that group the launch's nice within a second
-    while time.monotonic() < deadline and (
-        child_group.read_text() == group.read_text() or _nice(child_group.read_text()) != BACKGROUND_NICE
-    ):
-        time.sleep(0.1)
-    assert child_group.read_text() != group.read_text()  # another group, at the same priority
-    assert _nice(child_group.read_text()) == BACKGROUND_NICE
-    queue.background(False)
-    assert _nice(group.read_text()) == _nice(child_group.read_text()) == 0
+    try:
+        future = queue.futures("m")["long"]
+        assert ready.wait(30)
+        deadline = time.monotonic() + 30
+        while not queue._live and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (proc,) = queue._live
+        group = Path(f"/proc/{proc.pid}/autogroup")
+        assert _nice(group.read_text()) == BACKGROUND_NICE
+        while (child := _child_pid(proc)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child is not None
+        child_group = Path(f"/proc/{child}/autogroup")
+        # its own group once it has called setsid (right after the fork it is still in the launch's), then the queue's
+        # watch gives that group the launch's nice within a second
+        while time.monotonic() < deadline and (
+            child_group.read_text() == group.read_text() or _nice(child_group.read_text()) != BACKGROUND_NICE
+        ):
+            time.sleep(0.1)
+        assert child_group.read_text() != group.read_text()  # another group, at the same priority
+        assert _nice(child_group.read_text()) == BACKGROUND_NICE
+        queue.background(False)
+        assert _nice(group.read_text()) == _nice(child_group.read_text()) == 0
+    except BaseException:
+        queue.close()  # no launch left running behind a failed check (the pool joins its threads at exit)
+        raise
     started = time.monotonic()
     queue.close()
     assert time.monotonic() - started < 30
