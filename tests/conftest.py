@@ -26,7 +26,7 @@ def _launches(item: pytest.Item) -> bool:
 
 
 def _in_cluster(item: pytest.Item) -> bool:
-    return "cluster" in item.path.parent.parts[-1:]
+    return item.path.parent.name == "cluster"
 
 
 #: The launching modules in the queue's order: the longest launches first (their totals in the table at the end of

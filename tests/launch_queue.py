@@ -53,13 +53,6 @@ def _set_group_nice(pid: int, nice: int) -> None:
         Path(f"/proc/{pid}/autogroup").write_text(str(nice))
 
 
-def _group_nice(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/autogroup").read_text().rsplit(" ", 1)[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _descendants(roots: set[int]) -> set[int]:
     """Every living process below ``roots`` (from each process's parent in /proc)."""
     children: dict[int, list[int]] = {}
@@ -243,9 +236,7 @@ class LaunchQueue:
                 roots, nice = {p.pid for p in self._live}, self._nice
             if roots and nice:
                 for pid in _descendants(roots):
-                    current = _group_nice(pid)
-                    if current is not None and current != nice:
-                        _set_group_nice(pid, nice)
+                    _set_group_nice(pid, nice)
             time.sleep(1.0)
 
     def _started(self, proc: subprocess.Popen) -> None:

@@ -19,15 +19,7 @@ import pytest
 from deploy import HOSTS, ROLLOUT_HOSTS, TRAIN_HOSTS, Deployment
 from netns import VirtualCluster, namespaces_unavailable
 
-__all__ = [
-    "Run",
-    "cluster_setup",
-    "continuous",
-    "deployment",
-    "netns_ok",
-    "shared_cluster",
-    "wait_engines_gone",
-]
+__all__ = ["Run", "cluster_setup", "continuous", "deployment", "netns_ok", "shared_cluster", "wait_engines_gone"]
 
 
 @pytest.fixture(scope="session")
