@@ -146,7 +146,7 @@ def test_the_train_step_table_is_read_as_bench_train_step_prints_it(report, caps
 
 
 def test_junit_results_give_each_test_its_status_and_reason(tmp_path):
-    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
+    machine = _load("gpu_machine", ROOT / "tools" / "gpu_machine.py")
     (tmp_path / "test_sample.py").write_text(
         "import pytest\n"
         "def test_ok():\n    assert True\n"
@@ -156,7 +156,7 @@ def test_junit_results_give_each_test_its_status_and_reason(tmp_path):
     xml = tmp_path / "out.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "test_sample.py"]
     subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    tests = {t["id"].rsplit("::", 1)[1]: t for t in gpu_check.junit_results(xml)}
+    tests = {t["id"].rsplit("::", 1)[1]: t for t in machine.junit_results(xml)}
 
     assert tests["test_ok"]["status"] == "passed"
     assert tests["test_bad"]["status"] == "failed" and "one is not two" in tests["test_bad"]["reason"]
