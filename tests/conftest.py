@@ -25,8 +25,9 @@ def _launches(item: pytest.Item) -> bool:
     return hasattr(getattr(item, "module", None), "LAUNCHES")
 
 
-def _in_cluster(item: pytest.Item) -> bool:
-    return item.path.parent.name == "cluster"
+def _early(item: pytest.Item) -> bool:
+    """A cluster test, or one marked ``waits``: they run first, while the launch queue is in the background."""
+    return item.path.parent.name == "cluster" or item.get_closest_marker("waits") is not None
 
 
 #: The launching modules in the queue's order: the longest launches first (their totals in the table at the end of
@@ -50,14 +51,15 @@ _LONGEST_FIRST = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The cluster tests run first and the modules that declare trainer launches last (the longest launches first);
-    the launch queue starts with the session: those modules' tests mostly wait for launches, which run beside every
-    other module's tests (which ran after them before, with the launch workers idle). While the cluster tests run,
-    the queue is in the background, one launch at a time at a low CPU priority (tests/launch_queue.py): their
-    heartbeat and Slurm timings are measured on a machine whose idle CPU goes to that launch."""
+    """The cluster tests (and those marked ``waits``) run first and the modules that declare trainer launches last
+    (the longest launches first); the launch queue starts with the session: those modules' tests mostly wait for
+    launches, which run beside every other module's tests (which ran after them before, with the launch workers
+    idle). While the early tests run, the queue is in the background, one launch at a time at a low CPU priority
+    (tests/launch_queue.py): the heartbeat and Slurm timings are measured on a machine whose idle CPU goes to that
+    launch."""
     launching = sorted((i for i in items if _launches(i)), key=lambda i: _LONGEST_FIRST.get(i.path.stem, 0))
-    cluster = [i for i in items if _in_cluster(i)]
-    items[:] = cluster + [i for i in items if not _launches(i) and not _in_cluster(i)] + launching
+    early = [i for i in items if _early(i)]
+    items[:] = early + [i for i in items if not _launches(i) and not _early(i)] + launching
     if launching:
         # the fixture's closure read by pytest's setup (Function.fixturenames), extended after collection
         items[0].fixturenames.insert(0, "launch_queue")  # type: ignore[attr-defined]
@@ -66,10 +68,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
     """The launch queue, started in the background with the session, comes to the foreground with the first test
-    outside ``tests/cluster/``."""
+    that does not run early (:func:`_early`)."""
     yield
     queue = item.config.stash.get(_QUEUE, None)
-    if queue is not None and not _in_cluster(item) and not item.config.stash.get(_FOREGROUND, False):
+    if queue is not None and not _early(item) and not item.config.stash.get(_FOREGROUND, False):
         item.config.stash[_FOREGROUND] = True
         queue.background(False)
 

@@ -17,6 +17,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from megatron_pacs.config import RolloutConfig
 from megatron_pacs.rollout.backends import backend_class
+from megatron_pacs.rollout.fleet.ray_start import join_cluster, start_local
 from megatron_pacs.rollout.fleet.reconnect import connect_again, connection_lost
 from megatron_pacs.rollout.lost import RolloutClusterLost, lost_line
 from megatron_pacs.rollout.placement import local_engine_gpus, short_temp_dir, visible_devices
@@ -27,9 +28,6 @@ from megatron_pacs.utils.logging import get_logger
 __all__ = ["EngineActor", "EngineSet"]
 
 log = get_logger("rollout.fleet")
-
-CLIENT_SERVER_START_FAILURES = ("Starting Ray client server failed", "Initialization failure from server")
-"""What Ray Client's ``ray.init`` raises when the head's per-client server died at its start (connect again)."""
 
 ENGINE_DEAD = (RayActorError, ActorUnavailableError)
 ENGINE_LOST = (*ENGINE_DEAD, GetTimeoutError)  # dead, or hung past --engine-call-timeout-seconds
@@ -146,19 +144,8 @@ class EngineSet:
             return
         cfg = self.config
         if cfg.ray_address:
-            for attempt in range(3):
-                try:
-                    ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=True)
-                    return
-                except (RuntimeError, ConnectionError) as exc:
-                    # Ray Client's head starts one server process per client, and that process dies at its start now
-                    # and then (ray-project/ray#63202, a race in the proxier's fork): "Starting Ray client server
-                    # failed", or "Initialization failure from server" when the proxier finds it already a zombie.
-                    # A new connection succeeds.
-                    if attempt == 2 or not any(m in str(exc) for m in CLIENT_SERVER_START_FAILURES):
-                        raise
-                    log.warning("fleet: %s; connecting again (attempt %d of 3)", exc, attempt + 2)
-                    time.sleep(5)
+            join_cluster(cfg.ray_address)
+            return
         self._temp_dir = short_temp_dir(self.run_dir)
         gpus = None
         if self.on_gpu:
@@ -172,7 +159,7 @@ class EngineSet:
             )
             log.info("fleet: the local Ray gives engines GPU(s) %s", ",".join(gpus))
         with visible_devices(gpus):  # what the raylet sees at start is all it hands out
-            ray.init(
+            start_local(
                 num_cpus=os.cpu_count(),
                 include_dashboard=False,
                 log_to_driver=True,
