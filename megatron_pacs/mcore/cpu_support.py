@@ -17,18 +17,22 @@ megatron.core is edited. Verified on megatron-core 0.16.1 and 0.19.2 (see the pr
 Callers also pass an explicit causal mask (the default one is built on "cuda") and set ``batch_p2p_sync=False``
 and ``clip_grad=0.0`` (the Megatron optimizer's clip asserts CUDA tensor types) on CPU.
 
-Importing this module on CPU also silences, by exact message, the warnings megatron-core raises at import about
-Transformer Engine and Apex being absent (:data:`HARMLESS_ON_CPU`): both are CUDA-only, so on CPU the fallbacks are
-the only implementations. On GPU they stay, since there a missing TE or Apex is real information. The filters
-only act if this module is imported before megatron.core.
+Importing this module on CPU also imports megatron.core itself, with ``torch.compile`` deferred to first calls
+(:func:`_import_megatron_core`: about 1.5 s less per process), and silences, by exact message, the warnings
+megatron-core raises at import about Transformer Engine and Apex being absent (:data:`HARMLESS_ON_CPU`): both are
+CUDA-only, so on CPU the fallbacks are the only implementations. On GPU they stay, since there a missing TE or Apex
+is real information. The filters only act if this module is imported before megatron.core.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
+import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -197,4 +201,41 @@ class _NoOpEvent:
         return True
 
 
+def _compile_on_first_call(model: Callable | None = None, **options: Any) -> Any:
+    """``torch.compile``'s decorator form, compiling at the decorated function's first call instead of at once."""
+    if model is None:
+        return lambda fn: _compile_on_first_call(fn, **options)
+    compiled: Callable | None = None
+
+    @functools.wraps(model)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        if compiled is None:
+            compiled = _torch_compile(model, **options)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _import_megatron_core() -> None:
+    """Import megatron.core with ``torch.compile`` deferred to first calls (CPU only).
+
+    ``megatron.core.jit`` binds ``jit_fuser = torch.compile`` at its import, and megatron's fused ops (bias-GeLU,
+    SwiGLU, ...) are decorated with it as their modules load: the first decoration imports TorchInductor's compiler,
+    about 1.5 s of every process's start. Bound to the deferred form here, ``jit_fuser`` stays deferred for every
+    module megatron loads later; ``torch.compile`` itself is restored at once. On CPU those fusions are refused
+    (mcore/model.py), so the deferred compile never comes; where a fused op is called anyway, it compiles then, as
+    ``torch.compile`` would have (it also compiles at the first call).
+    """
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        return
+    torch.compile = _compile_on_first_call  # type: ignore[assignment]
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = _torch_compile
+
+
+_torch_compile = torch.compile
 silence_harmless_cpu_warnings()  # at import, so importing this module before megatron.core is enough
+_import_megatron_core()

@@ -1,5 +1,8 @@
 """Single-process checks of the Megatron layer: layout validation, config translation, log-probs at TP=1."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -85,6 +88,23 @@ def test_fusions_stay_off_on_cpu_and_explicit_requests_are_refused():
         resolve_fusions("local", bias_swiglu=True)
     with pytest.raises(ValueError, match="--rope-fusion: needs CUDA and the TE spec"):
         resolve_fusions("sdpa", rope=True)
+
+
+def test_on_cpu_megatron_core_is_imported_with_its_fusions_compile_deferred_to_a_first_call():
+    """mcore/cpu_support.py: megatron.core's ``jit_fuser`` compiles at a first call (which the refused fusions
+    never make), so no process pays for TorchInductor's compiler at import; ``torch.compile`` is left as it was."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    probe = (
+        "import sys, torch; original = torch.compile; import megatron_pacs.mcore.model; "
+        "import megatron.core.jit as jit; "
+        "assert torch.compile is original; assert jit.jit_fuser.__name__ == '_compile_on_first_call'; "
+        "assert 'torch._inductor.compile_fx' not in sys.modules; "
+        "double = jit.jit_fuser(backend='eager')(lambda x: 2 * x); "
+        "assert torch.equal(double(torch.arange(3.0)), torch.tensor([0.0, 2.0, 4.0]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.gpu
