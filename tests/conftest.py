@@ -250,3 +250,15 @@ def run_train(
     proc = run_launch(cmd, timeout=900, env=env, cwd=cwd)
     assert proc.returncode == 0, f"{log_dir.name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def refused_train(flags: list[str], *, log_dir: Path, cwd: Path) -> str:
+    """``python -m megatron_pacs.train FLAGS --log-dir LOG_DIR`` (one process) for a run that must stop with an
+    error: returns its stderr, and fails where it exited 0."""
+    import os
+    import sys
+
+    cmd = [sys.executable, "-m", "megatron_pacs.train", *flags, "--log-dir", str(log_dir)]
+    proc = run_launch(cmd, timeout=900, env=dict(os.environ, **PINNED_CPU_ENV), cwd=cwd)
+    assert proc.returncode != 0, f"{log_dir.name} ran to its end:\n{proc.stderr[-3000:]}"
+    return proc.stderr

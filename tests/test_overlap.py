@@ -13,15 +13,12 @@ engines would generate again).
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import PINNED_CPU_ENV, TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, run_train
+from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, refused_train, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -60,9 +57,26 @@ def _run(root: Path, name: str) -> list[dict]:
 REPLAYS = {"sync_tis": "sync"}  # run -> the run whose dumps it replays (after it, in the same launch of the queue)
 
 
-def _launch(root: Path, name: str) -> dict[str, list[dict]]:
-    """Run ``name``, then the runs that replay its dumps; returns each run's steps by its name."""
-    return {run: _run(root, run) for run in (name, *(r for r, source in REPLAYS.items() if source == name))}
+def _off_resumed_bf16(root: Path) -> str:
+    """``off`` resumed from its step-1 checkpoint (pending rollouts in it) with bf16 engines beside the fp32
+    trainer and ``--max-logprob-diff 1e-3``: the run's stderr."""
+    mid = root / "off_ckpt" / "iter_0000001"
+    assert (mid / "pending_rollouts.pt").is_file()
+    flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
+    flags += [*FROZEN[:2], "--micro-batch-size", "3", "--off-policy-steps", "1", "--train-iters", "3"]
+    flags += ["--load", str(mid), "--rollout-dtype", "bfloat16", "--max-logprob-diff", "1e-3"]
+    return refused_train(flags, log_dir=root / "bound_resumed", cwd=root)
+
+
+def _launch(root: Path, name: str) -> dict[str, list[dict] | str]:
+    """Run ``name``, then the runs that replay its dumps (and, after ``off``, its bf16 resume); returns each run's
+    steps (the bf16 resume: its stderr) by its name."""
+    out: dict[str, list[dict] | str] = {}
+    for run in (name, *(r for r, source in REPLAYS.items() if source == name)):
+        out[run] = _run(root, run)
+    if name == "off":
+        out["off_resumed_bf16"] = _off_resumed_bf16(root)
+    return out
 
 
 # queued for the session (tests/launch_queue.py)
@@ -70,15 +84,10 @@ LAUNCHES = {name: partial(_launch, name=name) for name in RUNS if name not in RE
 
 
 @pytest.fixture(scope="module")
-def launched(launch_queue) -> tuple[Path, dict[str, list[dict]]]:
+def runs(launch_queue) -> dict[str, list[dict] | str]:
+    """Each run's steps by its name (the bf16 resume's: its stderr)."""
     futures = launch_queue.futures(__name__).values()
-    out = {name: steps for future in futures for name, steps in future.result().items()}
-    return launch_queue.root(__name__), out
-
-
-@pytest.fixture(scope="module")
-def runs(launched) -> dict[str, list[dict]]:
-    return launched[1]
+    return {name: out for future in futures for name, out in future.result().items()}
 
 
 @pytest.mark.parametrize(("sync", "off"), [("sync", "off"), ("sync_tis", "off_tis")])
@@ -110,25 +119,11 @@ def test_token_level_tis_metrics_under_pipeline_parallelism_come_from_the_last_s
     assert m["offpolicy/is_truncated"] == 0.0
 
 
-def test_max_logprob_diff_is_enforced_one_step_off_after_a_resume(launched):
+def test_max_logprob_diff_is_enforced_one_step_off_after_a_resume(runs):
     """--max-logprob-diff compares the probe after every weight sync, in every mode: resumed one step off, the
     first step trains on the checkpoint's pending rollouts (generated before the resume, so no consistency check
     applies), yet engines now in bf16 beside the fp32 trainer (~1e-2 per token) stop the run at that step's sync
     (fresh runs: tests/test_reference.py; in sync, the same bound passes: ``t07`` there)."""
-    root, _ = launched
-    mid = root / "off_ckpt" / "iter_0000001"
-    assert (mid / "pending_rollouts.pt").is_file()
-    flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
-    flags += [*FROZEN[:2], "--micro-batch-size", "3", "--off-policy-steps", "1", "--train-iters", "3"]
-    flags += ["--load", str(mid), "--rollout-dtype", "bfloat16", "--max-logprob-diff", "1e-3"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_pacs.train", *flags, "--log-dir", str(root / "bound_resumed")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=root,
-        env=dict(os.environ, **PINNED_CPU_ENV),
-    )
-    assert proc.returncode != 0
-    assert "step 2: the engines' and the trainer's token log-probs (the sync probe" in proc.stderr, proc.stderr[-3000:]
-    assert "--max-logprob-diff 0.001" in proc.stderr
+    stderr = runs["off_resumed_bf16"]
+    assert "step 2: the engines' and the trainer's token log-probs (the sync probe" in stderr, stderr[-3000:]
+    assert "--max-logprob-diff 0.001" in stderr

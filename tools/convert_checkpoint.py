@@ -19,6 +19,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -150,7 +151,8 @@ def hf_to_mcore(args) -> None:
 def mcore_to_hf(args) -> None:
     from megatron_pacs.mcore.model import build_gpt_model
     from megatron_pacs.mcore.model_checkpoint import load_model_checkpoint, read_checkpoint_metadata, save_hf_checkpoint
-    from megatron_pacs.mcore.weights import export_hf_weights, hf_state_dict_shapes
+    from megatron_pacs.mcore.weights import export_hf_weights
+    from megatron_pacs.utils.hf_checkpoint import hf_state_dict_shapes
 
     ckpt = resolve_load(args.load, args.ckpt_step)
     meta = read_checkpoint_metadata(ckpt)
@@ -175,6 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         _check_output(args.out, args.force)
         if args.command == "mcore-to-hf":
             args.load, args.ckpt_step = str(resolve_load(args.load, args.ckpt_step)), None
+        elif "RANK" not in os.environ:  # the launcher: a bad folder is refused before any rank starts
+            from transformers import AutoConfig
+
+            from megatron_pacs.utils.hf_checkpoint import check_hf_checkpoint
+
+            try:
+                hf_config = AutoConfig.from_pretrained(args.hf_dir)
+            except OSError as e:
+                raise ValueError(f"--hf-dir: {e}") from None
+            check_hf_checkpoint(args.hf_dir, hf_config)
     except ValueError as e:
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2

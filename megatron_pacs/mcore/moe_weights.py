@@ -8,8 +8,8 @@ bridge here extends the dense Qwen3 mapping (attention, norms, embeddings) with 
 tensor parallelism (expert tensor parallelism is 1): every TP rank of an EP rank holds its experts whole.
 
 Hugging Face checkpoints store each expert separately (``model.layers.{L}.mlp.experts.{i}.gate_proj.weight``),
-while transformers 5 fuses them in memory (``experts.gate_up_proj``): :func:`moe_checkpoint_shapes` gives the
-checkpoint's names, not the in-memory ones.
+while transformers 5 fuses them in memory (``experts.gate_up_proj``): the checkpoint's names come from
+:func:`megatron_pacs.utils.hf_checkpoint.hf_state_dict_shapes`, not from the in-memory model.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_pacs.mcore.parallel import ParallelGroups
 
-__all__ = ["EXPERT_NAME", "expert_bridge", "gather_experts", "moe_checkpoint_shapes"]
+__all__ = ["EXPERT_NAME", "expert_bridge", "gather_experts"]
 
 EXPERT_NAME = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 """A local-spec expert weight: group 1 is the rank's local expert index, group 2 the layer (1: gate+up, 2: down)."""
@@ -35,25 +35,6 @@ _HF_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\.(?:gate|u
 def _whole_on_every_tp_rank(mcore_name: str) -> bool:
     """The router and the experts: not split over tensor parallelism (expert tensor parallelism is 1)."""
     return bool(EXPERT_NAME.search(mcore_name)) or mcore_name.endswith(_ROUTER)
-
-
-def moe_checkpoint_shapes(hf_config: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """``shapes`` of an instantiated HF Qwen3-MoE with each layer's fused experts replaced by the per-expert tensors
-    a ``save_pretrained`` checkpoint holds."""
-    out = {}
-    for name, shape in shapes.items():
-        if name.endswith(".mlp.experts.gate_up_proj"):  # [E, 2 I, H]
-            prefix = name[: -len("gate_up_proj")]
-            for i in range(shape[0]):
-                out[f"{prefix}{i}.gate_proj.weight"] = (shape[1] // 2, shape[2])
-                out[f"{prefix}{i}.up_proj.weight"] = (shape[1] // 2, shape[2])
-        elif name.endswith(".mlp.experts.down_proj"):  # [E, H, I]
-            prefix = name[: -len("down_proj")]
-            for i in range(shape[0]):
-                out[f"{prefix}{i}.down_proj.weight"] = (shape[1], shape[2])
-        else:
-            out[name] = shape
-    return out
 
 
 def gather_experts(

@@ -13,7 +13,6 @@ each rank reads its own, see :mod:`megatron_pacs.mcore.moe_weights`). Export is 
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +23,14 @@ from mbridge.models.qwen2 import Qwen2Bridge
 from mbridge.models.qwen3 import Qwen3Bridge
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
-from megatron_pacs.mcore.moe_weights import expert_bridge, gather_experts, moe_checkpoint_shapes
+from megatron_pacs.mcore.moe_weights import expert_bridge, gather_experts
 from megatron_pacs.mcore.parallel import ParallelGroups
+from megatron_pacs.utils.hf_checkpoint import check_hf_checkpoint
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["export_hf_weights", "hf_state_dict_shapes", "load_hf_weights", "make_bridge"]
+__all__ = ["export_hf_weights", "load_hf_weights", "make_bridge"]
 
 _LOCAL_SPEC_NAMES = {
     "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
@@ -91,52 +91,6 @@ def make_bridge(hf_config: Any, groups: ParallelGroups, dtype: torch.dtype = tor
     return _BRIDGES[model_type](hf_config, dtype=dtype, parallel_states=_parallel_states(groups))
 
 
-def _check_checkpoint(hf_dir: str, expected: dict[str, tuple[int, ...]]) -> None:
-    """Fail with the missing or misshaped tensor's name before touching the model."""
-    import json
-
-    from safetensors import safe_open
-
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{hf_dir} holds no model.safetensors or model.safetensors.index.json")
-    present: dict[str, tuple[int, ...]] = {}
-    for name in files:
-        path = os.path.join(hf_dir, name)
-        if not os.path.isfile(path):
-            raise ValueError(f"{hf_dir}: the index names {name}, which is missing")
-        try:
-            with safe_open(path, "pt") as f:
-                present.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise ValueError(f"{path} is not a readable safetensors file (truncated?): {e}") from None
-    missing = sorted(set(expected) - set(present))
-    if missing:
-        raise ValueError(f"{hf_dir} is missing {len(missing)} tensors, first {missing[:3]}")
-    for key, shape in expected.items():
-        if present[key] != shape:
-            raise ValueError(f"{hf_dir}: tensor {key} has shape {present[key]}, the config implies {shape}")
-
-
-def hf_state_dict_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of the tensors a Hugging Face checkpoint of this config holds (no ``lm_head`` when tied)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if getattr(hf_config, "tie_word_embeddings", False):
-        shapes.pop("lm_head.weight", None)
-    if getattr(hf_config, "model_type", None) == "qwen3_moe":
-        shapes = moe_checkpoint_shapes(hf_config, shapes)
-    return shapes
-
-
 def load_hf_weights(models: Sequence[MegatronModule], hf_dir: str, groups: ParallelGroups, hf_config: Any) -> None:
     """Load a Hugging Face safetensors checkpoint into this rank's model chunks, exactly.
 
@@ -149,7 +103,7 @@ def load_hf_weights(models: Sequence[MegatronModule], hf_dir: str, groups: Paral
     Raises:
         ValueError: naming the missing tensor, or the parameter whose shape differs from the checkpoint's.
     """
-    _check_checkpoint(hf_dir, hf_state_dict_shapes(hf_config))
+    check_hf_checkpoint(hf_dir, hf_config)
     bridge = make_bridge(hf_config, groups, dtype=models[0].config.params_dtype)
     with cuda_to_cpu():
         try:

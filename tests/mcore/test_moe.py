@@ -240,7 +240,8 @@ def test_moe_weights_round_trip_bitwise_at_ep1_and_checkpoint_names(tmp_path):
 
     from megatron_pacs.mcore.model import build_gpt_model
     from megatron_pacs.mcore.parallel import init_parallel
-    from megatron_pacs.mcore.weights import export_hf_weights, hf_state_dict_shapes, load_hf_weights
+    from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
+    from megatron_pacs.utils.hf_checkpoint import hf_state_dict_shapes
 
     groups = init_parallel(ParallelConfig())
     build_tiny_model(str(tmp_path / "m"), tiny_hf_config("qwen3_moe", layers=2), seed=1, scale=3.0)
