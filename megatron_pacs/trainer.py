@@ -51,6 +51,7 @@ from megatron_pacs.sources import (
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.heartbeat import Heartbeat
 from megatron_pacs.utils.logging import get_logger
+from megatron_pacs.utils.seeding import use_deterministic_kernels
 from megatron_pacs.utils.sinks import MetricsWriter
 from megatron_pacs.utils.stacks import StackDumps
 from megatron_pacs.utils.timing import PhaseTimer
@@ -90,6 +91,8 @@ class Trainer:
         self.stacks = StackDumps(Path(cfg.run.log_dir) / "stacks", rank=int(os.environ.get("RANK", "0")))
         self.stacks.install()
         self.writer: MetricsWriter | None = None
+        if cfg.model.deterministic_mode:  # before the first CUDA kernel and NCCL's communicator
+            log.info("--deterministic-mode: deterministic kernels only (%s)", use_deterministic_kernels() or "env set")
         self.groups = init_parallel(cfg.parallel, seed=cfg.run.seed)
         self.rank = dist.get_rank()
         # from here on a rank that stops beating ends every other rank within --heartbeat-timeout-seconds

@@ -65,6 +65,7 @@ class Actor:
             spec=model.transformer_impl,
             fusions=model.fusions,
             calculate_per_token_loss=True,
+            deterministic_mode=model.deterministic_mode,
             **(model.fp8 or {}),
             **model.moe,
         )

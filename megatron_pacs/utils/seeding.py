@@ -7,9 +7,20 @@ epoch 1 is seed s+1 at epoch 0, so a seed sweep replays shifted copies of one da
 
 from __future__ import annotations
 
-import numpy as np
+import os
 
-__all__ = ["LOADER_STREAM", "SAMPLING_STREAM", "SYNTHETIC_STREAM", "derive_seed", "seed_sequence"]
+import numpy as np
+import torch
+
+__all__ = [
+    "DETERMINISTIC_ENV",
+    "LOADER_STREAM",
+    "SAMPLING_STREAM",
+    "SYNTHETIC_STREAM",
+    "derive_seed",
+    "seed_sequence",
+    "use_deterministic_kernels",
+]
 
 LOADER_STREAM = 0
 """Domain of the prompt loader's per-epoch permutations: keys ``(epoch,)``."""
@@ -45,3 +56,26 @@ def derive_seed(seed: int, domain: int, *keys: int) -> int:
     """An integer seed (``0 <= s < 2**62``) for the independent stream ``(seed, domain, *keys)``."""
     lo, hi = seed_sequence(seed, domain, *keys).generate_state(2, np.uint32)
     return ((int(hi) << 32) | int(lo)) & ((1 << _SEED_BITS) - 1)
+
+
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+"""What ``--deterministic-mode`` sets in a rank's environment where the launch did not: cuBLAS's fixed workspace
+(without it ``torch.use_deterministic_algorithms`` refuses a CUDA GEMM) and one NCCL all-reduce algorithm (Megatron-LM
+asks for one of Tree or Ring; NCCL otherwise picks per message size and topology, and sums in a different order)."""
+
+
+def use_deterministic_kernels() -> dict[str, str]:
+    """``--deterministic-mode``: from here on, this process runs deterministic kernels only.
+
+    ``torch.use_deterministic_algorithms(True)``: an op without a deterministic form raises instead of running (e.g.
+    attention's backward on CUDA then takes FlashAttention's deterministic path instead of accumulating dQ with
+    atomics), plus ``DETERMINISTIC_ENV`` where unset. Call it before the process's first CUDA kernel and its process
+    group. On the CPU the run's bits are already repeatable (tests/conftest.py pins the vector kernels).
+
+    Returns:
+        The environment variables it set (name -> value), for the log.
+    """
+    added = {k: v for k, v in DETERMINISTIC_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    torch.use_deterministic_algorithms(True)
+    return added
