@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SYNTHETIC = ["--rollout-source", "synthetic", "--synthetic-reward-rate", "0.5", "--micro-batch-size", "4"]
 SYNTHETIC += ["--pacs-score-reference", "ref", "--ref-reset-interval", "2", "--kl-coef", "0.01"]
+SYNTHETIC += ["--deterministic-mode"]  # as tools/gpu_check.py runs it on a GPU (the CPU is deterministic either way)
 
 
 def prepare(root: Path) -> Path:

@@ -3,9 +3,9 @@
 format the report reads, pytest's JUnit results per test, and the refusal on a machine without CUDA."""
 
 import copy
-import os
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path

@@ -1,11 +1,22 @@
 """utils.seeding: streams derived from (seed, domain, keys) are independent; addition-derived seeds alias."""
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from megatron_pacs.utils.seeding import LOADER_STREAM, SAMPLING_STREAM, derive_seed, seed_sequence
+from megatron_pacs.config import parse_config
+from megatron_pacs.utils.seeding import (
+    DETERMINISTIC_ENV,
+    LOADER_STREAM,
+    SAMPLING_STREAM,
+    derive_seed,
+    seed_sequence,
+)
 
 
 def _windows_overlap(bases: dict, width: int) -> list:
@@ -42,3 +53,24 @@ def test_stream_is_numpys_seed_sequence():
 def test_negative_seed_is_refused_with_the_flag():
     with pytest.raises(ValueError, match="--seed -1"):
         derive_seed(-1, SAMPLING_STREAM, 0)
+
+
+def test_deterministic_mode_turns_on_deterministic_kernels_and_keeps_the_launchs_settings():
+    """``--deterministic-mode`` in a fresh process: torch's deterministic algorithms on, cuBLAS's workspace and
+    NCCL's algorithm set where the launch did not set them, a launch's own value kept (the whole run with the flag:
+    tests/sources/test_synthetic_run.py)."""
+    code = (
+        "import json, os, torch\n"
+        "from megatron_pacs.utils.seeding import use_deterministic_kernels\n"
+        "added = use_deterministic_kernels()\n"
+        "print(json.dumps([added, torch.are_deterministic_algorithms_enabled(), os.environ['NCCL_ALGO']]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in DETERMINISTIC_ENV}
+    env["NCCL_ALGO"] = "Tree"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    added, enabled, algo = json.loads(out.stdout.splitlines()[-1])
+    assert added == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} and enabled and algo == "Tree"
+    cfg = parse_config(["--hf-model", "m", "--train-data", "d", "--deterministic-mode"])
+    assert cfg.model.deterministic_mode
+    assert not parse_config(["--hf-model", "m", "--train-data", "d"]).model.deterministic_mode
