@@ -33,7 +33,6 @@ from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow
 from megatron_pacs.distribute import distribute_rollouts, send_stop
 from megatron_pacs.mcore.actor import Actor
-from megatron_pacs.mcore.optim import Trainable, reset_optimizer_state
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.overlap import Generated, RolloutProducer, overlap_metrics
@@ -42,9 +41,10 @@ from megatron_pacs.rollout.colocate import Colocation
 from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.sources import (
     DumpContext,
+    FleetSource,
     ReplaySource,
     RolloutSource,
-    SyntheticSource,
+    build_source,
     dump_rollouts,
     tokenizer_fingerprint,
 )
@@ -144,20 +144,10 @@ class Trainer:
         return Colocation(None, self.actor if r.offload_optimizer_during_rollout else None)
 
     def _start_source(self) -> None:
-        """Driver: the rollout source (``--rollout-source``; only the fleet's imports Ray, vLLM and math-verify),
-        and the producer that runs it now or, one step off, in the background."""
-        cfg, kind = self.cfg, self.cfg.source.rollout_source
-        if kind == "fleet":
-            from megatron_pacs.sources.fleet import FleetSource
-
-            fleet_source = FleetSource(cfg, self.tokenizer, str(self.log_dir))
-            self.fleet, self.scorer, self.source = fleet_source.fleet, fleet_source.scorer, fleet_source
-        elif kind == "replay":
-            assert self.replay is not None
-            self.source = self.replay
-        else:
-            vocab = min(self.dump_context.tokenizer_size, self.dump_context.vocab_size)
-            self.source = SyntheticSource(cfg, vocab)
+        """Driver: the rollout source, and the producer that runs it now or, one step off, in the background."""
+        self.source = build_source(self.cfg, self.tokenizer, str(self.log_dir), self.dump_context, self.replay)
+        if isinstance(self.source, FleetSource):
+            self.fleet, self.scorer = self.source.fleet, self.source.scorer
         self.producer = RolloutProducer(self.source.collect)
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -286,7 +276,7 @@ class Trainer:
         train = (train_started, time.perf_counter())
         check_logprob_bound(cfg.rollout.max_logprob_diff, metrics, step)
         if self.reference is not None:
-            metrics.update(self._maybe_reset_reference(step, metrics))
+            metrics.update(self._after_step_reference(step, metrics))
         self.updated = (step, position)  # the weights now hold this step (its sync to the engines may still fail)
         if self.driver and self.producer is not None and self.producer.in_flight:
             t0 = time.perf_counter()
@@ -344,22 +334,15 @@ class Trainer:
             full = gen.rollouts.batch if gen is not None else None
             return distribute_rollouts(full, self.cfg.batch, self.groups)
 
-    def _maybe_reset_reference(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
-        """At the end of every ``--ref-reset-interval``-th step: reference <- current policy (and Adam reset)."""
+    def _after_step_reference(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The reference's reset when due (:meth:`ReferencePolicy.after_step`) and its metrics."""
         assert self.reference is not None
-        every = self.cfg.reference.ref_reset_interval
-        if every and step % every == 0:
-            self.reference.reset_from(self.actor)
-            if self.cfg.reference.ref_reset_optimizer:
-                reset_optimizer_state(self._trainable(), self.cfg.reference.ref_reset_lr_warmup_steps)
-            log.info("step %d: reference reset to the current policy (reset #%d)", step, self.reference.resets)
-        elif self.driver and not every and self.cfg.loss.pacs_score_reference == "ref" and "pacs/score/max" in metrics:
+        cfg = self.cfg
+        never = not cfg.reference.ref_reset_interval and cfg.loss.pacs_score_reference == "ref"
+        if self.driver and never and "pacs/score/max" in metrics:
             # never reset: the score's range is the drift since the start (cfg.warnings)
             log.info("step %d: pacs/score in [%.3g, %.3g]", step, metrics["pacs/score/min"], metrics["pacs/score/max"])
-        out = {"ref/resets": float(self.reference.resets)}
-        if self.reference.offload:
-            out["perf/time/ref_onload"], self.reference.seconds_onload = self.reference.seconds_onload, 0.0
-        return out
+        return self.reference.after_step(step, self.actor, self.cfg.reference)
 
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's weights into every engine (all ranks take part in the export). Without a fleet the
@@ -411,10 +394,6 @@ class Trainer:
                 self.producer.done = resumed.pending_rollouts
             self.engine_version = resumed.step
         return resumed.step
-
-    def _trainable(self) -> Trainable:
-        assert self.actor.trainable is not None, "the trainer's actor always has an optimizer"
-        return self.actor.trainable
 
     # -- teardown ----------------------------------------------------------------------------------------------
 

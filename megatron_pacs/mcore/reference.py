@@ -19,11 +19,15 @@ import torch
 
 from megatron_pacs.algo.objectives import Logprobs
 from megatron_pacs.algo.tokens import MicroBatch
-from megatron_pacs.config import ModelConfig
+from megatron_pacs.config import ModelConfig, ReferenceConfig
 from megatron_pacs.mcore.actor import Actor, policy_logprobs
+from megatron_pacs.mcore.optim import reset_optimizer_state
 from megatron_pacs.mcore.parallel import ParallelGroups
+from megatron_pacs.utils.logging import get_logger
 
 __all__ = ["ReferencePolicy"]
+
+log = get_logger("reference")
 
 
 class ReferencePolicy:
@@ -126,3 +130,19 @@ class ReferencePolicy:
             dst.data.copy_(src.data)  # pinned host copies when offloaded (dst.data is the host tensor then)
         self.resets += 1
         self.equals_actor = True
+
+    def after_step(self, step: int, actor: Actor, cfg: ReferenceConfig) -> dict[str, float]:
+        """At the end of every ``--ref-reset-interval``-th step: reference <- ``actor``'s weights, and Adam's state
+        reset (``--ref-reset-optimizer``, with ``--ref-reset-lr-warmup-steps``). Returns the step's ``ref/``
+        metrics (and the offloaded reference's copy time)."""
+        every = cfg.ref_reset_interval
+        if every and step % every == 0:
+            self.reset_from(actor)
+            if cfg.ref_reset_optimizer:
+                assert actor.trainable is not None, "a reset's actor is the trained one"
+                reset_optimizer_state(actor.trainable, cfg.ref_reset_lr_warmup_steps)
+            log.info("step %d: reference reset to the current policy (reset #%d)", step, self.resets)
+        out = {"ref/resets": float(self.resets)}
+        if self.offload:
+            out["perf/time/ref_onload"], self.seconds_onload = self.seconds_onload, 0.0
+        return out

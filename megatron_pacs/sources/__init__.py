@@ -10,6 +10,11 @@ the ranks, the update, the weight export, checkpoints, metrics and dumps) is the
 - :class:`~megatron_pacs.sources.synthetic.SyntheticSource`: seeded random sequences, for the training phase alone.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_pacs.config import TrainConfig
 from megatron_pacs.sources.base import RolloutSource, StepRollouts, rollout_metrics
 from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, load_dump, tokenizer_fingerprint
 from megatron_pacs.sources.fleet import FleetSource, collect_rollouts
@@ -23,9 +28,31 @@ __all__ = [
     "RolloutSource",
     "StepRollouts",
     "SyntheticSource",
+    "build_source",
     "collect_rollouts",
     "dump_rollouts",
     "load_dump",
     "rollout_metrics",
     "tokenizer_fingerprint",
 ]
+
+
+def build_source(
+    cfg: TrainConfig, tokenizer: Any, log_dir: str, context: DumpContext, replay: ReplaySource | None
+) -> RolloutSource:
+    """The driver's rollout source for ``--rollout-source`` (only the fleet's imports Ray, vLLM and math-verify).
+
+    Args:
+        cfg: The run's configuration.
+        tokenizer: The actor's HF tokenizer (the fleet's prompts).
+        log_dir: ``--log-dir`` (the engines' logs).
+        context: The run's tokenizer and vocabulary facts (the synthetic tokens stay within both).
+        replay: The replay source, built and checked on every rank before anything else (``replay`` only).
+    """
+    kind = cfg.source.rollout_source
+    if kind == "fleet":
+        return FleetSource(cfg, tokenizer, log_dir)
+    if kind == "replay":
+        assert replay is not None, "the replay source is built before the models"
+        return replay
+    return SyntheticSource(cfg, min(context.tokenizer_size, context.vocab_size))
