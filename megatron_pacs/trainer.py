@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,7 @@ from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.overlap import Generated, RolloutProducer, overlap_metrics
 from megatron_pacs.rl_step import update_policy
 from megatron_pacs.rollout.colocate import Colocation
-from megatron_pacs.rollout.lost import RolloutClusterLost
+from megatron_pacs.rollout.lost import RolloutClusterLost, stopped_with_the_job
 from megatron_pacs.sources import (
     DumpContext,
     FleetSource,
@@ -311,19 +311,10 @@ class Trainer:
             dump_rollouts(cfg.run, step, gen.rollouts, self.dump_context)
         return metrics
 
-    @contextlib.contextmanager
-    def _rollout_side(self) -> Iterator[None]:
-        """Around the driver's calls to the rollout side: once the exit signal has come, a failure there is taken
-        for the rollout cluster's own stop (a scheduler signals every step of the job) and raised as
-        :class:`RolloutClusterLost`, which :meth:`fit` turns into a clean stop after saving the last update."""
-        try:
-            yield
-        except RolloutClusterLost:
-            raise
-        except Exception as exc:
-            if not self.driver or self.exit_signal is None or self.exit_signal.received_at is None:
-                raise
-            raise RolloutClusterLost(f"the rollout side failed after the exit signal: {exc!r}"[:500]) from exc
+    def _rollout_side(self) -> contextlib.AbstractContextManager[None]:
+        """The driver's calls to the rollout side: after the exit signal, their failure is the job's stop."""
+        signal = self.exit_signal if self.driver else None
+        return stopped_with_the_job(lambda: signal is not None and signal.received_at is not None)
 
     def _distribute(self, gen: Generated | None) -> RolloutBatch:
         """Every rank's data-parallel share of the driver's rollouts (collective; tensors, not pickles)."""

@@ -9,7 +9,10 @@ them. Every rank then saves the last step whose update the weights hold if it ha
 
 from __future__ import annotations
 
-__all__ = ["FOLLOWER_LINE", "RolloutClusterLost", "lost_line"]
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+__all__ = ["FOLLOWER_LINE", "RolloutClusterLost", "lost_line", "stopped_with_the_job"]
 
 FOLLOWER_LINE = "stopped with rank 0, which lost the rollout cluster (its line names the address and the flag)"
 """What a rank other than 0 says when the driver's stop reaches it."""
@@ -33,3 +36,23 @@ def lost_line(address: str, seconds: float, waited: float) -> str:
         f"(--rollout-cluster-reconnect-seconds; waited {waited:.0f} s): every rank saved the last completed step; "
         "start the rollout cluster again, then the same command resumes (or raise the flag)"
     )
+
+
+@contextmanager
+def stopped_with_the_job(signalled: Callable[[], bool]) -> Iterator[None]:
+    """Around the driver's calls to the rollout side: when the exit signal has come by the time of a failure there
+    (``signalled()``, asked then: the signal usually arrives during the call), the failure is taken for the rollout
+    cluster's own stop (a scheduler signals every step of the job, a hetjob's Ray cluster too) and raised as
+    :class:`RolloutClusterLost`, which the loop turns into a clean stop after saving the last update.
+
+    Args:
+        signalled: Whether this process has received the exit signal (``--exit-signal-handler``) by now.
+    """
+    try:
+        yield
+    except RolloutClusterLost:
+        raise
+    except Exception as exc:
+        if not signalled():
+            raise
+        raise RolloutClusterLost(f"the rollout side failed after the exit signal: {exc!r}"[:500]) from exc
