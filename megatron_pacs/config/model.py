@@ -50,10 +50,11 @@ class ModelConfig:
     """Full activation recompute: keep only each layer's input, recompute the rest in the backward pass."""
     deterministic_mode: bool = False
     """Deterministic kernels only, as Megatron-LM's flag: ``torch.use_deterministic_algorithms(True)``, cuBLAS's
-    fixed workspace and NCCL's ring all-reduce unless the launch sets CUBLAS_WORKSPACE_CONFIG / NCCL_ALGO, and
-    Megatron's ``deterministic_mode``. On a GPU, repeating a run or resuming it then gives the same bits (without
-    it, attention's backward sums with atomics: a resumed run drifts from the continuous one in the last bits, and
-    Adam amplifies that); slower. The CPU is deterministic either way."""
+    fixed workspace, NCCL's ring all-reduce and Transformer Engine's deterministic kernels unless the launch sets
+    CUBLAS_WORKSPACE_CONFIG / NCCL_ALGO / NVTE_ALLOW_NONDETERMINISTIC_ALGO, and Megatron's ``deterministic_mode``.
+    On a GPU, repeating a run or resuming it then gives the same bits (without it, attention's backward sums with
+    atomics: a resumed run drifts from the continuous one in the last bits, and Adam amplifies that); slower. The
+    CPU is deterministic either way."""
     transformer_impl: str = "auto"
     """Layer implementation: auto (te on a GPU with Transformer Engine, sdpa on a GPU without it, local on CPU), te,
     sdpa or local."""

@@ -58,10 +58,11 @@ def derive_seed(seed: int, domain: int, *keys: int) -> int:
     return ((int(hi) << 32) | int(lo)) & ((1 << _SEED_BITS) - 1)
 
 
-DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 """What ``--deterministic-mode`` sets in a rank's environment where the launch did not: cuBLAS's fixed workspace
-(without it ``torch.use_deterministic_algorithms`` refuses a CUDA GEMM) and one NCCL all-reduce algorithm (Megatron-LM
-asks for one of Tree or Ring; NCCL otherwise picks per message size and topology, and sums in a different order)."""
+(without it ``torch.use_deterministic_algorithms`` refuses a CUDA GEMM), one NCCL all-reduce algorithm (Megatron-LM
+asks for one of Tree or Ring; NCCL otherwise picks per message size and topology, and sums in a different order) and
+Transformer Engine's deterministic kernels (Megatron's TE attention refuses ``deterministic_mode`` without them)."""
 
 
 def use_deterministic_kernels() -> dict[str, str]:

@@ -70,7 +70,8 @@ def test_deterministic_mode_turns_on_deterministic_kernels_and_keeps_the_launchs
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     added, enabled, algo = json.loads(out.stdout.splitlines()[-1])
-    assert added == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} and enabled and algo == "Tree"
+    assert added == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    assert enabled and algo == "Tree"
     cfg = parse_config(["--hf-model", "m", "--train-data", "d", "--deterministic-mode"])
     assert cfg.model.deterministic_mode
     assert not parse_config(["--hf-model", "m", "--train-data", "d"]).model.deterministic_mode
