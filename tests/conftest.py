@@ -252,13 +252,26 @@ def run_train(
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def refused_train(flags: list[str], *, log_dir: Path, cwd: Path) -> str:
+def half_engine_pins() -> dict[str, str]:
+    """:data:`PINNED_CPU_ENV` for a run whose engines compute in bfloat16: without the oneDNN cap on a processor with
+    AMX, which vLLM's half-precision CPU kernels then need (megatron_pacs/config/cpu_isa.py; the trainer refuses the
+    cap there). Such runs check a refusal at a ~1e-2 drift, not bits."""
+    import torch
+
+    pins = dict(PINNED_CPU_ENV)
+    if torch.cpu._is_amx_tile_supported():
+        del pins["ONEDNN_MAX_CPU_ISA"]
+    return pins
+
+
+def refused_train(flags: list[str], *, log_dir: Path, cwd: Path, pins: dict[str, str] = PINNED_CPU_ENV) -> str:
     """``python -m megatron_pacs.train FLAGS --log-dir LOG_DIR`` (one process) for a run that must stop with an
-    error: returns its stderr, and fails where it exited 0."""
+    error: returns its stderr, and fails where it exited 0. ``pins``: the CPU settings (:func:`half_engine_pins` for
+    bfloat16 engines)."""
     import os
     import sys
 
     cmd = [sys.executable, "-m", "megatron_pacs.train", *flags, "--log-dir", str(log_dir)]
-    proc = run_launch(cmd, timeout=900, env=dict(os.environ, **PINNED_CPU_ENV), cwd=cwd)
+    proc = run_launch(cmd, timeout=900, env=dict(os.environ, **pins), cwd=cwd)
     assert proc.returncode != 0, f"{log_dir.name} ran to its end:\n{proc.stderr[-3000:]}"
     return proc.stderr

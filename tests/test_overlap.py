@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, refused_train, run_train
+from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, half_engine_pins, refused_train, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -65,7 +65,7 @@ def _off_resumed_bf16(root: Path) -> str:
     flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
     flags += [*FROZEN[:2], "--micro-batch-size", "3", "--off-policy-steps", "1", "--train-iters", "3"]
     flags += ["--load", str(mid), "--rollout-dtype", "bfloat16", "--max-logprob-diff", "1e-3"]
-    return refused_train(flags, log_dir=root / "bound_resumed", cwd=root)
+    return refused_train(flags, log_dir=root / "bound_resumed", cwd=root, pins=half_engine_pins())
 
 
 def _launch(root: Path, name: str) -> dict[str, list[dict] | str]:

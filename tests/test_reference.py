@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, refused_train, run_train
+from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, half_engine_pins, refused_train, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -91,7 +91,7 @@ def _bf16_engines(prepared: tuple[Path, Path]) -> dict[str, str]:
     root, _ = prepared
     flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_RUN_FLAGS]
     flags += ["--train-iters", "1", "--max-logprob-diff", "1e-3", "--rollout-dtype", "bfloat16"]
-    return {"bf16_engines": refused_train(flags, log_dir=root / "bound", cwd=root)}
+    return {"bf16_engines": refused_train(flags, log_dir=root / "bound", cwd=root, pins=half_engine_pins())}
 
 
 # queued for the session (tests/launch_queue.py)

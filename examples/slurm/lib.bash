@@ -10,6 +10,8 @@
 #                               to its scheduling interval early or late, and the batch script still has to requeue
 #   STOP_DIR                    where each node's launcher leaves its clean-stop marker (a folder per job under
 #                               $SLURM_SUBMIT_DIR/slurm-stops; on the shared filesystem)
+#   MASTER_PORT                 the training ranks' rendezvous port (20000 + job id mod 20000: jobs sharing a node
+#                               do not collide)
 #   SRUN_EXTRA_ARGS             more srun flags for every step, e.g. a container's (examples/README.md, "Slurm")
 #   RAY_START_ARGS              more `ray start` flags for the rollout cluster's nodes (e.g. --temp-dir DIR)
 
@@ -91,11 +93,13 @@ run_training() {
     shift
     rm -rf "$STOP_DIR" # a stale marker from the previous start of this job
     mkdir -p "$STOP_DIR"
-    slurm_log "training on $nnodes node(s), MASTER_ADDR=$MASTER_ADDR"
+    # a port of this job's own: two jobs sharing a node (their ranks rendezvous there) would both take 6000
+    MASTER_PORT="${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
+    slurm_log "training on $nnodes node(s), MASTER_ADDR=$MASTER_ADDR, MASTER_PORT=$MASTER_PORT"
     # --kill-on-bad-exit: one failed node ends the step at once
     # shellcheck disable=SC2016 # expanded by the step's shell on each node
     srun --kill-on-bad-exit=1 --nodes "$nnodes" --ntasks "$nnodes" --ntasks-per-node 1 "${srun_flags[@]}" \
-        --export=ALL,NNODES="$nnodes",MASTER_ADDR="$MASTER_ADDR",STOP_DIR="$STOP_DIR" \
+        --export=ALL,NNODES="$nnodes",MASTER_ADDR="$MASTER_ADDR",MASTER_PORT="$MASTER_PORT",STOP_DIR="$STOP_DIR" \
         bash -c 'NODE_RANK="$SLURM_NODEID" MEGATRON_PACS_STOP_MARKER="$STOP_DIR/node$SLURM_NODEID.json" exec bash "$@"' \
         run_training "$@" --exit-signal-grace-seconds "$EXIT_SIGNAL_GRACE_SECONDS" || rc=$?
     markers=$(find "$STOP_DIR" -maxdepth 1 -name 'node*.json' | wc -l)

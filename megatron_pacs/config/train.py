@@ -12,6 +12,7 @@ from typing import Any
 
 from megatron_pacs.config.base import bad, is_set
 from megatron_pacs.config.batch import BatchConfig
+from megatron_pacs.config.cpu_isa import half_engine_refusal
 from megatron_pacs.config.loss import LossConfig
 from megatron_pacs.config.model import ModelConfig
 from megatron_pacs.config.optim import OptimConfig
@@ -172,7 +173,8 @@ class TrainConfig:
         return dp
 
     def _check_engine_memory_flags(self) -> None:
-        """Engine settings that the machine's kind (CUDA or not, as the fleet decides) would ignore."""
+        """Engine settings that the machine's kind (CUDA or not, as the fleet decides) would ignore, and CPU engines
+        in half precision that this process's environment would make abort (config/cpu_isa.py)."""
         r, cuda = self.rollout, _cuda_available()
         if cuda and is_set(r, "kv_cache_gb"):
             raise bad("kv_cache_gb", "sizes CPU engines' KV cache; GPU engines take --gpu-memory-utilization instead")
@@ -181,6 +183,10 @@ class TrainConfig:
         transport = r.weight_sync
         if transport == "auto":
             transport = "object_store" if not cuda else ("ipc" if r.colocate else "broadcast")
+        dtype = r.rollout_dtype if r.rollout_dtype != "auto" else ("bfloat16" if self.model.bf16 else "float32")
+        local = self.source.rollout_source == "fleet" and r.ray_address is None  # engines in this machine's env
+        if local and not cuda and (why := half_engine_refusal(dtype)):
+            raise ValueError(why)
         if r.keep_weights_for_restart is False and transport == "object_store":
             raise ValueError(
                 "--no-keep-weights-for-restart: the object-store transport keeps the last update anyway (the engines "

@@ -49,17 +49,28 @@ def _logs(d, *names: str) -> str:
 def test_preemption_stops_every_rank_at_a_step_boundary_saves_exits_0_and_resumes(deployment, continuous):
     """SIGTERM to every process on both training hosts (as Slurm sends before it kills) during step 2, with
     checkpoints only at the end (--save-interval 3): every rank stops after the same step, saves it, exits 0 within
-    the grace period, the engines are released; the same command then resumes and matches the continuous run."""
+    the grace period, the engines are released; the same command then resumes and matches the continuous run. The
+    engines are held (SIGSTOP) while the signal goes out, so that it lands before step 3: on an idle machine a tiny
+    step takes 0.35 s, and a run once finished step 2 between the poll that saw step 1 and the signal."""
     d = deployment
     d.start_trainers("pre", SAVE_INTERVAL="3")
     # Step 1 logged (no checkpoint before the end with --save-interval 3): preempt during step 2.
     deadline = time.monotonic() + 600
     while not any(r.get("step") == 1 for r in d.metrics("pre")) and time.monotonic() < deadline:
         assert all(p.poll() is None for p in d.trainers.values()), _logs(d, "pre-train0", "pre-train1")
-        time.sleep(0.5)
-    sent = time.monotonic()
-    for host in TRAIN_HOSTS:
-        d.cluster.signal_host(host, signal.SIGTERM)
+        time.sleep(0.1)
+    engines = [pid for pids in d.engine_pids().values() for pid in pids]
+    assert engines, d.engine_pids()
+    for pid in engines:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        sent = time.monotonic()
+        for host in TRAIN_HOSTS:
+            d.cluster.signal_host(host, signal.SIGTERM)
+    finally:
+        for pid in engines:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     codes = d.wait_trainers(timeout=90)
     took = time.monotonic() - sent
     logs = _logs(d, "pre-train0", "pre-train1")

@@ -88,7 +88,7 @@ def _text(d, name: str, host: str, offset: int) -> str:
 
 def test_lost_rollout_head_stops_cleanly_when_not_back_and_reconnects_when_back(deployment, continuous):
     """(b) Both rollout hosts killed once step 1 is logged (the loss is found in step 2's generation or, where that
-    was quicker than the kill, in its weight sync), not restarted (window 10 s): every rank saves the last completed
+    was quicker than the kill, in its weight sync), not restarted (window 5 s): every rank saves the last completed
     step (--save-interval 3: not checkpointed yet) and exits non-zero, rank 0 with one line naming the address and
     the flag. (a) The cluster started again, the same command (window 60 s) resumes; the head is killed again once the
     engines are ready (the loss is found in the next engine call: a weight sync or a generation) and restarted within
@@ -97,7 +97,7 @@ def test_lost_rollout_head_stops_cleanly_when_not_back_and_reconnects_when_back(
     d = deployment
     started = time.monotonic()
     # -- (b) not back within the window ---------------------------------------------------------------------------
-    flags = ("--rollout-cluster-reconnect-seconds", "10")
+    flags = ("--rollout-cluster-reconnect-seconds", "5")
     off = _offsets(d, "reco")
     d.start_trainers("reco", *flags, **GRACE)
     assert _wait_row(d, "reco", 1, 600), _text(d, "reco", "train0", off["train0"])[-6000:]
@@ -108,7 +108,7 @@ def test_lost_rollout_head_stops_cleanly_when_not_back_and_reconnects_when_back(
     seen = watch.since(killed)
     logs = {h: _text(d, "reco", h, off[h]) for h in TRAIN_HOSTS}
     assert codes["train0"] not in (0, None) and codes["train1"] not in (0, None), (codes, logs["train0"][-6000:])
-    line = f"error: the rollout cluster at {ADDRESS} was lost and did not come back within 10 s"
+    line = f"error: the rollout cluster at {ADDRESS} was lost and did not come back within 5 s"
     assert logs["train0"].count(line) == 1 and "(--rollout-cluster-reconnect-seconds;" in logs["train0"], logs[
         "train0"
     ][-6000:]

@@ -1,8 +1,10 @@
 """The tiny job under a real Slurm (tests/cluster/slurm.py): ``examples/slurm/tiny.sbatch`` on 2 nodes x 1 rank
 (gloo), trained on synthetic rollouts (``ROLLOUT_SOURCE=synthetic``: no Ray cluster). A plain run equals the same
-run launched directly; a run preempted with ``scancel --signal=TERM`` and one signalled by ``--signal=TERM@N``
-before its time limit save, requeue themselves, resume and complete; a too-short ``--signal`` margin is refused
-before any node works. Each fault's times are printed (``-s`` or ``--durations`` shows them).
+run launched directly; a run preempted with ``scancel --signal=TERM`` saves, requeues itself, resumes and completes
+equal to it; one signalled by ``--signal=TERM@N`` before its time limit saves and requeues itself; a too-short
+``--signal`` margin is refused before any node works. The three runs are submitted at once and run side by side
+(Slurm schedules them on 5 nodes), each followed by a thread, which saves about a minute of suite time over one
+after the other. Each fault's times are printed (``-s`` shows them).
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,12 +37,14 @@ TINY = ROOT / "examples" / "slurm" / "tiny.sbatch"
 VENV_BIN = Path(sys.executable).parent
 KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm")
 STEPS = "6"  # the plain and preempted runs: room to signal one mid-run (a tiny step takes ~0.4 s)
+NODES = [f"node{i}" for i in range(5)]
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
 @pytest.fixture(scope="module")
 def slurm(netns_ok, tmp_path_factory) -> Iterator[SlurmCluster]:  # noqa: F811
-    """Slurm on a controller and 2 node hosts; skipped where it cannot run (a failure under ``CI=true``)."""
+    """Slurm on a controller and 5 node hosts (the plain, preempted and time-limited jobs at once: 2 + 2 + 1);
+    skipped where it cannot run (a failure under ``CI=true``)."""
     why = slurm_unavailable()
     if why is not None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -45,8 +52,8 @@ def slurm(netns_ok, tmp_path_factory) -> Iterator[SlurmCluster]:  # noqa: F811
         pytest.skip(why)
     previous = signal.signal(signal.SIGTERM, _terminated)  # a SIGTERM to pytest still tears the cluster down
     try:
-        with SlurmCluster(["node0", "node1"], tmp_path_factory.mktemp("slurm")) as cluster:
-            print(f"\nslurm: controller and 2 idle nodes in {cluster.setup_seconds:.1f}s")
+        with SlurmCluster(NODES, tmp_path_factory.mktemp("slurm")) as cluster:
+            print(f"\nslurm: controller and {len(NODES)} idle nodes in {cluster.setup_seconds:.1f}s")
             assert cluster.setup_seconds <= 60
             yield cluster
     finally:
@@ -90,15 +97,6 @@ def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "ckpt" / f"iter_{step:07d}" / "hf" / "model.safetensors"))
 
 
-@dataclass
-class Plain:
-    """The plain sbatch run and the same run launched directly."""
-
-    run: Path
-    direct: Path
-    seconds: float
-
-
 def _submit(slurm: SlurmCluster, run: Path, *sbatch_args: str, **env: str) -> int:
     run.mkdir(parents=True, exist_ok=True)
     return slurm.sbatch("-o", str(run / "job.out"), *sbatch_args, str(TINY), "--save-hf", cwd=ROOT, **env)
@@ -109,15 +107,36 @@ def _job_out(run: Path) -> str:
     return path.read_text(errors="replace")[-8000:] if path.exists() else "(no job output)"
 
 
-@pytest.fixture(scope="module")
-def plain(slurm, cluster_setup, tmp_path_factory) -> Plain:  # noqa: F811
+def _poll(ready: Callable[[], bool], timeout: float, what: str, every: float = 0.25) -> float:
+    """Wait (bounded, ended early by :data:`_STOP`) until ``ready()``; returns when it became true (monotonic)."""
+    deadline = time.monotonic() + timeout
+    while not _STOP.is_set() and time.monotonic() < deadline:
+        if ready():
+            return time.monotonic()
+        time.sleep(every)
+    raise TimeoutError(f"{what}: not within {timeout:.0f}s" + (" (the module is ending)" if _STOP.is_set() else ""))
+
+
+#: Set when the module's jobs fixture ends: every scenario thread's wait gives up.
+_STOP = threading.Event()
+
+
+@dataclass
+class Plain:
+    """The plain sbatch run and the same run launched directly."""
+
+    run: Path
+    direct: Path
+    seconds: float
+
+
+def _plain(slurm: SlurmCluster, setup: Path, root: Path) -> Plain:
     """``sbatch tiny.sbatch`` to completion and, at the same time, the same job launched directly: 2 local ranks
     through ``python -m megatron_pacs.torchrun`` (examples/tiny_cluster.sh with NNODES=1, GPUS_PER_NODE=2)."""
-    root = tmp_path_factory.mktemp("plain")
     run, direct = root / "sbatch", root / "direct"
     started = time.monotonic()
-    job = _submit(slurm, run, **_env(cluster_setup, run))
-    env = dict(os.environ, **_env(cluster_setup, direct), NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()))
+    job = _submit(slurm, run, **_env(setup, run))
+    env = dict(os.environ, **_env(setup, direct), NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()))
     env.pop("GLOO_SOCKET_IFNAME")
     direct.mkdir()
     with open(direct / "out.log", "wb") as out:
@@ -128,19 +147,7 @@ def plain(slurm, cluster_setup, tmp_path_factory) -> Plain:  # noqa: F811
     fields = slurm.wait_state(job, FINISHED, timeout=240)
     seconds = time.monotonic() - started
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", (fields, _job_out(run))
-    print(f"\nplain run: sbatch to COMPLETED in {seconds:.1f}s (the direct run alongside)")
     return Plain(run, direct, seconds)
-
-
-def test_sbatch_runs_the_tiny_job_to_completion_equal_to_the_direct_launch(plain):
-    rows = _metrics(plain.run)
-    assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1))
-    assert rows == _metrics(plain.direct)
-    a, b = _weights(plain.run, int(STEPS)), _weights(plain.direct, int(STEPS))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    out = _job_out(plain.run)
-    assert "training finished" in out and "requeueing" not in out, out
-    assert not list((plain.run / "stops").glob("*.json"))
 
 
 def _follow(slurm: SlurmCluster, job: int, run: Path, timeout: float) -> dict:
@@ -148,7 +155,8 @@ def _follow(slurm: SlurmCluster, job: int, run: Path, timeout: float) -> dict:
     and finished; polls until the job finishes (bounded) and returns what it saw, with the metrics rows the first
     start had logged when the job was requeued (``first_rows``)."""
     started, seen = time.monotonic(), {}
-    while time.monotonic() - started < timeout:
+
+    def finished() -> bool:
         now = time.monotonic() - started
         early = [p for p in (run / "ckpt").glob("iter_*") if p.name != f"iter_{int(STEPS):07d}"]
         if "saved" not in seen and any((p / "megatron_pacs.json").exists() for p in early):
@@ -161,15 +169,110 @@ def _follow(slurm: SlurmCluster, job: int, run: Path, timeout: float) -> dict:
                 seen["first_rows"] = _metrics(run)
             if fields.get("JobState") in ("RUNNING", *FINISHED):
                 seen.setdefault("running again", now)
-        if fields.get("JobState") in FINISHED:
-            seen.setdefault("finished", now)
-            # a job that ended without the requeue: give the batch script's requeue a few seconds to show
-            if restarts >= 1 or now - seen["finished"] > 5:
-                seen["finished"] = now
-                seen["state"] = fields["JobState"]  # type: ignore[assignment]
-                return seen
-        time.sleep(0.2)
-    raise TimeoutError(f"job {job} did not finish in {timeout:.0f}s: {seen}\n{_job_out(run)}\n{slurm.logs()}")
+        if fields.get("JobState") not in FINISHED:
+            return False
+        seen.setdefault("finished", now)
+        # a job that ended without the requeue: give the batch script's requeue a few seconds to show
+        if restarts >= 1 or now - seen["finished"] > 5:
+            seen["finished"], seen["state"] = now, fields["JobState"]
+            return True
+        return False
+
+    try:
+        _poll(finished, timeout, f"job {job} finished", every=0.5)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}: {seen}\n{_job_out(run)}\n{slurm.logs()}") from None
+    return seen
+
+
+def _preempted(slurm: SlurmCluster, setup: Path, run: Path) -> dict:
+    """``scancel --signal=TERM`` (the step processes only, as a preemption's warning) once step 1 is logged, with
+    step 2 in progress; what :func:`_follow` saw from then on."""
+    job = _submit(slurm, run, **_env(setup, run))
+
+    def step_1_logged() -> bool:
+        assert not (run / "job.out").exists() or "training finished" not in _job_out(run), _job_out(run)
+        return bool(_metrics(run))
+
+    _poll(step_1_logged, 300, "step 1 of the job to preempt", every=0.1)
+    slurm.run("scancel", "--signal=TERM", str(job))
+    return _follow(slurm, job, run, timeout=300)
+
+
+def _run_time(fields: dict[str, str]) -> int:
+    """``scontrol show job``'s RunTime (``[D-]HH:MM:SS``) in seconds."""
+    days, _, hms = fields["RunTime"].rpartition("-")
+    h, m, s = (int(x) for x in hms.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def _time_limited(slurm: SlurmCluster, setup: Path, run: Path) -> dict:
+    """A run too long for its limit, one node, saving every 20 steps, with ``--signal=TERM@100`` (grace 8 s + margin
+    7 s): submitted with ``--time=10``; once its first periodic save is complete, ``scontrol update TimeLimit``
+    shortens the limit to leave it 70-130 s, within the N + 30 s of Slurm's next time-limit check (every 30 s), so
+    the warning comes within 30 s rather than minutes into the run. The requeued job is cancelled (the resume after
+    a requeue is the preemption test's). The periodic save before the signal matters: Slurm's SIGTERM also reached
+    the queue server of Megatron's checkpoint writer, started at the first save, and the stop's save failed with a
+    broken pipe (a clean-clone run's failure)."""
+    env = dict(TRAIN_ITERS="2000", SAVE_INTERVAL="20", EXIT_SIGNAL_GRACE_SECONDS="8", SIGNAL_MARGIN_SECONDS="7")
+    job = _submit(slurm, run, "--time=10", "--nodes=1", **_env(setup, run, **env), SBATCH_SIGNAL="TERM@100")
+    first_save = run / "ckpt" / "iter_0000020" / "megatron_pacs.json"
+
+    def saved() -> bool:
+        assert slurm.job(job).get("JobState") not in FINISHED, _job_out(run)
+        return first_save.exists()
+
+    _poll(saved, 300, "the time-limited job's first periodic save", every=0.5)
+    elapsed = _run_time(slurm.job(job))
+    limit = (elapsed + 130) // 60
+    slurm.run("scontrol", "update", f"JobId={job}", f"TimeLimit={limit}")
+    shortened = time.monotonic()
+    requeued = _poll(lambda: int(slurm.job(job).get("Restarts", "0")) >= 1, 120, "the requeue", every=0.5)
+    slurm.run("scancel", str(job))  # pending again: the resume is not this test's
+    return {"job": job, "elapsed": elapsed, "limit": limit, "requeued": requeued - shortened}
+
+
+@dataclass
+class Jobs:
+    """The scenarios' folders (``root / "plain"``, ``"pre"``, ``"limit"``) and their threads' results."""
+
+    root: Path
+    futures: dict[str, Future]
+
+    def result(self, name: str) -> Any:
+        return self.futures[name].result(timeout=600)
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm, cluster_setup, tmp_path_factory) -> Iterator[Jobs]:  # noqa: F811
+    """The plain run (and its direct launch), the preempted run and the time-limited run, submitted at once: Slurm
+    runs them side by side on the 5 nodes (2 + 2 + 1), each followed by its own thread; the tests check them."""
+    root = tmp_path_factory.mktemp("jobs")
+    _STOP.clear()
+    pool = ThreadPoolExecutor(3, thread_name_prefix="slurm-job")
+    try:
+        futures = {
+            "time_limited": pool.submit(_time_limited, slurm, cluster_setup, root / "limit"),
+            "preempted": pool.submit(_preempted, slurm, cluster_setup, root / "pre"),
+            "plain": pool.submit(_plain, slurm, cluster_setup, root / "plain"),
+        }
+        yield Jobs(root, futures)
+    finally:
+        _STOP.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_sbatch_runs_the_tiny_job_to_completion_equal_to_the_direct_launch(jobs):
+    plain = jobs.result("plain")
+    print(f"\nplain run: sbatch to COMPLETED in {plain.seconds:.1f}s (the direct run alongside)")
+    rows = _metrics(plain.run)
+    assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1))
+    assert rows == _metrics(plain.direct)
+    a, b = _weights(plain.run, int(STEPS)), _weights(plain.direct, int(STEPS))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    out = _job_out(plain.run)
+    assert "training finished" in out and "requeueing" not in out, out
+    assert not list((plain.run / "stops").glob("*.json"))
 
 
 def _stopped_step(run: Path, last: int = int(STEPS)) -> int:
@@ -178,7 +281,8 @@ def _stopped_step(run: Path, last: int = int(STEPS)) -> int:
     return json.loads((early[0] / "megatron_pacs.json").read_text())["step"]
 
 
-def _assert_resumed_equal(run: Path, plain: Plain, seen: dict, what: str) -> int:
+def test_scancel_signal_term_mid_step_saves_requeues_resumes_and_equals_the_plain_run(jobs):
+    seen, plain, run = jobs.result("preempted"), jobs.result("plain"), jobs.root / "pre"
     out = _job_out(run)
     assert seen.get("state") == "COMPLETED", (seen, out)
     stopped = _stopped_step(run)
@@ -194,60 +298,16 @@ def _assert_resumed_equal(run: Path, plain: Plain, seen: dict, what: str) -> int
     a, b = _weights(run, int(STEPS)), _weights(plain.run, int(STEPS))
     assert all(torch.equal(a[k], b[k]) for k in a)
     times = ", ".join(f"{k} {v:.1f}s" for k, v in seen.items() if isinstance(v, float))
-    print(f"\n{what}: stopped after step {stopped}; from the signal: {times}")
-    return stopped
+    print(f"\npreemption (scancel --signal=TERM): stopped after step {stopped}; from the signal: {times}")
 
 
-def test_scancel_signal_term_mid_step_saves_requeues_resumes_and_equals_the_plain_run(
-    slurm,
-    cluster_setup,  # noqa: F811
-    plain,
-    tmp_path,
-):
-    run = tmp_path / "pre"
-    job = _submit(slurm, run, **_env(cluster_setup, run))
-    deadline = time.monotonic() + 180
-    while not _metrics(run) and time.monotonic() < deadline:  # step 1 logged: step 2 is in progress
-        assert slurm.job(job).get("JobState") not in FINISHED, _job_out(run)
-        time.sleep(0.1)
-    assert _metrics(run), _job_out(run)
-    slurm.run("scancel", "--signal=TERM", str(job))  # the step processes only, as a preemption's warning
-    seen = _follow(slurm, job, run, timeout=240)
-    _assert_resumed_equal(run, plain, seen, "preemption (scancel --signal=TERM)")
-
-
-def test_signal_term_before_the_time_limit_saves_and_requeues(slurm, cluster_setup, tmp_path):  # noqa: F811
-    """``--time=3`` with ``--signal=TERM@100`` (grace 8 s + margin 7 s), on one node, in the middle of a run too long
-    for the limit, saving every 20 steps: the rank stops after the step in progress, saves it, and the job requeues
-    itself (the resume after a requeue is the preemption test's; here the requeued job is cancelled). The periodic
-    saves before the signal matter: Slurm's SIGTERM also reached the queue server of Megatron's checkpoint writer,
-    started at the first save, and the stop's save failed with a broken pipe (a clean-clone run's failure). Slurm 22.05
-    sends the signal N to N + 30 s before the limit when its controller's periodic check runs on time, here 50-80 s
-    after the start: after the trainer has started and installed its handler even on a loaded machine (a SIGTERM
-    before that fails the run). The 100 s left to the limit absorb a late check. About 60-90 s."""
-    run = tmp_path / "limit"
-    env = _env(
-        cluster_setup,
-        run,
-        TRAIN_ITERS="2000",
-        SAVE_INTERVAL="20",
-        EXIT_SIGNAL_GRACE_SECONDS="8",
-        SIGNAL_MARGIN_SECONDS="7",
-    )
-    # one node: the signal's path is the same, at half the CPU of a wait that Slurm's schedule makes long
-    job = _submit(slurm, run, "--time=3", "--nodes=1", **env, SBATCH_SIGNAL="TERM@100")
-    started = time.monotonic()
-    running = None
-    while int(slurm.job(job).get("Restarts", "0")) < 1 and time.monotonic() - started < 210:
-        fields = slurm.job(job)
-        assert fields.get("JobState") not in FINISHED, _job_out(run)
-        if running is None and fields.get("JobState") == "RUNNING":
-            running = time.monotonic()
-        time.sleep(0.2)
-    requeued = time.monotonic()
-    slurm.run("scancel", str(job))  # pending again: the resume is not this test's
+def test_signal_term_before_the_time_limit_saves_and_requeues(slurm, jobs):
+    """The time-limited run (:func:`_time_limited`): Slurm's warning before the limit stops the rank after the step
+    in progress, it saves that step, and the job requeues itself, not killed at the limit."""
+    limited, run = jobs.result("time_limited"), jobs.root / "limit"
+    job = limited["job"]
     out = _job_out(run)
-    assert running is not None and int(slurm.job(job).get("Restarts", "0")) == 1, out
+    assert int(slurm.job(job).get("Restarts", "0")) == 1, out
     assert "exit signal: got SIGTERM; stopping after the step in progress (grace period 8s)" in out, out
     stopped = int((run / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
     meta = json.loads((run / "ckpt" / f"iter_{stopped:07d}" / "megatron_pacs.json").read_text())
@@ -256,8 +316,8 @@ def test_signal_term_before_the_time_limit_saves_and_requeues(slurm, cluster_set
     assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, out
     assert "CANCELLED" not in slurm.job(job).get("Reason", "") and "DUE TO TIME LIMIT" not in out, out
     print(
-        f"\ntime limit (--time=3, --signal=TERM@100): stopped after step {stopped}; requeued "
-        f"{requeued - running:.1f}s after the job started"
+        f"\ntime limit (--signal=TERM@100; --time=10, then {limited['limit']} min at {limited['elapsed']} s): "
+        f"stopped after step {stopped}; requeued {limited['requeued']:.1f}s after the limit was shortened"
     )
 
 

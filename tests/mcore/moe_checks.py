@@ -1,10 +1,12 @@
-"""One torchrun rank of the MoE checks (tests/mcore/test_moe.py): a tiny Qwen3-MoE at ``--tp`` / ``--ep`` with
-``--dispatcher`` on gloo, against Hugging Face on the same weights.
+"""One torchrun rank of the MoE checks (tests/mcore/test_moe.py): a tiny Qwen3-MoE at each of ``--runs`` (TP, EP,
+token dispatcher, ``norm_topk_prob``) on gloo, against Hugging Face on the same weights. The layouts run one after
+the other in the same two processes (Megatron's groups made anew for each): one launch instead of one per layout.
 
 Each data-parallel rank takes its share of four sequences; their token log-probs (vocab-parallel at TP > 1) are
 compared with HF's, and after a backward of their sum (gradients summed over the data-parallel ranks, experts over
 the ranks that hold the same experts) the router's and every expert's gradients are compared with HF's on all four.
-Then the weights are exported and compared with the checkpoint, bit for bit. Writes ``--out`` (rank 0).
+Then the weights are exported and compared with the checkpoint, bit for bit. Rank 0 writes each layout's results
+to ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -118,24 +120,18 @@ def _rl_steps(model_dir: str, groups) -> list[float]:
     return [*out, (dense + experts).item()]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, required=True)
-    ap.add_argument("--dispatcher", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+def check(model_dir: str, tp: int, ep: int, dispatcher: str, out: Path) -> None:
+    """One layout's checks on ``model_dir``; rank 0 writes them to ``out``."""
     layout = ParallelConfig(
-        tensor_model_parallel_size=args.tp,
-        sequence_parallel=args.tp > 1,
-        expert_model_parallel_size=args.ep,
-        moe_token_dispatcher_type=args.dispatcher,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type=dispatcher,
     )
     groups = init_parallel(layout)
-    hf_config = AutoConfig.from_pretrained(args.model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
     models = build_gpt_model(hf_config, groups)
-    load_hf_weights(models, args.model, groups, hf_config)
+    load_hf_weights(models, model_dir, groups, hf_config)
     model = models[0]
     ids = torch.randint(3, hf_config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     mine = ids.chunk(groups.dp_size)[groups.dp_rank]
@@ -145,13 +141,13 @@ def main() -> None:
     logp = vocab_parallel_logprobs(logits[:, :-1], mine[:, 1:], groups.tp_group)
     logp.sum().backward()
 
-    hf = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     hf_logits = hf(ids).logits
     hf_logp = _hf_token_logprobs(hf_logits, ids)
     hf_logp.sum().backward()
 
     logit_diff = (logp.detach() - hf_logp.detach().chunk(groups.dp_size)[groups.dp_rank]).abs().max()
-    per_rank = max(1, hf_config.num_experts // args.ep)
+    per_rank = max(1, hf_config.num_experts // ep)
     worst_router, worst_expert, experts_seen = 0.0, 0.0, 0
     for name, p in model.named_parameters():
         grad = getattr(p, "main_grad", None)
@@ -182,17 +178,17 @@ def main() -> None:
             experts_seen += 1
     from safetensors.torch import load_file
 
-    stored = load_file(Path(args.model) / "model.safetensors")
+    stored = load_file(Path(model_dir) / "model.safetensors")
     exported = dict(export_hf_weights(models, groups, hf_config))
     export_same = exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)
-    grad_norm = _train_step_grad_norm(args.model, groups, ids)
-    rl_steps = _rl_steps(args.model, groups) if args.tp == 1 else None
+    grad_norm = _train_step_grad_norm(model_dir, groups, ids)
+    rl_steps = _rl_steps(model_dir, groups) if tp == 1 else None
     diffs = torch.tensor([logit_diff.item(), worst_router, worst_expert, 0.0 if export_same else 1.0])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     seen = torch.tensor([experts_seen])
     dist.all_reduce(seen)
     if dist.get_rank() == 0:
-        Path(args.out).write_text(
+        out.write_text(
             json.dumps(
                 {
                     "logprob_diff": diffs[0].item(),
@@ -205,6 +201,18 @@ def main() -> None:
                 }
             )
         )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", required=True, help="the folder of moe_norm0/ and moe_norm1/")
+    ap.add_argument("--runs", nargs="+", required=True, help="TP,EP,DISPATCHER,NORM_TOPK_PROB (0 or 1) each")
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args()
+    for run in args.runs:
+        tp, ep, dispatcher, norm = run.split(",")
+        out = Path(args.out_dir) / f"results_tp{tp}_ep{ep}_{dispatcher}_{norm}.json"
+        check(str(Path(args.models) / f"moe_norm{norm}"), int(tp), int(ep), dispatcher, out)
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
-"""One torchrun rank of the router-replay checks (tests/mcore/test_router_replay.py): a tiny Qwen3-MoE at ``--tp``
-(with sequence parallelism) or ``--pp`` on gloo, replaying a given routing, against Hugging Face forced to the same
-routing.
+"""One torchrun rank of the router-replay checks (tests/mcore/test_router_replay.py): a tiny Qwen3-MoE at each layout
+of ``--runs`` (TP with sequence parallelism, or PP) on gloo, one after the other in the same two processes,
+replaying a given routing, against Hugging Face forced to the same routing.
 
 Two models are built in this process, the second with activation recompute (it extends Megatron's process-wide list
 of replay objects, as a reference model would): each runs a padded and a packed forward-backward through Megatron's
@@ -8,7 +8,8 @@ schedule, replaying a random routing (not the one the routers would choose), and
 expert gradients are compared with HF's under the same routing. After each pass the replay objects must be empty.
 Then a pass without routing (the routers choose) must differ from the forced one, and the agreement of the model's
 own routing with HF's natural routing on the same weights must be 1 (and with the random routing far below).
-Writes ``--out`` (rank 0).
+Rank 0 writes each layout's results to ``--out-dir``. The second layout's models are built while the first's replay
+objects may still sit in Megatron's process-wide list: its checks hold all the same.
 """
 
 from __future__ import annotations
@@ -171,26 +172,19 @@ def _grad_diffs(models, groups, hf, layers_per_stage: int) -> tuple[float, float
     return worst_router, worst_expert
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+def check(model_dir: str, tp: int, pp: int, out: Path) -> None:
+    """One layout's checks on ``model_dir``; rank 0 writes them to ``out``."""
     groups = init_parallel(
-        ParallelConfig(
-            tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1, pipeline_model_parallel_size=args.pp
-        )
+        ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=pp)
     )
-    hf_config = AutoConfig.from_pretrained(args.model)
+    hf_config = AutoConfig.from_pretrained(model_dir)
     layers, experts, k = hf_config.num_hidden_layers, hf_config.num_experts, hf_config.num_experts_per_tok
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, hf_config.vocab_size, (n,), generator=gen) for n in LENGTHS]
     routed = [_random_routing(n, layers, experts, k, gen) for n in LENGTHS]
-    align = args.tp
+    align = tp
 
-    hf = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     hf.zero_grad(set_to_none=True)
     hf_forced, _ = _hf_pass(hf, seqs, routed)
     result: dict[str, float | bool] = {}
@@ -199,7 +193,7 @@ def main() -> None:
         models = build_gpt_model(
             hf_config, groups, recompute=recompute, calculate_per_token_loss=True, moe_enable_routing_replay=True
         )
-        load_hf_weights(models, args.model, groups, hf_config)
+        load_hf_weights(models, model_dir, groups, hf_config)
         for m in models:
             m.train()
         built.append(models)
@@ -210,7 +204,7 @@ def main() -> None:
             got = _megatron_pass(models, groups, mbs, backward=True)
             tag = f"{'recompute' if recompute else 'plain'}_{'packed' if packed else 'padded'}"
             logp = max(((got[i] - hf_forced[i]).abs().max().item() for i in got), default=0.0)
-            router, expert = _grad_diffs(models, groups, hf, layers // args.pp)
+            router, expert = _grad_diffs(models, groups, hf, layers // pp)
             empty = all(_replay_left_empty(m) for m in built)
             diffs = torch.tensor([logp, router, expert, 0.0 if empty else 1.0])
             dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
@@ -273,7 +267,19 @@ def main() -> None:
     result["report_gap_without_replay"] = (sums[1, 0] / sums[1, 1]).item()
     result["cleared_after_agreement"] = all(_replay_left_empty(m) for m in built)
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(result))
+        out.write_text(json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", required=True, help="the folder of moe_norm0/ and moe_norm1/")
+    ap.add_argument("--runs", nargs="+", required=True, help="TP,PP,NORM_TOPK_PROB (0 or 1) each")
+    ap.add_argument("--out-dir", required=True)
+    args = ap.parse_args()
+    for run in args.runs:
+        tp, pp, norm = run.split(",")
+        out = Path(args.out_dir) / f"results_tp{tp}_pp{pp}.json"
+        check(str(Path(args.models) / f"moe_norm{norm}"), int(tp), int(pp), out)
     dist.destroy_process_group()
 
 

@@ -3,8 +3,8 @@ with either ``norm_topk_prob``, expert parallelism with both token dispatchers, 
 training step's gradient norm at every layout, the weights both ways (HF -> EP=2 -> HF bit-exact), the CLI with the
 real fleet at EP=1 and EP=2 (``--save-hf`` too), and a replay of its dumps with routing under ``--router-replay r3``.
 
-The parity runs are real gloo launches of tests/mcore/moe_checks.py (two ranks each, a tiny Qwen3-MoE: hidden 64,
-2 layers, 8 experts, top-2, heads 32 wide).
+The parity runs are one real gloo launch of tests/mcore/moe_checks.py (two ranks, every layout in turn, a tiny
+Qwen3-MoE: hidden 64, 2 layers, 8 experts, top-2, heads 32 wide).
 """
 
 from __future__ import annotations
@@ -32,14 +32,17 @@ FP32_TOL = 1e-5
 RUNS = [(1, 1, "allgather", True), (1, 2, "alltoall", True), (2, 1, "allgather", True), (1, 2, "allgather", False)]
 
 
-def _launch(work: Path, tp: int, ep: int, dispatcher: str, norm: bool) -> dict:
-    out = work / f"results_tp{tp}_ep{ep}_{dispatcher}_{int(norm)}.json"
+def _launch(work: Path) -> dict:
+    """Every layout of :data:`RUNS` in one two-rank launch (tests/mcore/moe_checks.py); their results by run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
-    cmd += [str(HERE / "moe_checks.py"), "--model", str(work / f"moe_norm{int(norm)}")]
-    cmd += ["--tp", str(tp), "--ep", str(ep), "--dispatcher", dispatcher, "--out", str(out)]
-    proc = run_launch(cmd, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, f"TP={tp} EP={ep} {dispatcher} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    cmd += [str(HERE / "moe_checks.py"), "--models", str(work), "--out-dir", str(work), "--runs"]
+    cmd += [f"{tp},{ep},{d},{int(norm)}" for tp, ep, d, norm in RUNS]
+    proc = run_launch(cmd, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, f"the MoE checks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = {}
+    for tp, ep, d, norm in RUNS:
+        results[(tp, ep, d, norm)] = json.loads((work / f"results_tp{tp}_ep{ep}_{d}_{int(norm)}.json").read_text())
+    return results
 
 
 def prepare(root: Path) -> Path:
@@ -128,7 +131,7 @@ def _fleet_run_and_r3_replay(root: Path) -> dict[str, list[dict]]:
 #: Queued for the session (tests/launch_queue.py): the parity launches and a 3-step RL run with the real fleet at
 #: EP=1 (then its steps replayed with r3 at EP=2) and at EP=2.
 LAUNCHES = {
-    **{str(run): (lambda root, run=run: _launch(root, *run)) for run in RUNS},
+    "parity": _launch,
     "rl_ep1": _fleet_run_and_r3_replay,
     "rl_ep2": lambda root: _fleet_run(root, 2),
 }
@@ -141,7 +144,7 @@ def launched(launch_queue) -> dict[str, Future]:
 
 @pytest.fixture(scope="module")
 def results(launched) -> dict:
-    return {run: launched[str(run)].result() for run in RUNS}
+    return launched["parity"].result()
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ routing, forward and backward, padded and packed, at TP=2 with sequence parallel
 activation recompute, with a second model built in the same process; the replay is cleared after every pass; the
 ``moe/router_agreement`` measure; ``--router-replay r3`` refused where vLLM cannot return routed experts.
 
-The parity runs are two real gloo launches of tests/mcore/router_replay_checks.py (two ranks each, a tiny
+The parity runs are one real gloo launch of tests/mcore/router_replay_checks.py (two ranks, both layouts, a tiny
 Qwen3-MoE: hidden 64, 2 layers, 8 experts, top-2; one with ``norm_topk_prob``, one without).
 """
 
@@ -29,14 +29,14 @@ RUNS = [(2, 1, True), (1, 2, False)]
 PASSES = [f"{r}_{p}" for r in ("plain", "recompute") for p in ("padded", "packed")]
 
 
-def _launch(root: Path, tp: int, pp: int, norm: bool) -> dict:
-    out = root / f"results_tp{tp}_pp{pp}.json"
+def _launch(root: Path) -> dict:
+    """Both layouts of :data:`RUNS` in one two-rank launch (tests/mcore/router_replay_checks.py); results by run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
-    cmd += [str(HERE / "router_replay_checks.py"), "--model", str(root / f"moe_norm{int(norm)}")]
-    cmd += ["--tp", str(tp), "--pp", str(pp), "--out", str(out)]
-    proc = run_launch(cmd, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, f"TP={tp} PP={pp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    cmd += [str(HERE / "router_replay_checks.py"), "--models", str(root), "--out-dir", str(root), "--runs"]
+    cmd += [f"{tp},{pp},{int(norm)}" for tp, pp, norm in RUNS]
+    proc = run_launch(cmd, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, f"the router-replay checks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return {(tp, pp, norm): json.loads((root / f"results_tp{tp}_pp{pp}.json").read_text()) for tp, pp, norm in RUNS}
 
 
 def prepare(root: Path) -> Path:
@@ -48,13 +48,13 @@ def prepare(root: Path) -> Path:
 
 
 #: Queued for the session (tests/launch_queue.py).
-LAUNCHES = {str(run): (lambda root, run=run: _launch(root, *run)) for run in RUNS}
+LAUNCHES = {"parity": _launch}
 
 
 @pytest.fixture(scope="module")
 def results(launch_queue) -> dict:
     launched: dict[str, Future] = launch_queue.futures(__name__)
-    return {run: launched[str(run)].result() for run in RUNS}
+    return launched["parity"].result()
 
 
 @pytest.mark.slow

@@ -62,6 +62,8 @@ def test_round_trip_is_bitwise(family, hf_dir, tmp_path):
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
     AutoTokenizer.from_pretrained(tmp_path / "hf2")
+    if family != "qwen2":
+        return  # the refusal below is the same for every family (a process of its own: asked once)
     refused = convert(
         "mcore-to-hf", "--load", tmp_path / "mc", "--hf-config", hf_dir, "--out", tmp_path / "hf2", check=False
     )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_pacs.config.cpu_isa import half_engine_refusal
 from megatron_pacs.rollout.sync import TensorMeta, iter_buckets, pack_bucket
 from megatron_pacs.rollout.types import FleetEngine, Prompt, Response, RolloutEngine, RolloutGroup, SamplingConfig
 from megatron_pacs.rollout.vllm_backend.worker import WeightSyncExtension, plain_metas
@@ -118,6 +119,10 @@ class VLLMEngine:
         kv_cache_gb: CPU only: the KV-cache budget in GiB.
         enable_sleep_mode: GPU only: allow :meth:`sleep` to release memory (colocated mode).
         engine_kwargs: Anything else for ``vllm.LLM``.
+
+    Raises:
+        ValueError: A CPU engine in bfloat16/float16 where ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below the AMX that vLLM
+            picks on this processor (config/cpu_isa.py), before vLLM starts.
     """
 
     def __init__(
@@ -135,6 +140,8 @@ class VLLMEngine:
         return_routed_experts: bool = False,
     ) -> None:
         self.on_cpu = not torch.cuda.is_available()
+        if self.on_cpu and (why := half_engine_refusal(dtype)):  # vLLM would abort the process at its first forward
+            raise ValueError(why)
         if self.on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
