@@ -179,6 +179,36 @@ class Run:
     seconds: float
 
 
+#: The per-step metrics a resumed or recovered run must share with the continuous one.
+KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm")
+
+
+def wait_checkpoint(d: Deployment, name: str, step: int, timeout: float) -> bool:
+    """Whether ``name``'s checkpoint of ``step`` is complete within ``timeout`` (False early when a trainer ends)."""
+    meta = d.workdir / f"{name}-ckpt" / f"iter_{step:07d}" / "megatron_pacs.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if meta.exists():
+            return True
+        if any(p.poll() is not None for p in d.trainers.values()):
+            return False
+        time.sleep(0.5)
+    return False
+
+
+def same_as_continuous(rows: list[dict], continuous: Run) -> None:
+    """Every row's :data:`KEYS` equal the continuous run's at the same step."""
+    by_step = {r["step"]: r for r in continuous.rows}
+    assert rows, "the resumed run logged no step"
+    for r in rows:
+        assert {k: r[k] for k in KEYS} == {k: by_step[r["step"]][k] for k in KEYS}, r["step"]
+
+
+def tails(d: Deployment, *names: str) -> str:
+    """The last 6000 characters of each named log."""
+    return "\n".join(d.tail(n, 6000) for n in names)
+
+
 def wait_engines_gone(d: Deployment, timeout: float = 90.0) -> dict[str, list[int]]:
     """Engine actor processes still alive on the rollout hosts after ``timeout`` (bounded poll)."""
     deadline = time.monotonic() + timeout

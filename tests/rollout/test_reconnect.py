@@ -1,6 +1,6 @@
 """``--rollout-cluster-reconnect-seconds`` without a cluster: what counts as the head's loss, the client endpoint,
 a window that ends while the head's port stays closed, and the flag's refusals (the reconnect itself runs on the
-virtual cluster: tests/cluster/test_lost_rollout_head.py)."""
+virtual cluster: tests/cluster/test_lost_rollout_hosts.py)."""
 
 import socket
 import time

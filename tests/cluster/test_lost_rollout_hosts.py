@@ -1,8 +1,11 @@
-"""A rollout cluster that can come back (issue 30.5, ``--rollout-cluster-reconnect-seconds``): its head killed in
-its namespace mid-run, on the shared virtual cluster, in both cases in one test (two trainer launches, the least
-suite time): the head not back within the window (a clean stop that saves and names the address and the flag, then
-a resume once the cluster is back), and back within it (the trainer connects again and the run completes). Every
-step equals the continuous run's (per-request sampling seeds: a regenerated step is the same step).
+"""Lost rollout hosts on the shared virtual cluster. A rollout cluster that can come back (issue 30.5,
+``--rollout-cluster-reconnect-seconds``): its head killed in its namespace mid-run, in both cases in one test (two
+trainer launches, the least suite time): the head not back within the window (a clean stop that saves and names
+the address and the flag, then a resume once the cluster is back), and back within it (the trainer connects again
+and the run completes). Then a rollout worker host that dies mid-generation (issue 19): the fleet regenerates on the
+survivor. Every step equals the continuous run's (per-request sampling seeds: a regenerated step is the same step).
+The worker's loss comes last: it leaves the cluster one host short, and the next test would start a new one (~20 s);
+the head's test ends with the cluster whole again.
 """
 
 from __future__ import annotations
@@ -12,12 +15,11 @@ import time
 
 import pytest
 from cluster_fixtures import *  # noqa: F403 - the fixtures
-from cluster_fixtures import wait_engines_gone
+from cluster_fixtures import same_as_continuous, tails, wait_checkpoint, wait_engines_gone
 from deploy import ROLLOUT_HOSTS, TRAIN_HOSTS
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm")
 ADDRESS = "ray://rollout-head:10001"
 #: Ray Client's own grace before it reports the lost connection (default 30 s): shortened to save suite time.
 GRACE = {"RAY_CLIENT_RECONNECT_GRACE_PERIOD": "5", "SAVE_INTERVAL": "3"}
@@ -147,9 +149,7 @@ def test_lost_rollout_head_stops_cleanly_when_not_back_and_reconnects_when_back(
     rows = d.metrics("reco")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["rollout/cluster_reconnects"] == 1.0, rows[-1]
-    by_step = {r["step"]: r for r in continuous.rows}
-    for r in rows:
-        assert {k: r[k] for k in KEYS} == {k: by_step[r["step"]][k] for k in KEYS}, r["step"]
+    same_as_continuous(rows, continuous)
     assert wait_engines_gone(d) == {}
     assert all(p.poll() is None for h in ROLLOUT_HOSTS for p in d.cluster.hosts[h].procs[-1:])
     print(
@@ -157,3 +157,26 @@ def test_lost_rollout_head_stops_cleanly_when_not_back_and_reconnects_when_back(
         f"connected again {seen} s, cluster back (both nodes) {back:.1f} s, step 3 logged {step3:.1f} s; "
         f"test {time.monotonic() - started:.1f} s"
     )
+
+
+def test_lost_rollout_host_regenerates_on_the_survivor_and_training_continues(deployment, continuous):
+    """Every process on rollout1 (its Ray worker and its engine) SIGKILLed as step 2 starts: the fleet notices at its
+    next call to that engine (step 2's generation, whose lost chunks run again, or the weight sync after it, which
+    first probes every engine), restarts the engine on the surviving host and re-syncs it; every step then equals
+    the continuous run's (per-request sampling seeds: a prompt lost or scored twice would change them)."""
+    d = deployment
+    d.start_trainers("lostro", "--max-logprob-diff", "1e-5")  # probes every sync, the restarted engine included
+    assert wait_checkpoint(d, "lostro", 1, 600), tails(d, "lostro-train0", "lostro-train1")
+    killed = time.monotonic()
+    d.cluster.kill_host("rollout1")
+    recovered = wait_checkpoint(d, "lostro", 2, 600)
+    took = time.monotonic() - killed
+    codes = d.wait_trainers(timeout=600)
+    logs = tails(d, "lostro-train0", "lostro-train1")
+    assert recovered and codes == {"train0": 0, "train1": 0}, logs
+    rows = [r for r in d.metrics("lostro") if r.get("step", 0) >= 1]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["rollout/engine_failures"] >= 1, rows[-1]
+    assert all(r["sync/max_logprob_diff"] <= 1e-5 for r in rows)
+    same_as_continuous(rows, continuous)
+    print(f"lost rollout host: step 2 checkpointed {took:.1f}s after the kill")
