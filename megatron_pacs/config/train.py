@@ -183,9 +183,8 @@ class TrainConfig:
         transport = r.weight_sync
         if transport == "auto":
             transport = "object_store" if not cuda else ("ipc" if r.colocate else "broadcast")
-        dtype = r.rollout_dtype if r.rollout_dtype != "auto" else ("bfloat16" if self.model.bf16 else "float32")
         local = self.source.rollout_source == "fleet" and r.ray_address is None  # engines in this machine's env
-        if local and not cuda and (why := half_engine_refusal(dtype)):
+        if local and not cuda and (why := half_engine_refusal(self.engine_dtype)):
             raise ValueError(why)
         if r.keep_weights_for_restart is False and transport == "object_store":
             raise ValueError(
@@ -254,6 +253,13 @@ class TrainConfig:
                 "logged every step (pacs/score/{min,max}); consider --ref-reset-interval N (docs/algorithm.md §2.2)"
             )
         return out
+
+    @property
+    def engine_dtype(self) -> str:
+        """The engines' dtype: --rollout-dtype, or for ``auto`` the trainer's own (vLLM's "auto" would run an fp32
+        checkpoint in half precision)."""
+        r = self.rollout
+        return r.rollout_dtype if r.rollout_dtype != "auto" else ("bfloat16" if self.model.bf16 else "float32")
 
     @property
     def score_fp8(self) -> bool:

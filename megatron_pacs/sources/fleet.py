@@ -110,12 +110,10 @@ class FleetSource:
         self.scorer = RewardScorer(
             num_workers=rw.reward_workers, timeout_s=rw.reward_timeout, max_chars=rw.reward_max_chars or None
         )
-        # vLLM's "auto" runs fp32 checkpoints in half precision; default to the trainer's own dtype instead.
-        dtype = r.rollout_dtype if r.rollout_dtype != "auto" else ("bfloat16" if cfg.model.bf16 else "float32")
         self.fleet = RolloutFleet(
             r,
             model=cfg.model.hf_model,
-            dtype=dtype,
+            dtype=cfg.engine_dtype,
             max_model_len=cfg.batch.seq_length,
             seed=cfg.run.seed,
             run_dir=run_dir,
