@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import ray
 
+from megatron_pacs.rollout.fleet.ray_start import client_init
 from megatron_pacs.utils.logging import get_logger
 
 __all__ = ["DEFAULT_CLIENT_PORT", "client_endpoint", "connect_again", "connection_lost"]
@@ -71,7 +72,7 @@ def connect_again(address: str, deadline: float, *, poll_s: float = 1.0) -> bool
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
             continue
         try:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+            client_init(address)
             return True
         except Exception as exc:  # noqa: BLE001 - the head is still starting: its client server refused us
             log.warning("fleet: connecting to %s again failed (%s); retrying until the window ends", address, exc)
