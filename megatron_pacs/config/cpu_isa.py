@@ -26,16 +26,15 @@ def _isa_allows_amx(isa: str) -> bool:
     return name in ("", "ALL") or "AMX" in name or name.startswith("AVX10_2")
 
 
-def half_engine_refusal(dtype: str, flag: str = "--rollout-dtype") -> str | None:
+def half_engine_refusal(dtype: str) -> str | None:
     """Why a CPU engine in ``dtype`` cannot run in this process's environment, or None where it can.
 
     Args:
-        dtype: The engine's dtype as given to vLLM (``auto`` is resolved by the caller).
-        flag: The flag that chose ``dtype``, named in the message.
+        dtype: The engine's dtype as given to vLLM (``--rollout-dtype``; ``auto`` is resolved by the caller).
 
     Returns:
-        A one-line reason naming ``ONEDNN_MAX_CPU_ISA``, the flag and the fixes; None on a processor without AMX, for
-        float32, or where the cap (if any) includes AMX.
+        A one-line reason naming ``ONEDNN_MAX_CPU_ISA``, ``--rollout-dtype`` and the fixes; None on a processor
+        without AMX, for float32, or where the cap (if any) includes AMX.
     """
     if dtype.lower() not in HALF_DTYPES:
         return None
@@ -47,8 +46,9 @@ def half_engine_refusal(dtype: str, flag: str = "--rollout-dtype") -> str | None
     if not torch.cpu._is_amx_tile_supported():
         return None
     return (
-        f"{flag} {dtype}: on this processor vLLM's CPU kernels take AMX (torch.cpu._is_amx_tile_supported()), which "
-        f"ONEDNN_MAX_CPU_ISA={isa} switches off in oneDNN, and the engine would abort at its first forward "
-        "('BFloat16 Brgemm VNNI format is only supported ... when oneDNN ukernel is enabled and `amx` is "
-        f"supported'); unset ONEDNN_MAX_CPU_ISA (or raise it to AVX512_CORE_AMX), or use {flag} float32"
+        f"--rollout-dtype {dtype}: on this processor vLLM's CPU kernels take AMX "
+        f"(torch.cpu._is_amx_tile_supported()), which ONEDNN_MAX_CPU_ISA={isa} switches off in oneDNN, and the engine "
+        "would abort at its first forward ('BFloat16 Brgemm VNNI format is only supported ... when oneDNN ukernel is "
+        "enabled and `amx` is supported'); unset ONEDNN_MAX_CPU_ISA (or raise it to AVX512_CORE_AMX), or use "
+        "--rollout-dtype float32"
     )

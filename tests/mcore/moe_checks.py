@@ -203,16 +203,22 @@ def check(model_dir: str, tp: int, ep: int, dispatcher: str, out: Path) -> None:
         )
 
 
-def main() -> None:
+def parse_launch(fields: str) -> tuple[Path, list[list[str]], Path]:
+    """A launch's ``--models`` (the folder of moe_norm0/ and moe_norm1/), ``--runs`` (``fields``, comma-separated,
+    each) and ``--out-dir``; router_replay_checks.py takes the same."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", required=True, help="the folder of moe_norm0/ and moe_norm1/")
-    ap.add_argument("--runs", nargs="+", required=True, help="TP,EP,DISPATCHER,NORM_TOPK_PROB (0 or 1) each")
+    ap.add_argument("--runs", nargs="+", required=True, help=f"{fields} each")
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
-    for run in args.runs:
-        tp, ep, dispatcher, norm = run.split(",")
-        out = Path(args.out_dir) / f"results_tp{tp}_ep{ep}_{dispatcher}_{norm}.json"
-        check(str(Path(args.models) / f"moe_norm{norm}"), int(tp), int(ep), dispatcher, out)
+    return Path(args.models), [run.split(",") for run in args.runs], Path(args.out_dir)
+
+
+def main() -> None:
+    models, runs, out_dir = parse_launch("TP,EP,DISPATCHER,NORM_TOPK_PROB (0 or 1)")
+    for tp, ep, dispatcher, norm in runs:
+        out = out_dir / f"results_tp{tp}_ep{ep}_{dispatcher}_{norm}.json"
+        check(str(models / f"moe_norm{norm}"), int(tp), int(ep), dispatcher, out)
     dist.destroy_process_group()
 
 

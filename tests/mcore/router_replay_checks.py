@@ -14,12 +14,12 @@ objects may still sit in Megatron's process-wide list: its checks hold all the s
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from moe_checks import parse_launch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_pacs.algo.tokens import MicroBatch, TokenStore
@@ -271,15 +271,9 @@ def check(model_dir: str, tp: int, pp: int, out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", required=True, help="the folder of moe_norm0/ and moe_norm1/")
-    ap.add_argument("--runs", nargs="+", required=True, help="TP,PP,NORM_TOPK_PROB (0 or 1) each")
-    ap.add_argument("--out-dir", required=True)
-    args = ap.parse_args()
-    for run in args.runs:
-        tp, pp, norm = run.split(",")
-        out = Path(args.out_dir) / f"results_tp{tp}_pp{pp}.json"
-        check(str(Path(args.models) / f"moe_norm{norm}"), int(tp), int(pp), out)
+    models, runs, out_dir = parse_launch("TP,PP,NORM_TOPK_PROB (0 or 1)")
+    for tp, pp, norm in runs:
+        check(str(models / f"moe_norm{norm}"), int(tp), int(pp), out_dir / f"results_tp{tp}_pp{pp}.json")
     dist.destroy_process_group()
 
 
