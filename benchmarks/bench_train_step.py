@@ -176,7 +176,7 @@ def worker(args: argparse.Namespace) -> dict:
     from megatron_pacs.algo.objectives import build_objective
     from megatron_pacs.config import BatchConfig, LossConfig, ModelConfig, OptimConfig, ParallelConfig
     from megatron_pacs.mcore.parallel import init_parallel
-    from megatron_pacs.rl_step import step_layout, update_policy
+    from megatron_pacs.update import step_layout, update_policy
     from megatron_pacs.utils.timing import PhaseTimer
 
     gpu = torch.cuda.is_available()

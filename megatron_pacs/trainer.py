@@ -5,7 +5,7 @@ its model shard. Collectives in this file run on the default (world) group, whic
 order: the rollout distribution (each data-parallel rank receives its share as tensors), the metric gather inside
 ``update_policy``, and the weight export (TP gathers and PP broadcasts inside the exporter). With
 ``--off-policy-steps 1`` the driver generates the next step's rollouts in a background thread during the update
-(:mod:`megatron_pacs.overlap`); with ``--colocate`` the engines sleep around it
+(:mod:`megatron_pacs.producer`); with ``--colocate`` the engines sleep around it
 (:mod:`megatron_pacs.rollout.colocate`).
 """
 
@@ -35,8 +35,8 @@ from megatron_pacs.distribute import distribute_rollouts, send_stop
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.reference import ReferencePolicy
-from megatron_pacs.overlap import Generated, RolloutProducer, overlap_metrics
-from megatron_pacs.rl_step import update_policy
+from megatron_pacs.producer import Generated, RolloutProducer, overlap_metrics
+from megatron_pacs.update import update_policy
 from megatron_pacs.rollout.colocate import Colocation
 from megatron_pacs.rollout.lost import RolloutClusterLost, stopped_with_the_job
 from megatron_pacs.sources import (

@@ -41,7 +41,7 @@ _LONGEST_FIRST = {
             "test_moe",
             "test_reference",
             "test_trainer",
-            "test_overlap",
+            "test_producer",
             "test_trainer_faults",
             "test_router_replay",
         ),

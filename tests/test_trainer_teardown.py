@@ -8,7 +8,7 @@ import threading
 import time
 
 from megatron_pacs import trainer as trainer_module
-from megatron_pacs.overlap import RolloutProducer
+from megatron_pacs.producer import RolloutProducer
 from megatron_pacs.rewards import RewardScorer
 from megatron_pacs.sources import FleetSource
 

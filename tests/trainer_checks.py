@@ -70,7 +70,7 @@ def _train(cfg, groups, batch, poison=False):
 
     from megatron_pacs.algo.objectives import build_objective
     from megatron_pacs.mcore.actor import Actor
-    from megatron_pacs.rl_step import update_policy
+    from megatron_pacs.update import update_policy
     from megatron_pacs.utils.timing import PhaseTimer
 
     actor = Actor(cfg.model, groups, cfg.optim)

@@ -5,7 +5,7 @@ current policy's sequence log-probs before the backward, i.e. phase 1 of the two
 micro-batch) and turns one optimizer step's share of responses (:class:`MiniBatch`) into a :class:`Prepared` loss:
 a function from a micro-batch's scored tokens (:class:`~megatron_pacs.algo.tokens.TokenLogprobs`, flat, the same
 for padded and packed layouts) to Megatron's ``(loss_sum, count, report)``. The step that drives them
-(``megatron_pacs.rl_step``) knows nothing of PACS or GRPO. Every objective's ``count`` is the number of responses in
+(``megatron_pacs.update``) knows nothing of PACS or GRPO. Every objective's ``count`` is the number of responses in
 the micro-batch, so the trainer divides once by the global response count (docs/algorithm.md §4). Sequence sums and
 scores are float64 (docs/algorithm.md §2.1).
 

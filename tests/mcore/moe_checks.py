@@ -57,7 +57,7 @@ def _train_step_grad_norm(model_dir: str, groups, ids: torch.Tensor) -> float:
 
 
 def _rl_steps(model_dir: str, groups) -> list[float]:
-    """Two RL steps of the project's update (:func:`~megatron_pacs.rl_step.update_policy`: the reference's pass
+    """Two RL steps of the project's update (:func:`~megatron_pacs.update.update_policy`: the reference's pass
     with the old log-probs riding along, then two optimizer steps) on one seeded batch with Bernoulli rewards: the
     first packed, the second padded and cut by a token budget that gives the two ranks different micro-batch counts
     (under EP > 1 the short rank runs fillers). Each step's loss and gradient norm, then the weights' checksum."""
@@ -68,7 +68,7 @@ def _rl_steps(model_dir: str, groups) -> list[float]:
     from megatron_pacs.data.batching import RolloutBatch
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.mcore.reference import ReferencePolicy
-    from megatron_pacs.rl_step import update_policy
+    from megatron_pacs.update import update_policy
     from megatron_pacs.utils.timing import PhaseTimer
 
     rng = random.Random(0)

@@ -5,7 +5,7 @@ direct, GRPO, padded and packed micro-batches (the token dimension aligned to 16
 supports (delayed, tensorwise, blockwise; MXFP8 is refused before Blackwell), with the reference policy (KL, the v2
 anchor) and with the outer layers in bf16. The consistency check separates
 FP8's own gap from a sync error (docs/algorithm.md §7.1-7.2). The CPU half of this (alignment, masking, the
-separation) is in tests/mcore/test_forward.py and tests/test_rl_step.py.
+separation) is in tests/mcore/test_forward.py and tests/test_update.py.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_gpu_fp8_rl_step_runs_every_path(setup, recipe, packing, loss, scores):
     from megatron_pacs.algo.objectives import build_objective
     from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
-    from megatron_pacs.rl_step import step_layout, update_policy
+    from megatron_pacs.update import step_layout, update_policy
     from megatron_pacs.utils.timing import PhaseTimer
 
     if (why := _supported(recipe)) is not None:
@@ -149,7 +149,7 @@ def test_gpu_fp8_direct_pacs_with_fp8_scores(setup):
     from megatron_pacs.algo.objectives import build_objective
     from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
-    from megatron_pacs.rl_step import update_policy
+    from megatron_pacs.update import update_policy
     from megatron_pacs.utils.timing import PhaseTimer
 
     path, groups = setup
@@ -178,7 +178,7 @@ def test_gpu_fp8_with_the_reference_policy(setup, objective, first_last_bf16):
     from megatron_pacs.config import LossConfig, OptimConfig
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.mcore.reference import ReferencePolicy
-    from megatron_pacs.rl_step import update_policy
+    from megatron_pacs.update import update_policy
     from megatron_pacs.utils.timing import PhaseTimer
 
     path, groups = setup

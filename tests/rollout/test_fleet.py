@@ -151,7 +151,7 @@ def test_without_kept_weights_a_restarted_engine_never_generates_with_its_start_
 
 def test_engine_killed_during_an_overlapped_generation_reruns_on_the_weights_it_started_with(fleet, models):
     """An engine killed mid-generation is restarted, re-synced and its prompts rerun, here one step off
-    (megatron_pacs.overlap): the next step's rollouts are generated in a background thread while the trainer
+    (megatron_pacs.producer): the next step's rollouts are generated in a background thread while the trainer
     trains; an engine dies mid-generation. The restarted engine is re-synced to the weights the generation started
     with (B), not to the trainer's newer ones (D, pushed only after the generation is done), and every prompt comes
     back exactly once, identical to an undisturbed generation. (A synchronous step makes the same fleet call; the
@@ -159,7 +159,7 @@ def test_engine_killed_during_an_overlapped_generation_reruns_on_the_weights_it_
     import ray
 
     from megatron_pacs.data.batching import RolloutBatch
-    from megatron_pacs.overlap import RolloutProducer
+    from megatron_pacs.producer import RolloutProducer
     from megatron_pacs.rollout.types import SamplingConfig
     from megatron_pacs.sources import StepRollouts
 

@@ -1,4 +1,4 @@
-"""tools/gpu_check.py and its report writer tools/gpu_report.py, without a GPU: the report from recorded results
+"""tools/gpu_check.py and its report writer tools/gpu/report.py, without a GPU: the report from recorded results
 (tests/tools/data/gpu_check_results.json, in the benchmarks' and pytest's own output formats), the benchmark table
 format the report reads, pytest's JUnit results per test, and the refusal on a machine without CUDA."""
 
@@ -25,7 +25,7 @@ def _load(name: str, path: Path):
 
 @pytest.fixture(scope="module")
 def report():
-    return _load("gpu_report", ROOT / "tools" / "gpu_report.py")
+    return _load("gpu_report", ROOT / "tools" / "gpu" / "report.py")
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ def test_the_train_step_table_is_read_as_bench_train_step_prints_it(report, caps
 
 
 def test_junit_results_give_each_test_its_status_and_reason(tmp_path):
-    machine = _load("gpu_machine", ROOT / "tools" / "gpu_machine.py")
+    machine = _load("gpu_machine", ROOT / "tools" / "gpu" / "machine.py")
     (tmp_path / "test_sample.py").write_text(
         "import pytest\n"
         "def test_ok():\n    assert True\n"
@@ -185,7 +185,7 @@ def test_each_step_is_recorded_as_it_ends_and_the_budget_skips_the_rest(tmp_path
     each, and a step the budget no longer allows recorded as skipped with that reason."""
     import argparse
 
-    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu" / "check.py")
     args = argparse.Namespace(out=tmp_path / "r", budget_min=1.0, only=[], baseline=None)
     check = gpu_check.Check(args)
     check.t0 = check.deadline - 60
@@ -230,7 +230,7 @@ def test_the_trainer_tier_reports_resume_against_continuous_and_the_time_split(r
 def test_the_trainer_tier_needs_no_te_vllm_ray_or_math_verify_and_fits_its_budget(tmp_path):
     """``--tier trainer``: 6.5 minutes by default (a short GPU loan's quick check leaves it ~7.5), and its synthetic
     runs are valid runs without a fleet."""
-    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu" / "check.py")
     assert gpu_check.TIER_BUDGET_MIN["trainer"] == 6.5
     flags = " ".join(gpu_check.SYNTHETIC_FLAGS)
     assert "--rollout-source synthetic" in flags and "--num-engines" not in flags
@@ -247,7 +247,7 @@ def test_the_resume_comparison_gives_the_weights_gap_and_every_metric(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = _load("gpu_check", ROOT / "tools" / "gpu" / "check.py")
     for name, bump in (("a", 0.0), ("b", 0.0), ("c", 0.5)):
         (tmp_path / name / "hf").mkdir(parents=True)
         save_file({"w": torch.ones(3) + bump, "v": torch.zeros(2)}, tmp_path / name / "hf" / "model.safetensors")

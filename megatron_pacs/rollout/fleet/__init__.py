@@ -16,6 +16,6 @@
 """
 
 from megatron_pacs.rollout.fleet.engines import EngineActor, EngineSet
-from megatron_pacs.rollout.fleet.rollout_fleet import RolloutFleet
+from megatron_pacs.rollout.fleet.fleet import RolloutFleet
 
 __all__ = ["EngineActor", "EngineSet", "RolloutFleet"]

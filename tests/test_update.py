@@ -13,7 +13,7 @@ def test_truncated_importance_ratios_at_sequence_and_token_level():
     from megatron_pacs.algo.objectives import Logprobs
     from megatron_pacs.algo.tokens import TokenStore
     from megatron_pacs.data.batching import RolloutBatch
-    from megatron_pacs.rl_step import truncated_importance
+    from megatron_pacs.update import truncated_importance
 
     seqs = [[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9]]
     # responses' engine log-probs: 0 has a token without one; 1 is not held here; 2 is complete

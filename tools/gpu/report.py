@@ -2,7 +2,7 @@
 """The report of ``make gpu-check`` (tools/gpu_check.py): ``report.md`` and ``report.json`` from recorded results.
 
 Pure and stdlib-only, so it is unit-tested on recorded results without a GPU (tests/tools/test_gpu_check.py) and can
-re-render a finished run: ``python tools/gpu_report.py gpu-report/results.json [--baseline old/report.json]``.
+re-render a finished run: ``python tools/gpu/report.py gpu-report/results.json [--baseline old/report.json]``.
 
 The results (``results.json``, written step by step by gpu_check.py) hold:
 
