@@ -75,13 +75,18 @@ test: install slurm-packages
 test-quick: install
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
-# All three run; the target fails if any of them does. pyright (its PyPI wheel bundles the checker; it runs on the
-# machine's node) reads [tool.pyright] in pyproject.toml: megatron_pacs/ only, basic mode, against .venv.
+# All five run; the target fails if any of them does. pyright (its PyPI wheel bundles the checker; it runs on the
+# machine's node) reads [tool.pyright] in pyproject.toml: megatron_pacs/ only, basic mode, against .venv. Then the
+# subjects of the commits since the convention began (docs/development.md) and the documentation site, built
+# strictly into a throwaway folder (a broken link or a page missing from mkdocs.yml's nav fails).
 lint: install
 	@rc=0; \
 	$(PY) -m ruff check $(LINT_PATHS) || rc=1; \
 	$(PY) -m ruff format --check $(LINT_PATHS) || rc=1; \
 	$(PY) -m pyright || rc=1; \
+	$(PY) tools/check_commit_subjects.py || rc=1; \
+	site=$$(mktemp -d); NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir "$$site" || rc=1; \
+	rm -rf "$$site"; \
 	exit $$rc
 
 # Refresh constraints/cpu.txt from a clean resolve: the install above, without constraints, into a throwaway venv,
@@ -345,7 +350,12 @@ install-offline:
 # (tools/gpu_check.py). BASELINE=old/report.json adds each figure's change. Without CUDA it says so and fails.
 GPU_CHECK_PYTHON ?= $(PYTHON)
 BASELINE ?=
-# trainer: torch, megatron-core, mbridge and the project only (8 min on one H100); full: everything (25 min)
+# TIER (each within 6.5 min on one H100 but full, 25 min; the plans in tools/gpu/tiers.py):
+#   trainer: torch, megatron-core, mbridge and the project only: synthetic PACS steps, resume, kernels, 1.5B step
+#   rollout: + vLLM and Ray (no TE): 3 PACS steps with a colocated vLLM CUDA engine, consistency, R3 from an engine
+#   te:      + Transformer Engine (no vLLM/Ray): 1.5B step on TE in bf16 and FP8, FP8 RL steps, FP8 drift
+#   full:    everything
+# GPU_CHECK_ENGINE_KWARGS='{"enforce_eager": true}' reruns the engines with other engine arguments.
 TIER ?= full
 
 gpu-check:

@@ -35,7 +35,7 @@ EXTRAS = {
     "gpu": ["vllm>=0.26.0,<0.34", "transformer-engine[pytorch]>=2.4"],
     # An environment that already has torch 2.11 with CUDA 13 (a container's, constraints/gpu-torch2.11.txt): vLLM
     # 0.26.0 is the newest release pinning torch==2.11.0. TE's torch extension is not listed: it is built from its
-    # sdist against that torch (`pip install --no-build-isolation --no-deps`, README "GPU"), because its declared
+    # sdist against that torch (`pip install --no-build-isolation --no-deps`, docs/gpu.md), because its declared
     # nvidia-cudnn-frontend>=1.29 needs apache-tvm-ffi>=0.1.11, which vLLM 0.26.0 excludes; the extension runs without
     # that package. Its other runtime needs are listed here.
     "gpu-container": [
@@ -45,7 +45,7 @@ EXTRAS = {
         "nvdlfw-inspect",
         "packaging",
     ],
-    "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "pyright==1.1.414"],
+    "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "pyright==1.1.414", "mkdocs>=1.6", "mkdocs-material>=9.5"],
 }
 
 setup(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-node deployment of examples/README.md at toy scale, on CPUs: 2 training nodes x 1 rank (gloo) and a
+# The multi-node deployment of docs/cluster.md at toy scale, on CPUs: 2 training nodes x 1 rank (gloo) and a
 # separate Ray rollout cluster with one vLLM engine per rollout node (examples/lib/ray_cluster.sh), the trainer
 # reaching it through Ray Client and broadcasting new weights from trainer rank 0 to the engines after every step.
 # The test suite runs exactly this on a virtual cluster (tests/cluster/); the tiny model and data come from

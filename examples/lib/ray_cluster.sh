@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The rollout fleet's Ray cluster (examples/README.md §1): the same `ray start` commands on every rollout node,
+# The rollout fleet's Ray cluster (docs/cluster.md §1): the same `ray start` commands on every rollout node,
 # with Ray's token authentication set up the way Ray 2.60 needs it on a multi-node cluster.
 #
 #   bash examples/lib/ray_cluster.sh head   [extra `ray start` flags]          # on the rollout head node

@@ -2,7 +2,7 @@
 # GRPO baseline on Qwen2.5-3B: the PACS paper's baseline (PACS repo scripts/baseline/, stock verl GRPO) with the
 # data, batches, lengths and schedule of pacs.sh beside it, on 8 nodes x 8 GPUs. Run the same command on every
 # training node with its NODE_RANK; the rollouts run on a separate Ray cluster (RAY_ADDRESS). See
-# examples/README.md for the fleet, the data and resuming.
+# docs/cluster.md for the fleet, the data and resuming.
 #
 #   NODE_RANK=0 MASTER_ADDR=train-node0 RAY_ADDRESS=ray://rollout-head:10001 HF_MODEL=/models/Qwen2.5-3B \
 #       bash examples/qwen2.5-3b/grpo.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # PACS on Qwen2.5-7B: the reference recipe (arXiv 2509.02522; PACS repo scripts/pacs/pacs_beta_1.0.sh) on
 # 8 nodes x 8 GPUs. Run the same command on every training node with its NODE_RANK; the rollouts run on a
-# separate Ray cluster (RAY_ADDRESS). See examples/README.md for the fleet, the data and resuming.
+# separate Ray cluster (RAY_ADDRESS). See docs/cluster.md for the fleet, the data and resuming.
 #
 #   NODE_RANK=0 MASTER_ADDR=train-node0 RAY_ADDRESS=ray://rollout-head:10001 HF_MODEL=/models/Qwen2.5-7B \
 #       bash examples/qwen2.5-7b/pacs.sh

@@ -3,7 +3,7 @@
 # of examples/lib/recipe.bash (1,024 prompts x 8 responses of up to 4,096 tokens per step, mini-batches of 256
 # prompts, lr 1e-6, 300 steps) with PACS's reference options, on 8 nodes x 8 GPUs. Run the same command on every
 # training node with its NODE_RANK; the rollouts run on a separate Ray cluster (RAY_ADDRESS). See
-# examples/README.md for the fleet, the data and resuming, and docs/architecture.md §3.2 for what MoE supports.
+# docs/cluster.md for the fleet, the data and resuming, and docs/architecture.md §3.2 for what MoE supports.
 #
 #   NODE_RANK=0 MASTER_ADDR=train-node0 RAY_ADDRESS=ray://rollout-head:10001 HF_MODEL=/models/Qwen3-30B-A3B \
 #       bash examples/qwen3-30b-a3b/pacs.sh

@@ -3,7 +3,7 @@
 # hard-reset to the current policy (with the optimizer state) every REF_RESET_INTERVAL steps; 1,024 prompts x 8
 # responses of up to 8,192 tokens per step, mini-batches of 256 prompts (4 updates per step), lr 1e-6, beta 1.0, no
 # KL, 320 steps, on 8 nodes x 8 GPUs. Run the same command on every training node with its NODE_RANK; the rollouts
-# run on a separate Ray cluster (RAY_ADDRESS). See examples/README.md for the fleet, the data, resuming and the
+# run on a separate Ray cluster (RAY_ADDRESS). See docs/cluster.md for the fleet, the data, resuming and the
 # evaluation protocol (T 0.6, top-p 0.95, unbiased pass@k from n = 128 samples).
 #
 #   NODE_RANK=0 MASTER_ADDR=train-node0 RAY_ADDRESS=ray://rollout-head:10001 HF_MODEL=/models/Qwen3-8B \

@@ -1,5 +1,5 @@
 # Shared by the sbatch scripts in examples/slurm/ (sourced, not run): the --signal check, the training step under
-# srun, and the self-requeue of a run that stopped on the exit signal. See examples/README.md, "Slurm".
+# srun, and the self-requeue of a run that stopped on the exit signal. See docs/cluster.md, "Slurm".
 #
 # A batch script runs from a copy in slurmd's spool folder, so it finds the repository through REPO_ROOT (default:
 # the folder sbatch was called from, $SLURM_SUBMIT_DIR: submit from the repository root).
@@ -12,7 +12,7 @@
 #                               $SLURM_SUBMIT_DIR/slurm-stops; on the shared filesystem)
 #   MASTER_PORT                 the training ranks' rendezvous port (20000 + job id mod 20000: jobs sharing a node
 #                               do not collide)
-#   SRUN_EXTRA_ARGS             more srun flags for every step, e.g. a container's (examples/README.md, "Slurm")
+#   SRUN_EXTRA_ARGS             more srun flags for every step, e.g. a container's (docs/cluster.md, "Slurm")
 #   RAY_START_ARGS              more `ray start` flags for the rollout cluster's nodes (e.g. --temp-dir DIR)
 
 REPO_ROOT="${REPO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"

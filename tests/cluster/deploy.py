@@ -1,9 +1,9 @@
-"""The documented deployment (examples/README.md §1 and §3) on a :class:`~netns.VirtualCluster`.
+"""The documented deployment (docs/cluster.md §1 and §3) on a :class:`~netns.VirtualCluster`.
 
 Hosts ``train0``/``train1`` run ``examples/tiny_cluster.sh`` (torchrun, 1 rank each, gloo across the bridge);
 ``rollout-head``/``rollout1`` run ``examples/lib/ray_cluster.sh head|worker`` (one vLLM engine each); the trainer
 reaches the rollout cluster through Ray Client (``RAY_ADDRESS=ray://rollout-head:10001``). The exact commands are
-in :data:`COMMANDS` (examples/README.md's "tested as" paragraph quotes them).
+in :data:`COMMANDS` (docs/cluster.md's "tested as" paragraph quotes them).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import PINNED_CPU_ENV  # tests/conftest.py: the CPU pins of the single-host runs
+from helpers.cpu import PINNED_CPU_ENV  # the CPU pins of the single-host runs
 from netns import VirtualCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ class Deployment:
         env.update(
             PATH=f"{VENV_BIN}:{env.get('PATH', '/usr/bin:/bin')}",
             PYTHON=sys.executable,
-            GLOO_SOCKET_IFNAME="eth0",  # every host's interface on the bridge (README: set it to yours)
+            GLOO_SOCKET_IFNAME="eth0",  # every host's interface on the bridge (docs/cluster.md: set it to yours)
             RAY_AUTH_TOKEN_PATH=str(self.token),
             NUM_GPUS="0",
             PYTHONUNBUFFERED="1",

@@ -1,7 +1,7 @@
 """constraints/lock.py's pieces behind `make lock-gpu-torch2.11`, `check-gpu-torch2.11`, `test-compat`, `wheelhouse`:
 on a recorded resolver report (tests/constraints/data/torch211_report.json, pip's --report for torch 2.11.0 on the
 CUDA platform, trimmed to torch's closure) and on wheels written here. The end-to-end targets need PyPI and run as
-make targets (their figures are in README)."""
+make targets (their figures are in docs/gpu.md and docs/development.md)."""
 
 import hashlib
 import importlib.util

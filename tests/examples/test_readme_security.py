@@ -1,10 +1,10 @@
-"""examples/README.md's security advice (issue 24.8): the fleet's Ray head is bound to the cluster network, token
+"""The cluster guide's (docs/cluster.md) security advice: the fleet's Ray head is bound to the cluster network, token
 authentication stays on, and the reader learns who can run code on the head and that checkpoints are trusted."""
 
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-README = EXAMPLES / "README.md"
+README = EXAMPLES.parent / "docs" / "cluster.md"
 
 
 def test_the_ray_head_is_not_bound_to_every_interface_and_token_auth_stays_on():
