@@ -16,7 +16,7 @@ into itself (``REPLAYED``).
 
 The trace in ``tests/golden/trace.json`` pins the arithmetic of the step: a change that alters it must fail here.
 Bit for bit is defined only on one code path through the float kernels, so the trace also records the platform it
-was recorded on (``conftest.cpu_platform``; every run pins the kernels with ``PINNED_CPU_ENV``). On that platform
+was recorded on (``helpers.cpu.cpu_platform``; every run pins the kernels with ``PINNED_CPU_ENV``). On that platform
 the comparison is bitwise; on another processor or torch build (a CI machine of another kind) it is to rounding,
 ``ROUNDING_REL_TOL``, the bound that also holds packed runs to their padded twins: different reduction orders of the
 same arithmetic, compounded over three Adam steps. A deliberate numerical change re-records the trace::
@@ -38,7 +38,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, cpu_platform, run_train
+from helpers.cpu import cpu_platform
+from helpers.runs import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -97,8 +98,8 @@ def _launch(root: Path, name: str, out_name: str, *extra: str, without_fleet_sta
         "--keep-last",
         str(STEPS),
         "--save-hf",
-        # mixed rewards at every step of every run (with seed 1's data order, since issue 21.1 derived the data
-        # order and sampling seeds by SeedSequence, step 3's prompts score 0 everywhere: no reward signal)
+        # mixed rewards at every step of every run (with seed 1's data order, the data order and sampling seeds
+        # derived by SeedSequence, step 3's prompts score 0 everywhere: no reward signal)
         "--seed",
         "3",
         *flags,
@@ -223,7 +224,7 @@ def test_trace_is_not_trivial(traces):
 
 @pytest.mark.parametrize("name", REPLAYED)
 def test_a_replay_of_the_runs_dumps_equals_the_run_bit_for_bit(launched, name):
-    """Issue 28: the same initial weights trained on the run's dumped rollouts, with no fleet (Ray, vLLM and
+    """The same initial weights trained on the run's dumped rollouts, with no fleet (Ray, vLLM and
     math-verify absent from every process), give the same rewards, losses, gradient norms and weights at every step,
     bit for bit, and compare the trainer with the recorded engine log-probs exactly as the run did."""
     out = launched[name]

@@ -18,7 +18,8 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, half_engine_pins, refused_train, run_train
+from helpers.cpu import half_engine_pins
+from helpers.runs import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, refused_train, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, half_engine_pins, refused_train, run_train
+from helpers.cpu import half_engine_pins
+from helpers.runs import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, refused_train, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

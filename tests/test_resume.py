@@ -8,7 +8,7 @@ checkpoint's weights (checked against tools/convert_checkpoint.py mcore-to-hf).
 
 The off-policy resume starts its own fleet (re-synced to the loaded weights: the fleet's side of a resume); the
 others replay the continuous run's dumps (``--rollout-source replay``, no fleet), which gives the same steps bit for
-bit (issue 28) at a fraction of a fleet's start.
+bit at a fraction of a fleet's start.
 """
 
 import json
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, make_rl_setup, run_train
+from helpers.runs import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, make_rl_setup, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -120,7 +120,7 @@ def _resets_chain(root):
 def test_a_resume_with_reference_resets_equals_the_continuous_run(setup, launched):
     """Resets at steps 2 and 4 (reference <- policy, Adam moments zeroed); the checkpoint at step 2 is written right
     after the first, so it holds the reset reference and the reset optimizer. Resumed there and replaying the
-    continuous run's dumps (issue 28), steps 3 and 4 (the second reset) give the run's rewards, losses, gradient
+    continuous run's dumps, steps 3 and 4 (the second reset) give the run's rewards, losses, gradient
     norms, KL and final weights bit for bit."""
     root = setup
     straight, meta, replayed = launched["resets"].result()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_rl_setup
+from helpers.runs import make_rl_setup
 from launch_queue import run_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import make_rl_setup
+from helpers.runs import make_rl_setup
 from launch_queue import run_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -51,7 +51,7 @@ def _launch(root: Path, mode: str) -> dict:
 def test_colocated_cycle_runs_in_order_every_step_through_the_trainer_with_a_recording_fleet(launched):
     """Recording proxy of the real fleet (vLLM sleep mode needs CUDA): per step generate -> sleep(2) -> onload ->
     train -> offload -> wake weights -> sync -> wake KV cache, after the initial offload, which comes before the
-    engines start (vLLM's start-up memory check, issue 23.4)."""
+    engines start (vLLM's start-up memory check)."""
     result = launched["colocate"].result()
     history = result["history"]
     assert len(history) == 3 and all("train/loss" in m for m in history)
@@ -111,7 +111,7 @@ def test_a_rollout_failure_after_the_exit_signal_saves_the_updated_step_and_stop
 
 def test_a_rollout_cluster_lost_after_the_update_saves_that_step_not_the_one_before(launched):
     """``RolloutClusterLost`` (the cluster did not come back) raised from step 2's weight sync, simulated: ``fit``
-    raises it after saving step 2. It used to save "step 1" with step 2's weights."""
+    raises it after saving step 2, never "step 1" with step 2's weights."""
     result = launched["lost"].result()
     assert not result["signal"] and result["raised"] == "simulated: the rollout cluster did not come back", result
     _assert_saved_the_updated_step(result)

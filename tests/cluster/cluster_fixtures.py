@@ -1,6 +1,6 @@
 """Fixtures of the virtual-cluster tests: the skip (a failure under ``CI=true``), the tiny model and data, and one
 virtual cluster shared by the tests, always torn down (test failure, timeout, Ctrl-C or SIGTERM to pytest). Test
-modules import them (no conftest.py here: ``from conftest import ...`` in the suite means tests/conftest.py)."""
+modules import them (no conftest.py here: the suite's one conftest.py is tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ _SESSION: dict[str, object] = {}
 
 @pytest.fixture(scope="session")
 def cluster_setup(tmp_path_factory) -> Path:
-    """The tiny Qwen2 and its ``train.jsonl`` (tests/conftest.py's make_rl_setup), on the shared filesystem."""
-    from conftest import make_rl_setup
+    """The tiny Qwen2 and its ``train.jsonl`` (``helpers.runs.make_rl_setup``), on the shared filesystem."""
+    from helpers.runs import make_rl_setup
 
     if "setup" not in _SESSION:
         _SESSION["setup"] = make_rl_setup(tmp_path_factory.mktemp("cluster_setup"), tied=False, num_problems=32)

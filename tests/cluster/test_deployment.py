@@ -1,4 +1,4 @@
-"""The documented multi-host deployment, run as documented on a virtual cluster of 4 hosts (issue 19).
+"""The documented multi-host deployment, run as documented on a virtual cluster of 4 hosts.
 
 2 training hosts x 1 rank (torchrun, gloo across the bridge) + a Ray rollout cluster of 2 hosts (head + worker,
 one vLLM engine each) reached through Ray Client; weights broadcast from trainer rank 0 to the engines on the

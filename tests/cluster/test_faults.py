@@ -1,5 +1,5 @@
-"""Faults of the training hosts on the virtual cluster (issue 19): a preempted job (SIGTERM to every training
-process), a training host cut off mid-step (found by the heartbeats, issue 30.4). Each resumed run is compared with
+"""Faults of the training hosts on the virtual cluster: a preempted job (SIGTERM to every training
+process), a training host cut off mid-step (found by the heartbeats). Each resumed run is compared with
 the uninterrupted one (the ``continuous`` fixture), metric for metric, as tests/test_resume.py does. The rollout
 hosts' faults: tests/cluster/test_lost_rollout_hosts.py.
 """

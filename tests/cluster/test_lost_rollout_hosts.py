@@ -1,8 +1,8 @@
-"""Lost rollout hosts on the shared virtual cluster. A rollout cluster that can come back (issue 30.5,
-``--rollout-cluster-reconnect-seconds``): its head killed in its namespace mid-run, in both cases in one test (two
+"""Lost rollout hosts on the shared virtual cluster. A rollout cluster that can come back
+(``--rollout-cluster-reconnect-seconds``): its head killed in its namespace mid-run, in both cases in one test (two
 trainer launches, the least suite time): the head not back within the window (a clean stop that saves and names
 the address and the flag, then a resume once the cluster is back), and back within it (the trainer connects again
-and the run completes). Then a rollout worker host that dies mid-generation (issue 19): the fleet regenerates on the
+and the run completes). Then a rollout worker host that dies mid-generation: the fleet regenerates on the
 survivor. Every step equals the continuous run's (per-request sampling seeds: a regenerated step is the same step).
 The worker's loss comes last: it leaves the cluster one host short, and the next test would start a new one (~20 s);
 the head's test ends with the cluster whole again.

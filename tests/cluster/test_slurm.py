@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from cluster_fixtures import cluster_setup, netns_ok  # noqa: F401 - fixtures
-from conftest import PINNED_CPU_ENV
+from helpers.cpu import PINNED_CPU_ENV
 from slurm import SlurmCluster, slurm_unavailable
 
 from megatron_pacs.utils.launch import free_port

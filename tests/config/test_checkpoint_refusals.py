@@ -85,7 +85,7 @@ def test_a_second_run_on_one_save_is_refused_naming_the_holder(tmp_path, files):
 def resumable(tmp_path):
     """A tokenizer and model config (no weights: the refusals come before any model is built), its data, and a
     checkpoint's metadata (the run's config and data position)."""
-    from conftest import TINY_RUN_FLAGS
+    from helpers.runs import TINY_RUN_FLAGS
     from transformers import AutoTokenizer
 
     from megatron_pacs.data.loader import PromptLoader

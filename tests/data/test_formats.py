@@ -1,5 +1,5 @@
-"""Malformed rows are reported with file:line (and skipped with ``skip_bad_rows``), never a bare exception
-(issue 24.6): non-UTF-8 bytes, empty or non-list prompts, bad ``extra_info``, non-finite ground truths."""
+"""Malformed rows are reported with file:line (and skipped with ``skip_bad_rows``), never a bare exception:
+non-UTF-8 bytes, empty or non-list prompts, bad ``extra_info``, non-finite ground truths."""
 
 import json
 

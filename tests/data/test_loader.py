@@ -92,7 +92,7 @@ def test_epoch_and_position_counters():
 
 
 def test_a_position_saved_for_other_data_is_refused():
-    """Issue 24.7: the saved position carries the data set's fingerprint (items and order); another data set, or
+    """The saved position carries the data set's fingerprint (items and order); another data set, or
     the same prompts in another order, is refused instead of silently skipping and repeating prompts."""
     saved = PromptLoader(ITEMS, 4, seed=0)
     saved.next_batch()
@@ -201,7 +201,7 @@ def _rows(n):
 
 
 def test_a_row_whose_content_changed_is_refused_unless_allowed():
-    """Issue 29.6: the fingerprint covers the rows' content: a corrected answer under the same id is refused on
+    """The fingerprint covers the rows' content: a corrected answer under the same id is refused on
     resume (it would train on other data than the record says) unless ``allow_changed_rows``; a state written before
     the content fingerprint (ids only) still resumes, its ids fingerprint computed as before."""
     import dataclasses

@@ -19,7 +19,7 @@ def test_token_alignment_for_sequence_parallelism_and_fp8():
     assert align(2, False, "e4m3") == 16
     for recipe in ("tensorwise", "blockwise"):
         assert align(1, False, "e4m3", recipe) == 16
-    assert align(1, False, "e4m3", "mxfp8") == 32  # MXFP8 scales blocks of 32 (issue 23.7)
+    assert align(1, False, "e4m3", "mxfp8") == 32  # MXFP8 scales blocks of 32
     assert align(2, True, "e4m3", "mxfp8") == 64
 
 
@@ -82,7 +82,7 @@ def test_alignment_padding_changes_no_log_prob(tmp_path):
 
 def test_logprob_impl_reaches_every_pass_that_scores_tokens_simulated_fused_path(tmp_path, monkeypatch):
     """``--logprob-impl chunked`` keeps the fused kernels out of the update, the scoring pass (old and reference
-    log-probs) and ``token_logprobs`` (the sync probe); ``auto`` takes them where they can run (issue 23.9).
+    log-probs) and ``token_logprobs`` (the sync probe); ``auto`` takes them where they can run.
     Simulated fused path: Triton cannot compile here and its interpreter is too slow for a model, so ``available``
     is forced on and the kernel's entry point is recorded and answered by the chunked path."""
     from megatron_pacs.algo.tokens import make_micro_batches

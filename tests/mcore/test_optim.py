@@ -188,8 +188,8 @@ def _torch_adamw_like(inner: torch.optim.Optimizer) -> torch.optim.AdamW:
 def test_adam_update_matches_an_independent_torch_adamw(env):
     """Whatever Adam megatron-core picked (Transformer Engine's or Apex's FusedAdam on a GPU with them, its
     ``torch.optim.AdamW`` fallback, switched to ``fused=True`` on CUDA, or foreach on CPU), two steps equal a
-    ``torch.optim.AdamW`` in foreach mode, built here over the same parameter groups, to fp32 rounding (issue 23:
-    the GPU variant once compared TE's FusedAdam with itself)."""
+    ``torch.optim.AdamW`` in foreach mode, built here over the same parameter groups, to fp32 rounding
+    (the reference is never the optimizer under test, e.g. TE's FusedAdam compared with itself)."""
     from megatron.core import optimizer as megatron_optimizer
 
     from megatron_pacs.mcore.optim import _inner_optimizers

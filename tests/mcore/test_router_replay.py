@@ -1,4 +1,4 @@
-"""Router replay (R3, issue 31.5): Megatron's routers replaying a given routing equal Hugging Face forced to the same
+"""Router replay (R3): Megatron's routers replaying a given routing equal Hugging Face forced to the same
 routing, forward and backward, padded and packed, at TP=2 with sequence parallelism and at PP=2, with and without
 activation recompute, with a second model built in the same process; the replay is cleared after every pass; the
 ``moe/router_agreement`` measure; ``--router-replay r3`` refused where vLLM cannot return routed experts.

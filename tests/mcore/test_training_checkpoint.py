@@ -59,7 +59,7 @@ def set_aside(root):
 
 
 def test_resume_after_a_rollback_takes_the_new_branch_and_keeps_its_parent(tmp_path):
-    """Issue 29.3: steps 20 and 40 saved, then a rollback to 20 saves 30. The tracker names 30; --keep-last counts
+    """Steps 20 and 40 saved, then a rollback to 20 saves 30. The tracker names 30; --keep-last counts
     along 30's lineage (30, 20: the rollback's parent is kept), and 40, the branch the rollback left, is set aside
     (renamed with the time), never deleted in 20's place nor loaded."""
     save(tmp_path, 20)
@@ -82,7 +82,7 @@ def test_keep_last_one_after_a_rollback_keeps_the_new_branch(tmp_path):
 
 
 def test_a_damaged_newest_checkpoint_falls_back_along_its_lineage_only(tmp_path, caplog):
-    """Issue 29.3: save 2 and 4, roll back to 2, save 3, then damage 3's metadata. The resume takes 2 (3's parent),
+    """Save 2 and 4, roll back to 2, save 3, then damage 3's metadata. The resume takes 2 (3's parent),
     not 4 (written later than 2, but the branch the user left), even with 4 put back in place; with no complete
     checkpoint on the lineage it is refused, naming the damaged file and the checkpoints off it."""
     save(tmp_path, 2)
@@ -113,7 +113,7 @@ def test_checkpoints_without_a_recorded_lineage_fall_back_in_write_order(tmp_pat
 
 
 def test_a_save_removes_only_its_own_temporary_folder(tmp_path):
-    """Issue 29.4: another run's write in progress (or an interrupted one) is not this save's to delete."""
+    """Another run's write in progress (or an interrupted one) is not this save's to delete."""
     other = tmp_path / ".iter_0000005.tmp-otherrun"
     other.mkdir(parents=True)
     save(tmp_path, 1)
@@ -164,7 +164,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.parametrize("room", [8192, 0])  # an OSError from Python's writes; torch's zip writer's iostream error
 def test_a_full_disk_during_a_save_says_why_and_keeps_the_previous_checkpoint(small_disk, room):
-    """Issue 29.5: ENOSPC half-way through a save: one line naming the step, the directory, the OS error and the
+    """ENOSPC half-way through a save: one line naming the step, the directory, the OS error and the
     checkpoint that will resume; the temporary folder removed; the previous checkpoint and the tracker untouched."""
     root = small_disk / "ckpt"
     save(root, 1)
@@ -195,7 +195,7 @@ class _RunsCodeOnLoad:
 
 
 def test_rng_state_loads_without_running_pickled_code(tmp_path, monkeypatch):
-    """Issue 24.8: the RNG file is loaded with ``weights_only=True``; a pickle that runs code is refused."""
+    """The RNG file is loaded with ``weights_only=True``; a pickle that runs code is refused."""
     monkeypatch.chdir(tmp_path)
     ckpt = save(tmp_path, 1)
     good = torch.load(ckpt / "rng_rank00000.pt", weights_only=True)

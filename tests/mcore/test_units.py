@@ -134,7 +134,7 @@ def test_fp8_on_a_spec_without_transformer_engine_is_refused():
 
 
 def test_te_fp8_autocast_deprecation_is_filtered_by_its_message_only_where_te_has_autocast(monkeypatch):
-    """Issue 23.10: megatron-core 0.16 enters TE's fp8_autocast every layer and pass, and TE 2.20 deprecates it.
+    """Megatron-core 0.16 enters TE's fp8_autocast every layer and pass, and TE 2.20 deprecates it.
     Simulated Transformer Engine (not installed here): a module with ``autocast`` gets the filter for exactly that
     DeprecationWarning; one without it (an older TE, where fp8_autocast does not warn) gets none."""
     import sys

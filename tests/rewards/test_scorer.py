@@ -82,9 +82,9 @@ def test_serial_mode_and_argument_errors():
 
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_replacing_every_worker_late_in_a_batch_is_a_timeout_not_an_error(num_workers):
-    """Issue 24.1: the start-up deadline was set once per ``score`` call, so slow items past it, then hangs that
-    replace every worker at once, raised "no reward worker started". Each worker's deadline now runs from its own
-    (re)start: the hangs come back as timeouts and the rest is scored."""
+    """Each worker's start-up deadline runs from its own (re)start, not once per ``score`` call: slow items past
+    the first deadline, then hangs that replace every worker at once, come back as timeouts (not "no reward worker
+    started") and the rest is scored."""
     start_timeout = 6.0
     slow = ["slow"] * int(2 * num_workers * start_timeout)  # 0.5 s each: the batch outlives the first deadline
     responses = [*slow, *["hang"] * num_workers, "a"]
@@ -109,7 +109,7 @@ def never_ready_reward(response, ground_truth):
 
 
 def test_math_verify_time_limit_is_counted_not_hidden():
-    """Issue 24.2: math-verify's own ~5 s limit returned 0 as "ok"; it is now ``verify_timeout`` and counted in
+    """Math-verify's own ~5 s limit is reported as ``verify_timeout`` (not a 0 scored "ok") and counted in
     ``reward/num_verify_timeouts`` (serial mode: no hard timeout can fire first)."""
     with RewardScorer(num_workers=0) as s:
         out = s.score(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2}", "\\boxed{1}"], ["1", "1", "1"])
@@ -119,7 +119,7 @@ def test_math_verify_time_limit_is_counted_not_hidden():
 
 
 def test_max_chars_is_a_setting_and_counts_truncations():
-    """Issue 24.6: the character cap is --reward-max-chars (None: off), and over-long responses are counted."""
+    """The character cap is --reward-max-chars (None: off), and over-long responses are counted."""
     long_correct = "x" * 200 + "\\boxed{7}"
     with RewardScorer(num_workers=0, max_chars=100) as s:
         out = s.score([long_correct], ["7"])

@@ -125,7 +125,7 @@ def test_after_the_update_the_cache_is_emptied_before_the_engines_wake_and_freed
     monkeypatch,
 ):
     """Simulated torch.cuda counters (no GPU here): without --offload-optimizer-during-rollout the cached
-    activations alone are given back (issue 23.5); with it, the offloaded state too. Emptying comes before the
+    activations alone are given back; with it, the offloaded state too. Emptying comes before the
     weights wake up."""
     calls: list[str] = []
     engine = RecordingEngine(calls)

@@ -110,7 +110,7 @@ def test_tied_embedding_model_on_the_in_process_engine(models):
 
 
 def test_without_kept_weights_a_restarted_engine_never_generates_with_its_start_up_weights(fleet, models):
-    """Issue 24.7: --no-keep-weights-for-restart with a transport that keeps no copy (broadcast; on gloo here): an
+    """--no-keep-weights-for-restart with a transport that keeps no copy (broadcast; on gloo here): an
     engine restarted after an update to B holds its start-up weights A, so it sits out until the next update. With
     this fleet's single engine the call fails instead of returning A's responses; the next update brings it back."""
     import dataclasses
@@ -199,10 +199,9 @@ def test_engine_killed_during_an_overlapped_generation_reruns_on_the_weights_it_
 
 
 def test_broadcast_side_group_is_rebuilt_after_an_engine_restart(fleet, models):
-    """Issue 23.6: an engine restart left the trainer's broadcast side group (the dead engine a member) in place,
-    so the replacement had no group (``AttributeError: _mp_group`` on a GPU) and the survivors hung in the
-    collective. Now the restart drops it and the next update builds it anew; the replacement receives the update
-    over it (gloo here, NCCL on a GPU)."""
+    """An engine restart drops the trainer's broadcast side group (the dead engine a member), which would leave the
+    replacement with no group (``AttributeError: _mp_group`` on a GPU) and the survivors hung in the collective; the
+    next update builds it anew and the replacement receives the update over it (gloo here, NCCL on a GPU)."""
 
     paths, tok = models
     fleet.transport = "broadcast"
@@ -224,7 +223,7 @@ def test_broadcast_side_group_is_rebuilt_after_an_engine_restart(fleet, models):
 
 
 def test_engine_lost_mid_broadcast_update_is_finished_from_the_kept_copy_or_fails_naming_the_flag(fleet, models):
-    """Issue 24.3: an engine that dies during a broadcast weight update breaks the side group for everyone. The
+    """An engine that dies during a broadcast weight update breaks the side group for everyone. The
     trainer still consumes the whole stream (on rank 0 it drives the other ranks' gathers); with a kept copy the
     replacement (and any survivor, which holds part of the update) is re-synced from it; without one the step fails
     naming --keep-weights-for-restart, and the next update heals the fleet."""
@@ -263,9 +262,9 @@ def test_engine_lost_mid_broadcast_update_is_finished_from_the_kept_copy_or_fail
 
 
 def test_engine_lost_before_a_probe_sleep_or_wake_up_is_restarted_and_asked_again(fleet, models):
-    """Issue 24.3: deaths were handled only inside ``generate``; one lost before a sync probe, a sleep or a wake-up
-    ended the run. Every engine call now goes through one restart-and-rejoin path: the replacement is re-synced
-    from the kept copy and asked again (sleep and wake-up are no-ops on CPU, but the calls reach the engine)."""
+    """An engine lost before a sync probe, a sleep or a wake-up does not end the run, as one lost in ``generate``
+    does not: every engine call goes through one restart-and-rejoin path, the replacement is re-synced from the kept
+    copy and asked again (sleep and wake-up are no-ops on CPU, but the calls reach the engine)."""
 
     paths, tok = models
     fleet.update_weights(state_of(paths["b"], drop_lm_head=False))
@@ -282,7 +281,7 @@ def test_engine_lost_before_a_probe_sleep_or_wake_up_is_restarted_and_asked_agai
 
 
 def test_hung_engine_is_killed_after_the_call_timeout_and_the_fleet_recovers(fleet, models):
-    """Issue 24.3: a hung engine blocked rank 0 forever. Here engine 0 is kept busy by a side-group join with no
+    """A hung engine does not block rank 0 forever. Here engine 0 is kept busy by a side-group join with no
     trainer behind it (an actor runs one call at a time, so the generation waits behind it); after
     --engine-call-timeout-seconds it is taken as hung and killed. With --max-engine-restarts 0 the call fails
     naming both flags; the next call starts a replacement re-synced from the kept copy."""
@@ -306,7 +305,7 @@ def test_hung_engine_is_killed_after_the_call_timeout_and_the_fleet_recovers(fle
 
 
 def test_a_replacement_is_placed_only_after_the_lost_engine_s_placement_group_is_removed_simulated_gpu(monkeypatch):
-    """Issue 24.3, placement groups simulated (they hold GPUs): a lost engine's placement group is removed before
+    """Placement groups simulated (they hold GPUs): a lost engine's placement group is removed before
     its replacement is placed, so a fleet that fills the cluster can still restart an engine."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError

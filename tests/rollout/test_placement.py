@@ -19,9 +19,9 @@ def test_balance_chunks_spreads_cost_and_covers_every_item():
 
 
 def test_local_engines_get_the_gpus_no_trainer_rank_uses():
-    """Issue 23.2: a single-node run without --colocate started its local Ray on every GPU, so engine 0 landed on
-    trainer rank 0's GPU. The local Ray now sees only the GPUs after the local ranks' (local rank r trains on device
-    r); colocated engines get exactly rank 0's device; too few is refused naming the flags."""
+    """A single-node run without --colocate keeps its engines off the trainer's GPUs: the local Ray sees only the
+    GPUs after the local ranks' (local rank r trains on device r), so engine 0 never lands on trainer rank 0's GPU;
+    colocated engines get exactly rank 0's device; too few is refused naming the flags."""
 
     def gpus(ranks, needed, visible=None, count=8, colocate=False, current=0):
         return local_engine_gpus(

@@ -109,7 +109,7 @@ def test_sampling_config_validation_names_the_field():
 
 
 def test_ipc_handle_is_plain_msgpack_data_and_rebuilds_the_same_cuda_tensor_simulated(monkeypatch):
-    """Issue 23.1, on a simulated GPU (CUDA IPC needs a GPU): on CUDA, vLLM carries ``collective_rpc`` arguments
+    """On a simulated GPU (CUDA IPC needs a GPU): on CUDA, vLLM carries ``collective_rpc`` arguments
     between processes with msgpack, which refuses ``reduce_tensor``'s raw output (a function, torch classes and
     dtypes). ``ipc_handle`` sends plain values instead; after vLLM's own encoder and decoder, ``rebuild_ipc`` calls
     torch's ``rebuild_cuda_tensor`` with exactly what ``reduce_tensor`` produced, on the receiver's device index."""
@@ -155,7 +155,7 @@ def test_ipc_handle_is_plain_msgpack_data_and_rebuilds_the_same_cuda_tensor_simu
 
 
 def test_close_group_leaves_gloo_alone_and_aborts_other_backends():
-    """Issue 23.6: after an engine restart the trainer drops its side group; an NCCL communicator with a dead member
+    """After an engine restart the trainer drops its side group; an NCCL communicator with a dead member
     is aborted (its next collective would hang), a gloo one is just dropped."""
     from megatron_pacs.rollout.sync import SideGroup, close_group, standalone_group
     from megatron_pacs.utils.launch import free_port

@@ -160,7 +160,7 @@ def test_a_safetensors_file_that_is_not_a_rollout_dump_is_refused(tmp_path):
 
 
 def test_routed_experts_are_dumped_and_read_back_bit_for_bit_and_a_replay_with_r3_needs_them(tmp_path):
-    """Issue 31: a run with --router-replay r3 dumps the engines' routing with its rollouts (format 2; without
+    """A run with --router-replay r3 dumps the engines' routing with its rollouts (format 2; without
     routing a dump stays format 1); a replay with r3 replays it, one without r3 drops it, and r3 refuses dumps
     without routing, naming the file and the flag."""
     from megatron_pacs.sources.dumps import DUMP_FORMAT, ROUTED_DUMP_FORMAT

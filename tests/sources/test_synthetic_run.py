@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TRAIN_FLAGS, make_rl_setup, run_train
+from helpers.runs import TINY_TRAIN_FLAGS, make_rl_setup, run_train
 
 from megatron_pacs.sources.dumps import read_dump_metadata
 

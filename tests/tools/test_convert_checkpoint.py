@@ -99,7 +99,7 @@ def test_truncated_and_misshaped_checkpoints_are_named(hf_dir, tmp_path):
 
 
 def test_load_takes_a_save_directory_like_the_trainers_load(tmp_path, capsys):
-    """Issue 29.8: --load takes what the trainer's --load takes: a --save directory converts the checkpoint its
+    """--load takes what the trainer's --load takes: a --save directory converts the checkpoint its
     tracker names, or --ckpt-step N's; a missing step or a
     directory of damaged checkpoints is refused, before any rank starts, naming what is there. The conversion of a
     trainer's --save directory itself, generating with transformers: tests/test_resume.py

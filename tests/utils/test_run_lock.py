@@ -1,4 +1,4 @@
-"""One run per --save (issue 29.4): the lock refuses a second holder naming the first, takes over from a holder that
+"""One run per --save: the lock refuses a second holder naming the first, takes over from a holder that
 is gone (this host: no process holds the flock; another host: a record not refreshed for the bound), and is released
 at exit."""
 

@@ -145,7 +145,7 @@ def test_wandb_without_account_runs_offline(tmp_path, monkeypatch, env_mode):
 
 
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
-    """Issue 24.7: the W&B run id is kept in the log dir; a writer resumed at step > 0 continues that run, a fresh
+    """The W&B run id is kept in the log dir; a writer resumed at step > 0 continues that run, a fresh
     start (step 0) opens a new one."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
