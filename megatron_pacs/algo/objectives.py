@@ -9,10 +9,12 @@ for padded and packed layouts) to Megatron's ``(loss_sum, count, report)``. The 
 the micro-batch, so the trainer divides once by the global response count (docs/algorithm.md §4). Sequence sums and
 scores are float64 (docs/algorithm.md §2.1).
 
-Registered names (``--loss``): ``pacs`` (two-phase by default, direct with ``--keep-groups-in-microbatch``) and
-``grpo``. Whenever a reference policy exists (``--kl-coef > 0`` or ``--pacs-score-reference ref``),
-:class:`KLRegularized` wraps the objective: it adds the KL term (if any) and reports ``ref/kl``. A new objective (a
-REAL- or NFT-style sequence loss) is one new class here: declare its needs, write ``prepare``, register a builder.
+Registered names (``--loss``, :data:`~megatron_pacs.config.objectives.OBJECTIVES`): ``pacs`` (two-phase by default,
+direct with ``--keep-groups-in-microbatch``) and ``grpo``. Whenever a reference policy exists (``--kl-coef > 0`` or
+``--pacs-score-reference ref``), :class:`KLRegularized` wraps the objective: it adds the KL term (if any) and reports
+``ref/kl``. A new objective (a REAL- or NFT-style sequence loss) is one new class here (declare its needs, write
+``prepare``) with a builder, and its :class:`~megatron_pacs.config.objectives.ObjectiveSpec` registered in
+``config/objectives.py`` (its default TIS level, its reference need, its FP8 score policy, its own flags).
 
 Legend: S responses of the step, M responses of the mini-batch on this rank, m responses and N scored tokens of a
 micro-batch.
@@ -41,9 +43,9 @@ from megatron_pacs.algo.pacs import (
     pacs_score_grads,
     pacs_surrogate,
 )
-from megatron_pacs.algo.registry import Registry
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, LossConfig
+from megatron_pacs.config.objectives import OBJECTIVES
 
 __all__ = [
     "OBJECTIVES",
@@ -57,7 +59,9 @@ __all__ = [
     "PacsTwoPhase",
     "Prepared",
     "TokenLogprobs",
+    "build_grpo",
     "build_objective",
+    "build_pacs",
 ]
 
 #: ``(scored tokens of a micro-batch) -> (loss_sum, count, report)``, Megatron's 3-tuple.
@@ -384,22 +388,20 @@ class KLRegularized(Objective):
         return Prepared(loss, prepared.metrics)
 
 
-OBJECTIVES: Registry[Callable[[LossConfig, BatchConfig], Objective]] = Registry("loss")
-
-
-@OBJECTIVES.register("pacs")
-def _build_pacs(loss: LossConfig, batch: BatchConfig) -> Objective:
+def build_pacs(loss: LossConfig, batch: BatchConfig) -> Objective:
+    """PACS (``--loss pacs``): direct with ``--keep-groups-in-microbatch``, else two-phase."""
     return PacsDirect(loss) if batch.keep_groups_in_microbatch else PacsTwoPhase(loss)
 
 
-@OBJECTIVES.register("grpo")
-def _build_grpo(loss: LossConfig, batch: BatchConfig) -> Objective:
+def build_grpo(loss: LossConfig, batch: BatchConfig) -> Objective:
+    """GRPO (``--loss grpo``)."""
     return GrpoObjective(loss, batch.max_response_length)
 
 
 def build_objective(loss: LossConfig, batch: BatchConfig) -> Objective:
-    """The objective named by ``--loss``, configured; wrapped in :class:`KLRegularized` when a reference exists."""
-    objective = OBJECTIVES.get(loss.loss)(loss, batch)
+    """The objective named by ``--loss``, built by the builder its :class:`~megatron_pacs.config.objectives.
+    ObjectiveSpec` names; wrapped in :class:`KLRegularized` when a reference exists."""
+    objective = OBJECTIVES.get(loss.loss).build(loss, batch)
     if loss.needs_reference:
         objective = KLRegularized(objective, loss.kl_coef, loss.kl_estimator, batch.max_response_length)
     return objective

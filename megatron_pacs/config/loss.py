@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pacs.config.base import bad, is_set
+from megatron_pacs.config.base import bad, is_set, option
+from megatron_pacs.config.objectives import OBJECTIVES
 
 __all__ = ["LossConfig"]
 
-# The names algo/ registers (objectives, advantages, weights, scores, KL estimators), spelled out so that config/
-# imports nothing heavy; tests/config/test_loss.py proves they agree.
+# The names algo/ registers (advantages, weights, scores, KL estimators), spelled out so that config/ imports
+# nothing heavy; tests/config/test_loss.py proves they agree. The objectives come from their registry.
 CHOICES = {
-    "loss": ("pacs", "grpo"),
     "pacs_score": ("log_ratio", "mean_logp"),
     "pacs_score_reference": ("old", "ref"),
     "kl_estimator": ("k1", "k2", "k3", "k3+"),
@@ -26,41 +26,37 @@ CHOICES = {
 class LossConfig:
     """The objective."""
 
-    loss: str = "pacs"
-    """pacs or grpo."""
+    loss: str = option("pacs", choices=OBJECTIVES)
+    """The objective, a name registered in megatron_pacs/config/objectives.py."""
     pacs_beta: float = 1.0
     """PACS critic temperature beta."""
-    pacs_score: str = "log_ratio"
+    pacs_score: str = option("log_ratio", choices=CHOICES["pacs_score"])
     """log_ratio (beta * (l - l_anchor)) or mean_logp (beta * l / L)."""
-    pacs_score_reference: str = "old"
+    pacs_score_reference: str = option("old", choices=CHOICES["pacs_score_reference"])
     """The log_ratio anchor: old (the rollout policy, as the released code) or ref (the frozen reference policy,
     PACS v2)."""
-    pacs_advantage: str = "rloo"
+    pacs_advantage: str = option("rloo", choices=CHOICES["pacs_advantage"])
     """Group logit: rloo, grpo, grpo_no_std or naive."""
-    pacs_weights: str = "balanced"
+    pacs_weights: str = option("balanced", choices=CHOICES["pacs_weights"])
     """BCE weights: balanced, none, only_positive or only_negative."""
     clip_ratio: float = 0.2
     """GRPO's PPO clip epsilon."""
     kl_coef: float = 0.0
     """KL penalty to the frozen reference policy: kl-coef x mean over responses of (sum of per-token estimates) /
     --max-response-length, added to the loss (0: none; a reference is then built only for the ref anchor)."""
-    kl_estimator: str = "k3"
-    """Per-token KL estimator with r = log pi_ref - log pi. The value (ref/kl) estimates KL(pi || pi_ref); the
-    gradient, in expectation per token: k1 (-r, score-function form), k2 (r^2 / 2) and k3+ (k3's value, k2's
-    gradient) follow KL(pi || pi_ref); k3 (exp(r) - r - 1, value clamped at 10) follows the reverse KL(pi_ref || pi)
-    (docs/algorithm.md §2.7)."""
+    kl_estimator: str = option("k3", choices=CHOICES["kl_estimator"])
+    """Per-token KL estimator, r = log pi_ref - log pi: k1 (-r), k2 (r^2 / 2), k3 (exp(r) - r - 1, its gradient that
+    of the reverse KL) or k3+ (k3's value, k2's gradient); docs/algorithm.md §2.7."""
 
-    off_policy_correction: str = "none"
+    off_policy_correction: str = option("none", choices=CHOICES["off_policy_correction"])
     """none, or tis: weight each response (PACS) or token (GRPO) by min(pi_anchor / pi_behaviour, --tis-cap), the
     behaviour being the engines' log-probs (docs/algorithm.md §5.1)."""
     tis_cap: float = 2.0
     """Truncation of the importance ratio with --off-policy-correction tis."""
-    tis_level: str = "auto"
-    """What one --off-policy-correction tis ratio covers: token (GRPO; Yao et al.), geometric (PACS: the response's
-    per-token geometric mean, exp(mean_t log ratio_t), whose bias from engine/trainer numerics does not grow with
-    the length) or sequence (PACS: the product over the response's tokens, the exact importance weight, but a
-    0.5-1 nat bf16 gap over 4k tokens scales a response by 0.37-2.7 with no lag); auto: token for grpo, geometric
-    for pacs (docs/algorithm.md §5.1)."""
+    tis_level: str = option("auto", choices=CHOICES["tis_level"])
+    """What one --off-policy-correction tis ratio covers: token (GRPO), geometric (PACS: the per-token geometric
+    mean, whose bias does not grow with the length) or sequence (PACS: the exact product); auto: the objective's
+    default (docs/algorithm.md §5.1)."""
 
     @property
     def tis_ratio_level(self) -> str | None:
@@ -70,14 +66,17 @@ class LossConfig:
             return None
         if self.tis_level != "auto":
             return self.tis_level
-        return "token" if self.loss == "grpo" else "geometric"
+        return OBJECTIVES.get(self.loss).tis_levels[0]
 
     @property
     def needs_reference(self) -> bool:
-        """A KL term or the reference anchor needs the reference policy's log-probs."""
-        return self.kl_coef > 0 or (self.loss == "pacs" and self.pacs_score_reference == "ref")
+        """A KL term or the objective (e.g. PACS's reference anchor) needs the reference policy's log-probs."""
+        return self.kl_coef > 0 or OBJECTIVES.get(self.loss).needs_reference(self)
 
     def __post_init__(self) -> None:
+        if self.loss not in OBJECTIVES:
+            raise bad("loss", f"{self.loss!r} is not one of {list(OBJECTIVES)}")
+        spec = OBJECTIVES.get(self.loss)
         for name, valid in CHOICES.items():
             if getattr(self, name) not in valid:
                 raise bad(name, f"{getattr(self, name)!r} is not one of {list(valid)}")
@@ -93,19 +92,14 @@ class LossConfig:
             raise bad("tis_cap", "only means something with --off-policy-correction tis; add that or drop the flag")
         if is_set(self, "tis_level") and self.off_policy_correction != "tis":
             raise bad("tis_level", "only means something with --off-policy-correction tis; add that or drop the flag")
-        if self.loss == "pacs" and self.tis_level == "token":
-            raise bad("tis_level", "token: a PACS score and loss are per response; use geometric or sequence")
-        if self.loss == "grpo" and self.tis_level in ("geometric", "sequence"):
-            raise bad("tis_level", f"{self.tis_level}: GRPO weights its tokens by token-level ratios; use token")
+        if self.tis_level != "auto" and self.tis_level not in spec.tis_levels:
+            levels = " or ".join(spec.tis_levels)
+            raise bad("tis_level", f"{self.tis_level}: {spec.tis_levels_why}; use {levels}")
         if is_set(self, "kl_estimator") and self.kl_coef == 0:
             raise bad("kl_estimator", "only means something with --kl-coef > 0; add that or drop the flag")
-        if self.loss == "grpo":  # PACS's own settings would be ignored
-            for name in ("pacs_beta", "pacs_score", "pacs_advantage", "pacs_weights"):
-                if is_set(self, name):
-                    raise bad(name, "only applies to --loss pacs; it has no meaning for --loss grpo: drop it")
-        if self.loss == "pacs" and is_set(self, "clip_ratio"):
-            raise bad("clip_ratio", "is GRPO's PPO clip; PACS has no clipped ratio: use --loss grpo or drop it")
-        if self.pacs_score_reference == "ref" and self.loss != "pacs":
-            raise bad("pacs_score_reference", "anchors the PACS score; it has no meaning for --loss grpo")
+        for other in OBJECTIVES:  # another objective's own settings would be ignored
+            for name, problem in OBJECTIVES.get(other).own_flags.items():
+                if other != self.loss and name not in spec.own_flags and is_set(self, name):
+                    raise bad(name, problem.format(loss=self.loss, title=spec.title))
         if self.pacs_score_reference == "ref" and self.pacs_score != "log_ratio":
             raise bad("pacs_score_reference", "needs --pacs-score log_ratio (mean_logp has no anchor)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_pacs.config.base import bad
+from megatron_pacs.config.base import bad, option
 
 __all__ = ["MOE_DISPATCHERS", "ParallelConfig"]
 
@@ -31,7 +31,7 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     """EP (MoE checkpoints): shards the experts across this many ranks of the data-parallel x tensor-parallel
     ranks; each rank holds num_experts / EP of them. Needs TP x PP x EP to divide the world size."""
-    moe_token_dispatcher_type: str = "allgather"
+    moe_token_dispatcher_type: str = option("allgather", choices=MOE_DISPATCHERS)
     """How MoE layers send tokens to their experts' ranks: allgather (every rank gathers every token) or alltoall
     (each token goes only where its experts are; less traffic at EP > 1)."""
     distributed_timeout_minutes: int = 10

@@ -36,6 +36,7 @@ FREE_FIELDS = frozenset(
         "run.exit_signal_handler",
         "run.exit_signal_grace_seconds",
         "run.dump_rollouts",
+        "run.log_samples",
         "data.val_data",
         "batch.micro_batch_size",
         "batch.max_tokens_per_microbatch",

@@ -5,30 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_pacs.config.base import bad, flag, is_set
+from megatron_pacs.config.base import bad, flag, is_set, option
+from megatron_pacs.sources.registry import SOURCES
 
-__all__ = ["ROLLOUT_SOURCES", "SourceConfig", "check_source_flags"]
-
-ROLLOUT_SOURCES = ("fleet", "replay", "synthetic")
+__all__ = ["SourceConfig", "check_source_flags"]
 
 
 @dataclass(kw_only=True)
 class SourceConfig:
     """The rollout source."""
 
-    rollout_source: str = "fleet"
+    rollout_source: str = option("fleet", choices=SOURCES)
     """fleet: the engines generate and the reward pool scores. replay: an earlier run's dumped rollouts
-    (--replay-from), step by step, bit for bit (reproduce or bisect a step; train on rollouts made elsewhere).
-    synthetic: seeded random token sequences with an RL length mix and Bernoulli rewards (the training phase
-    alone, at any scale). replay and synthetic import no Ray, vLLM or math-verify."""
+    (--replay-from), bit for bit. synthetic: seeded random sequences with Bernoulli rewards (the training phase
+    alone). docs/training.md"""
     replay_from: str | None = None
     """With --rollout-source replay: the --log-dir of the run whose rollouts/step_*.safetensors to replay."""
     synthetic_reward_rate: float = 0.5
     """With --rollout-source synthetic: the probability that a response's reward is 1 (else 0)."""
 
     def __post_init__(self) -> None:
-        if self.rollout_source not in ROLLOUT_SOURCES:
-            raise bad("rollout_source", f"{self.rollout_source!r} is not one of {list(ROLLOUT_SOURCES)}")
+        if self.rollout_source not in SOURCES:
+            raise bad("rollout_source", f"{self.rollout_source!r} is not one of {list(SOURCES)}")
         if (self.rollout_source == "replay") != (self.replay_from is not None):
             raise bad(
                 "replay_from",
@@ -84,10 +82,10 @@ def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
     Raises:
         ValueError: naming the flag and the source.
     """
-    kind = source.rollout_source
-    if kind == "fleet":
+    kind, spec = source.rollout_source, SOURCES[source.rollout_source]
+    if spec.engines:
         return
-    if sections["model"].router_replay == "r3" and kind == "synthetic":
+    if sections["model"].router_replay == "r3" and not spec.engine_logprobs:
         raise bad(
             "router_replay",
             "r3 replays the experts the engines routed each token to, and --rollout-source synthetic rollouts carry "
@@ -102,18 +100,18 @@ def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
                     f"only a fleet uses it, and --rollout-source {kind} runs none (no engines, sampling, weight "
                     "sync or validation); drop it",
                 )
-    if kind == "synthetic":
+    if not spec.engine_logprobs:
         for section, name, why in (
             (
                 "rollout",
                 "max_logprob_diff",
-                "compares with the engines' log-probs, which synthetic rollouts have none of",
+                f"compares with the engines' log-probs, which {kind} rollouts have none of",
             ),
             (
                 "loss",
                 "off_policy_correction",
-                "weights by the engines' log-probs, which synthetic rollouts have none of",
+                f"weights by the engines' log-probs, which {kind} rollouts have none of",
             ),
         ):
             if is_set(sections[section], name):
-                raise ValueError(f"{flag(name)}: {why}; drop it with --rollout-source synthetic")
+                raise ValueError(f"{flag(name)}: {why}; drop it with --rollout-source {kind}")

@@ -15,12 +15,14 @@ from megatron_pacs.config.batch import BatchConfig
 from megatron_pacs.config.cpu_isa import half_engine_refusal
 from megatron_pacs.config.loss import LossConfig
 from megatron_pacs.config.model import ModelConfig
+from megatron_pacs.config.objectives import OBJECTIVES
 from megatron_pacs.config.optim import OptimConfig
 from megatron_pacs.config.parallel import ParallelConfig
 from megatron_pacs.config.reference import ReferenceConfig
 from megatron_pacs.config.rollout import RolloutConfig, check_reconnect_window
 from megatron_pacs.config.run import CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig
 from megatron_pacs.config.source import SourceConfig, check_source_flags
+from megatron_pacs.sources.registry import SOURCES
 
 __all__ = ["TrainConfig"]
 
@@ -100,7 +102,7 @@ class TrainConfig:
                 "pass's log-likelihoods (direct mode scores in the training pass); use --fp8-score-precision fp8, "
                 "or drop --keep-groups-in-microbatch (the two-phase gradient takes every score from bf16 passes)",
             )
-        if self.loss.tis_ratio_level == "sequence" and self.loss.loss == "pacs" and self.score_fp8:
+        if self.loss.tis_ratio_level == "sequence" and self.score_fp8:
             raise bad(
                 "off_policy_correction",
                 "a sequence-level ratio against FP8 score passes turns FP8's per-token bias into a factor of "
@@ -160,7 +162,7 @@ class TrainConfig:
         if not self.model.hf_model or not os.path.isfile(os.path.join(self.model.hf_model, "config.json")):
             raise bad("hf_model", f"{self.model.hf_model!r} has no config.json; pass a Hugging Face model directory")
         self._check_positions()
-        self.model.check_router_replay(cuda=_cuda_available(), engines=self.source.rollout_source == "fleet")
+        self.model.check_router_replay(cuda=_cuda_available(), engines=SOURCES[self.source.rollout_source].engines)
         self._check_checkpoint_dirs()
         if not self.data.train_data:
             raise bad("train_data", "give at least one prepared training file (tools/prepare_data.py)")
@@ -183,7 +185,7 @@ class TrainConfig:
         transport = r.weight_sync
         if transport == "auto":
             transport = "object_store" if not cuda else ("ipc" if r.colocate else "broadcast")
-        local = self.source.rollout_source == "fleet" and r.ray_address is None  # engines in this machine's env
+        local = SOURCES[self.source.rollout_source].engines and r.ray_address is None  # engines in this machine's env
         if local and not cuda and (why := half_engine_refusal(self.engine_dtype)):
             raise ValueError(why)
         if r.keep_weights_for_restart is False and transport == "object_store":
@@ -242,11 +244,7 @@ class TrainConfig:
     def warnings(self) -> list[str]:
         """Settings that work but that a user should know about (the trainer logs them at start)."""
         out = []
-        if (
-            self.loss.loss == "pacs"
-            and self.loss.pacs_score_reference == "ref"
-            and not self.reference.ref_reset_interval
-        ):
+        if self.loss.pacs_score_reference == "ref" and not self.reference.ref_reset_interval:  # PACS's own flag
             out.append(
                 "--pacs-score-reference ref without --ref-reset-interval: the score beta * (l - l_ref) measures the "
                 "whole drift since the start and can grow without bound, saturating the sigmoid; its range is "
@@ -267,7 +265,8 @@ class TrainConfig:
         precision = self.model.fp8_score_precision
         if not self.model.fp8_format or precision == "bf16":
             return False
-        return precision == "fp8" or self.loss.loss == "grpo" or self.batch.keep_groups_in_microbatch
+        fp8_by_default = OBJECTIVES.get(self.loss.loss).fp8_scores or self.batch.keep_groups_in_microbatch
+        return precision == "fp8" or fp8_by_default
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (for checkpoints and metric sinks)."""

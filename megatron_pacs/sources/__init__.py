@@ -8,51 +8,54 @@ the ranks, the update, the weight export, checkpoints, metrics and dumps) is the
   math-verify are imported only when it is built);
 - :class:`~megatron_pacs.sources.replay.ReplaySource`: ``--replay-from``'s dumps, bit for bit;
 - :class:`~megatron_pacs.sources.synthetic.SyntheticSource`: seeded random sequences, for the training phase alone.
+
+:mod:`megatron_pacs.sources.registry` names them and what each can do. Nothing is imported until asked for (the
+config reads the registry, which imports only the standard library).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING
 
-from megatron_pacs.config import TrainConfig
-from megatron_pacs.sources.base import RolloutSource, StepRollouts, rollout_metrics
-from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, load_dump, tokenizer_fingerprint
-from megatron_pacs.sources.fleet import FleetSource, collect_rollouts
-from megatron_pacs.sources.replay import ReplaySource
-from megatron_pacs.sources.synthetic import SyntheticSource
+if TYPE_CHECKING:  # imported on demand by __getattr__ below
+    from megatron_pacs.sources.base import RolloutSource, StepRollouts, rollout_metrics
+    from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, load_dump, tokenizer_fingerprint
+    from megatron_pacs.sources.fleet import FleetSource, collect_rollouts
+    from megatron_pacs.sources.registry import SOURCES, SourceSpec, open_source, source_spec
+    from megatron_pacs.sources.replay import ReplaySource
+    from megatron_pacs.sources.synthetic import SyntheticSource
 
 __all__ = [
+    "SOURCES",
     "DumpContext",
     "FleetSource",
     "ReplaySource",
     "RolloutSource",
+    "SourceSpec",
     "StepRollouts",
     "SyntheticSource",
-    "build_source",
     "collect_rollouts",
     "dump_rollouts",
     "load_dump",
+    "open_source",
     "rollout_metrics",
+    "source_spec",
     "tokenizer_fingerprint",
 ]
 
+_MODULES = {
+    "base": ("RolloutSource", "StepRollouts", "rollout_metrics"),
+    "dumps": ("DumpContext", "dump_rollouts", "load_dump", "tokenizer_fingerprint"),
+    "fleet": ("FleetSource", "collect_rollouts"),
+    "registry": ("SOURCES", "SourceSpec", "open_source", "source_spec"),
+    "replay": ("ReplaySource",),
+    "synthetic": ("SyntheticSource",),
+}
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
 
-def build_source(
-    cfg: TrainConfig, tokenizer: Any, log_dir: str, context: DumpContext, replay: ReplaySource | None
-) -> RolloutSource:
-    """The driver's rollout source for ``--rollout-source`` (only the fleet's imports Ray, vLLM and math-verify).
 
-    Args:
-        cfg: The run's configuration.
-        tokenizer: The actor's HF tokenizer (the fleet's prompts).
-        log_dir: ``--log-dir`` (the engines' logs).
-        context: The run's tokenizer and vocabulary facts (the synthetic tokens stay within both).
-        replay: The replay source, built and checked on every rank before anything else (``replay`` only).
-    """
-    kind = cfg.source.rollout_source
-    if kind == "fleet":
-        return FleetSource(cfg, tokenizer, log_dir)
-    if kind == "replay":
-        assert replay is not None, "the replay source is built before the models"
-        return replay
-    return SyntheticSource(cfg, min(context.tokenizer_size, context.vocab_size))
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -36,7 +36,23 @@ class StepRollouts:
 
 
 class RolloutSource(Protocol):
-    """Turns a step's prompts into its rollouts, on the driver (global rank 0) only."""
+    """Turns a step's prompts into its rollouts, on the driver (global rank 0) only.
+
+    A source is registered in :mod:`megatron_pacs.sources.registry` (what it can do, declared there) and built by
+    its ``open(cfg, *, tokenizer, log_dir, context)`` classmethod.
+
+    Attributes:
+        fleet: The engines it generates with (the weight sync, the sync probe, validation and the fault counters use
+            them), or None.
+        scorer: The reward pool it scores with (validation uses it), or None.
+    """
+
+    fleet: Any
+    scorer: Any
+
+    def check(self, steps: Sequence[int]) -> None:
+        """Refuse, before the steps run, input that cannot give steps ``steps``' rollouts (naming the file/flag)."""
+        ...
 
     def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
         """Step ``step``'s rollouts for the loader's ``rows`` (``global_batch_size`` prompts)."""

@@ -87,6 +87,7 @@ def collect_rollouts(
             "reward/num_timeouts": float(scored.num_timeouts),
             "reward/num_too_long": float(scored.num_too_long),
             "reward/num_verify_timeouts": float(scored.num_verify_timeouts),
+            "reward/worker_restarts": float(scored.num_worker_restarts),
         }
     )
     return StepRollouts(batch, records, metrics, prompt_ids=[row.id for row in rows], finish_reasons=finish)
@@ -107,9 +108,7 @@ class FleetSource:
 
         r, rw = cfg.rollout, cfg.reward
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.scorer = RewardScorer(
-            num_workers=rw.reward_workers, timeout_s=rw.reward_timeout, max_chars=rw.reward_max_chars or None
-        )
+        self.scorer = RewardScorer.from_config(rw)  # --reward-fn, or math-verify
         self.fleet = RolloutFleet(
             r,
             model=cfg.model.hf_model,
@@ -120,6 +119,14 @@ class FleetSource:
             progress=False,
             return_routed_experts=cfg.model.router_replay == "r3",
         )
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, *, tokenizer: Any, log_dir: str, context: Any) -> FleetSource:
+        """Start the engines and the reward pool (:func:`~megatron_pacs.sources.registry.open_source`)."""
+        return cls(cfg, tokenizer, log_dir)
+
+    def check(self, steps: Sequence[int]) -> None:
+        """Nothing to check ahead: the engines generate every step."""
 
     def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
         """Generate, score and pack step ``step``'s rollouts, with their ``perf/time/generate`` and

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from megatron_pacs.config import TrainConfig
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.prompts import PromptRow
 from megatron_pacs.sources.base import StepRollouts, rollout_metrics
+from megatron_pacs.sources.dumps import DumpContext
 from megatron_pacs.utils.seeding import SYNTHETIC_STREAM, seed_sequence
 
 __all__ = ["SyntheticSource", "synthetic_lengths"]
@@ -57,8 +59,19 @@ class SyntheticSource:
         vocab_size: Token ids are drawn below this (the smaller of the tokenizer's and the model's vocabularies).
     """
 
+    fleet = None
+    scorer = None
+
     def __init__(self, cfg: TrainConfig, vocab_size: int) -> None:
         self.cfg, self.vocab_size = cfg, vocab_size
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, *, tokenizer: Any, log_dir: str, context: DumpContext) -> SyntheticSource:
+        """Token ids stay within both the tokenizer's and the model's vocabularies."""
+        return cls(cfg, min(context.tokenizer_size, context.vocab_size))
+
+    def check(self, steps: Sequence[int]) -> None:
+        """Nothing to check ahead: every step's rollouts are drawn from the seed."""
 
     def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
         """Step ``step``'s rollouts (``rows`` give only the prompts' ids; their texts are not used)."""
