@@ -16,7 +16,8 @@ records the one its run resumed from and its parent (the lineage a damaged newes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +31,70 @@ if TYPE_CHECKING:
     from megatron_pacs.mcore.optim import Trainable
     from megatron_pacs.mcore.reference import ReferencePolicy
 
-__all__ = ["ResumePlan", "Resumed", "RunCheckpoints", "plan_resume"]
+__all__ = [
+    "MODEL_SHAPE_KEY",
+    "ResumePlan",
+    "Resumed",
+    "RunCheckpoints",
+    "check_load_at_start",
+    "model_shape",
+    "plan_resume",
+]
 
 log = get_logger("checkpoint")
+
+MODEL_SHAPE_KEY = "model_shape"
+"""The metadata's record of the model's shape (:func:`model_shape`; absent from checkpoints written before it)."""
+
+
+def model_shape(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """The shape of the model a run trains, from ``--hf-model``'s config.json (no weights read): hidden size, layers,
+    heads, head size, vocabulary, tied embeddings, biases, experts
+    (:class:`~megatron_pacs.planner.ModelShape`'s fields)."""
+    from megatron_pacs.planner import ModelShape
+
+    return asdict(ModelShape.from_pretrained(hf_dir))
+
+
+def _refuse_other_shape(cfg: TrainConfig, ckpt: Path, saved: dict[str, Any]) -> None:
+    """A checkpoint that recorded another model shape than ``--hf-model``'s, refused naming ``--load`` and every field
+    that differs (one without the record passes: the load itself checks the tensors)."""
+    recorded = saved.get(MODEL_SHAPE_KEY)
+    if not isinstance(recorded, dict):
+        return
+    here = model_shape(cfg.model.hf_model)
+    differ = [f"{k} {recorded[k]!r} there, {here[k]!r} here" for k in here if k in recorded and recorded[k] != here[k]]
+    if differ:
+        trained = (saved.get("config") or {}).get("model", {}).get("hf_model")
+        raise ValueError(
+            f"--load {cfg.checkpoint.load}: {ckpt} holds a model of another shape than --hf-model "
+            f"{cfg.model.hf_model}: {'; '.join(differ)}; pass the --hf-model it was trained from"
+            + (f" ({trained})" if trained else "")
+            + ", or --load a checkpoint of this model"
+        )
+
+
+def check_load_at_start(cfg: TrainConfig) -> int | None:
+    """What ``train.py`` checks of ``--load`` before anything is built: the checkpoint it resumes holds a model of
+    ``--hf-model``'s shape (from the metadata alone).
+
+    Returns:
+        The step of the checkpoint ``--load`` resumes, or None where it holds none (a fresh start).
+
+    Raises:
+        ValueError: naming ``--load``, the checkpoint and each field of the shape that differs.
+    """
+    assert cfg.checkpoint.load is not None
+    ckpt = choose_checkpoint(cfg.checkpoint.load).checkpoint
+    if ckpt is None:
+        return None
+    try:
+        saved = read_metadata(ckpt)
+    except ValueError as exc:
+        raise ValueError(f"--load: {exc}") from None
+    _refuse_other_shape(cfg, ckpt, saved)
+    step = saved.get("step")
+    return int(step) if isinstance(step, int) else int(ckpt.name.removeprefix("iter_"))
 
 
 @dataclass
@@ -88,6 +150,7 @@ def plan_resume(cfg: TrainConfig, loader: PromptLoader) -> ResumePlan:
         saved = read_metadata(choice.checkpoint)
     except ValueError as exc:
         raise ValueError(f"--load: {exc}") from None
+    _refuse_other_shape(cfg, choice.checkpoint, saved)
     if "config" in saved:  # refuses a change that breaks the saved state, reports the others
         pending = saved.get("pending_step") is not None
         changes = resume_changes(saved["config"], cfg.to_dict(), pending_rollouts=pending)
@@ -114,6 +177,13 @@ class RunCheckpoints:
         self.cfg, self.actor, self.reference, self.driver = cfg, actor, reference, driver
         self.resumed_from: Path | None = None  # the checkpoint this run resumed from
         self.parent: Path | None = None  # the newest checkpoint of this run's lineage (resumed or saved)
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` is saved: every ``--save-interval`` steps and the run's last, with ``--save``."""
+        ck = self.cfg.checkpoint
+        return bool(ck.save) and (
+            bool(ck.save_interval and step % ck.save_interval == 0) or step == self.cfg.run.train_iters
+        )
 
     @property
     def _trainable(self) -> Trainable:
@@ -142,6 +212,7 @@ class RunCheckpoints:
             "optimizer_reset_pending": trainable.reset_pending,
             "pending_step": pending_step,
             "config": self.cfg.to_dict(),
+            MODEL_SHAPE_KEY: model_shape(self.cfg.model.hf_model),
             "resumed_from": str(self.resumed_from.resolve()) if self.resumed_from is not None else None,
         }
         driver_objects = {}

@@ -21,10 +21,12 @@ import torch.distributed as dist
 
 from megatron_pacs.algo.objectives import MicroBatchLoss
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
-from megatron_pacs.data.batching import RolloutBatch, pad_rows
+from megatron_pacs.config import TrainConfig
+from megatron_pacs.data.batching import RolloutBatch
+from megatron_pacs.data.layout import probe_micro_batch
 from megatron_pacs.mcore.actor import Actor
 
-__all__ = ["check_logprob_bound", "probe_sync", "with_consistency"]
+__all__ = ["check_logprob_bound", "probe_due", "probe_sync", "with_consistency"]
 
 
 def _gap(prefix: str, delta: torch.Tensor, seen: torch.Tensor, tokens: TokenLogprobs) -> dict[str, torch.Tensor]:
@@ -72,6 +74,14 @@ def with_consistency(loss: MicroBatchLoss, batch: RolloutBatch, bf16: TokenStore
     return wrapped
 
 
+def probe_due(cfg: TrainConfig, step: int) -> bool:
+    """Whether the sync probe runs after step ``step``'s weight sync: after every sync with ``--max-logprob-diff``
+    (the consistency check of the update sees only steps whose rollouts came from the current weights, not those
+    generated one step off or before a resume), else after the first and at every validation."""
+    every = cfg.eval.eval_interval
+    return cfg.rollout.max_logprob_diff is not None or step == 1 or bool(every and step % every == 0)
+
+
 def probe_sync(actor: Actor, fleet: Any, batch: RolloutBatch, *, num_probes: int = 2) -> float:
     """Max |engine - trainer| token log-prob on a few of this step's sequences, right after a weight sync, through
     the engines' prompt log-probs (collective over the world; the same value on every rank).
@@ -90,10 +100,8 @@ def probe_sync(actor: Actor, fleet: Any, batch: RolloutBatch, *, num_probes: int
     worst = 0.0
     lockstep = actor.groups.ep_size > 1
     if actor.groups.dp_rank == 0 or lockstep:
-        rows = batch.held.nonzero().flatten()[:num_probes].tolist()
-        shape = (num_probes, int(batch.lengths.max())) if lockstep else (None, None)
-        tokens, _, _ = pad_rows(batch, rows, num_rows=shape[0], length=shape[1])
-        logp = actor.probe_logprobs(tokens)
+        rows, probe = probe_micro_batch(batch, num_probes, lockstep=lockstep)
+        logp = actor.probe_logprobs(probe.tokens)
         if fleet is not None:
             probes = [batch.sequence(i).tolist() for i in rows]
             refs = [logp[j, : len(probes[j]) - 1].tolist() for j in range(len(rows))]

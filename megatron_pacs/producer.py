@@ -1,4 +1,4 @@
-"""One-step-off-policy rollouts: the driver generates step k+1's rollouts while every rank trains on step k's.
+"""The step's rollouts, now or one step off: the driver generates step k+1's while every rank trains on step k's.
 
 The driver (rank 0) runs the rollout source (:class:`~megatron_pacs.sources.FleetSource`: generate through the
 fleet, score, pack) in a background thread; the thread mostly waits on Ray, so the trainer's main thread keeps the
@@ -6,13 +6,15 @@ GIL for Megatron. Weights move to the engines only after that generation has fin
 the weights one update old (docs/algorithm.md §5.1), and an engine restarted mid-generation is re-synced to those
 same weights (the fleet replays its last update, which is still the old one).
 
-:class:`RolloutProducer` also records when generation ran, so a step can report how much of it was hidden behind
-training (``perf/time/overlap_hidden``) and how long either side waited (``perf/time/idle_trainer``,
-``perf/time/idle_engines``).
+:class:`RolloutProducer` also times its own calls and records when generation ran, so a step can report how much of
+it was hidden behind training (``perf/time/overlap_hidden``) and how long either side waited
+(``perf/time/idle_trainer``, ``perf/time/idle_engines``): :meth:`RolloutProducer.step_metrics`. Every rank holds
+one; only the driver's has a source to run, so the others' calls do nothing and return None.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -37,15 +39,80 @@ class Generated:
 
 
 class RolloutProducer:
-    """Driver only: ``collect(rows, step) -> StepRollouts`` now (:meth:`run`) or in a background thread
-    (:meth:`submit`, then :meth:`take`); at most one generation in flight."""
+    """``collect(rows, step) -> StepRollouts`` now (:meth:`run`) or in a background thread (:meth:`submit`, then
+    :meth:`take`); at most one generation in flight. The trainer's step calls :meth:`rollouts`, :meth:`ahead`,
+    :meth:`drain` and :meth:`step_metrics`, which time themselves.
 
-    def __init__(self, collect: Callable[[list[PromptRow], int], StepRollouts]) -> None:
-        self._collect = collect
+    Args:
+        collect: The driver's rollout source's ``collect``; None on the other ranks (every call then does nothing).
+        guard: Wraps each call that waits on the rollout side (the trainer's: after the exit signal, a failure
+            there is the job's stop).
+        engines: The source generates with engines: :meth:`step_metrics` reports how long they and the trainer
+            waited for each other.
+    """
+
+    def __init__(
+        self,
+        collect: Callable[[list[PromptRow], int], StepRollouts] | None,
+        *,
+        guard: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        engines: bool = True,
+    ) -> None:
+        self._collect, self._guard, self._engines = collect, guard, engines
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
         self._future: Future[Generated] | None = None
         self.done: Generated | None = None
         """A finished generation not yet consumed (what a checkpoint keeps)."""
+        self._ran: list[Generated] = []  # the generations that ran during the current step
+        self._waited = 0.0  # the trainer's wait for rollouts during the current step
+
+    @property
+    def driver(self) -> bool:
+        """This rank runs the source."""
+        return self._collect is not None
+
+    def rollouts(self, rows: list[PromptRow] | None, step: int, version: int) -> Generated | None:
+        """Step ``step``'s rollouts: generated now from ``rows`` with weights ``version``, or, with ``rows`` None,
+        the ones generated ahead (one step off, or restored from a checkpoint). None off the driver."""
+        if not self.driver:
+            return None
+        started = time.perf_counter()
+        with self._guard():
+            if rows is None:
+                gen = self.take(step)
+            else:
+                gen = self.run(rows, step, version)
+                self._ran.append(gen)
+        self._waited += time.perf_counter() - started
+        return gen
+
+    def ahead(self, rows: list[PromptRow], step: int, version: int) -> None:
+        """Start generating step ``step``'s rollouts in the background (the driver; no-op elsewhere)."""
+        if self.driver:
+            self.submit(rows, step, version)
+
+    def drain(self) -> None:
+        """Wait for the generation in flight (before the weights change under it); it stays :attr:`done`."""
+        if not self.in_flight:
+            return
+        started = time.perf_counter()
+        with self._guard():
+            self._ran.append(self.wait())
+        self._waited += time.perf_counter() - started
+
+    def step_metrics(self, gen: Generated, train: tuple[float, float], step: tuple[float, float]) -> dict[str, float]:
+        """The step's rollout-side timing, and how many updates old its rollouts' weights were; starts the next
+        step's records.
+
+        Args:
+            gen: This step's rollouts.
+            train: ``(start, end)`` of this step's update.
+            step: ``(start, end)`` of the whole step.
+        """
+        metrics = overlap_metrics(self._ran, train, step, self._waited) if self._engines else {}
+        metrics["rollout/policy_lag"] = float(gen.step - 1 - gen.version)
+        self._ran, self._waited = [], 0.0
+        return metrics
 
     def _timed(self, rows: list[PromptRow], step: int, version: int) -> Generated:
         started = time.perf_counter()

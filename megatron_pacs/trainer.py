@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from megatron_pacs.algo.objectives import build_objective
 from megatron_pacs.checkpointing import RunCheckpoints
 from megatron_pacs.config import TrainConfig
-from megatron_pacs.consistency import check_logprob_bound, probe_sync
+from megatron_pacs.consistency import check_logprob_bound, probe_due, probe_sync
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow
@@ -35,27 +34,23 @@ from megatron_pacs.distribute import distribute_rollouts, send_stop
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.reference import ReferencePolicy
-from megatron_pacs.producer import Generated, RolloutProducer, overlap_metrics
-from megatron_pacs.update import update_policy
+from megatron_pacs.producer import Generated, RolloutProducer
 from megatron_pacs.rollout.colocate import Colocation
 from megatron_pacs.rollout.lost import RolloutClusterLost, stopped_with_the_job
-from megatron_pacs.sources import (
-    DumpContext,
-    FleetSource,
-    ReplaySource,
-    RolloutSource,
-    build_source,
-    dump_rollouts,
-    tokenizer_fingerprint,
-)
+from megatron_pacs.sources.base import RolloutSource
+from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, tokenizer_fingerprint
+from megatron_pacs.sources.registry import open_source, source_spec
+from megatron_pacs.update import update_policy
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.heartbeat import Heartbeat
 from megatron_pacs.utils.logging import get_logger
+from megatron_pacs.utils.progress import progress_bar
+from megatron_pacs.utils.run_dir import LogWriteError, any_rank
 from megatron_pacs.utils.seeding import use_deterministic_kernels
 from megatron_pacs.utils.sinks import MetricsWriter
 from megatron_pacs.utils.stacks import StackDumps
 from megatron_pacs.utils.timing import PhaseTimer
-from megatron_pacs.validation import validate
+from megatron_pacs.validation import validate, validation_due
 
 if TYPE_CHECKING:
     from megatron_pacs.rewards.scorer import RewardScorer
@@ -83,10 +78,12 @@ class Trainer:
             vocab_size=int(AutoConfig.from_pretrained(cfg.model.hf_model).vocab_size),
             temperature=cfg.rollout.temperature,
         )
-        self.replay: ReplaySource | None = None
-        if cfg.source.rollout_source == "replay":  # refused on every rank before anything is built
-            self.replay = ReplaySource(cfg, self.dump_context)
-            self.replay.check(range(1, cfg.run.train_iters + 1) if cfg.checkpoint.load is None else [])
+        self.log_dir = Path(cfg.run.log_dir)
+        self.source_spec = source_spec(cfg.source.rollout_source)
+        self.source: RolloutSource | None = None
+        if self.source_spec.checked_everywhere:  # its input is refused on every rank before anything is built
+            self.source = self._open_source()
+            self.source.check(range(1, cfg.run.train_iters + 1) if cfg.checkpoint.load is None else [])
         # SIGUSR1 dumps every thread's stack from here on: a rendezvous that hangs can be looked at too
         self.stacks = StackDumps(Path(cfg.run.log_dir) / "stacks", rank=int(os.environ.get("RANK", "0")))
         self.stacks.install()
@@ -111,12 +108,9 @@ class Trainer:
         self.objective = build_objective(cfg.loss, cfg.batch)
         for warning in cfg.warnings() if self.rank == 0 else ():
             log.warning(warning)
-        self.log_dir = Path(cfg.run.log_dir)
         self.timer = PhaseTimer(cuda_sync=torch.cuda.is_available())
-        self.source: RolloutSource | None = None
         self.fleet: RolloutFleet | None = None
         self.scorer: RewardScorer | None = None
-        self.producer: RolloutProducer | None = None
         self.engine_version = 0  # the training step whose weights the engines hold
         self.pending_step: int | None = None  # a step whose rollouts are generated ahead (every rank knows)
         # the last step whose update the weights hold, with the data position right after its prompts; the last saved
@@ -127,8 +121,7 @@ class Trainer:
         self.colocation = self._colocation()
         if self.colocation is not None:
             self.colocation.start()
-        if self.driver:
-            self._start_source()
+        self.producer = self._start_source()
         if self.colocation is not None:
             self.colocation.engine = self.fleet
         self.exit_signal: ExitSignal | None = None
@@ -143,12 +136,18 @@ class Trainer:
             return None
         return Colocation(None, self.actor if r.offload_optimizer_during_rollout else None)
 
-    def _start_source(self) -> None:
-        """Driver: the rollout source, and the producer that runs it now or, one step off, in the background."""
-        self.source = build_source(self.cfg, self.tokenizer, str(self.log_dir), self.dump_context, self.replay)
-        if isinstance(self.source, FleetSource):
-            self.fleet, self.scorer = self.source.fleet, self.source.scorer
-        self.producer = RolloutProducer(self.source.collect)
+    def _open_source(self) -> RolloutSource:
+        return open_source(self.cfg, tokenizer=self.tokenizer, log_dir=str(self.log_dir), context=self.dump_context)
+
+    def _start_source(self) -> RolloutProducer:
+        """The producer that runs the rollout source now or, one step off, in the background; the source (opened
+        here unless already open) and its engines and reward pool on the driver only."""
+        if not self.driver:
+            return RolloutProducer(None)
+        if self.source is None:
+            self.source = self._open_source()
+        self.fleet, self.scorer = self.source.fleet, self.source.scorer
+        return RolloutProducer(self.source.collect, guard=self._rollout_side, engines=self.source_spec.engines)
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -160,9 +159,35 @@ class Trainer:
         """
         cfg = self.cfg
         start_step = self._resume_and_sync(loader) if cfg.checkpoint.load else 0
-        if self.replay is not None and cfg.checkpoint.load:  # the steps left after the resume (every rank alike)
-            self.replay.check(range(start_step + 1, cfg.run.train_iters + 1))
-        self.writer = MetricsWriter(
+        if self.source is not None and cfg.checkpoint.load:  # the steps left after the resume (every rank alike)
+            self.source.check(range(start_step + 1, cfg.run.train_iters + 1))
+        self.writer = self._metrics_writer(start_step)
+        if start_step == 0 and validation_due(cfg.eval, 0, cfg.run.train_iters):
+            self.writer.log(0, self.validate())
+        history = []
+        bar = progress_bar(start_step, cfg.run.train_iters, enabled=self.driver)
+        # Log lines (one per step) go through tqdm.write, so the bar stays one line below them.
+        with logging_redirect_tqdm(loggers=[logging.getLogger("megatron_pacs")]):
+            self.updated, self.saved_step = (start_step, loader.state_dict()), start_step
+            for step in (s + 1 for s in bar):
+                metrics = self._step_unless_lost(loader, step)
+                if metrics is None:
+                    break
+                if validation_due(cfg.eval, step, cfg.run.train_iters):
+                    metrics.update(self.validate())
+                if self._log_or_stop(step, metrics, loader):
+                    break
+                history.append(metrics)
+                if self._save_or_stop(step, loader):
+                    break
+                if self.driver:
+                    bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', float('nan')):.3f}")
+        bar.close()
+        return history
+
+    def _metrics_writer(self, start_step: int) -> MetricsWriter:
+        cfg = self.cfg
+        return MetricsWriter(
             self.log_dir,
             enabled=self.driver,
             wandb_project=cfg.run.wandb_project,
@@ -172,52 +197,69 @@ class Trainer:
             # the first step this run logs: the rows of the steps the checkpoint holds stay, later ones go
             start_step=start_step + 1 if start_step else 0,
         )
-        history = []
-        every = cfg.eval.eval_interval
-        if every and start_step == 0:
-            self.writer.log(0, self.validate())
-        bar = tqdm(
-            range(start_step, cfg.run.train_iters),
-            desc="train",
-            unit="step",
-            disable=not self.driver,
-            initial=start_step,
-            total=cfg.run.train_iters,
-        )
-        # Log lines (one per step) go through tqdm.write, so the bar stays one line below them.
-        with logging_redirect_tqdm(loggers=[logging.getLogger("megatron_pacs")]):
-            self.updated, self.saved_step = (start_step, loader.state_dict()), start_step
-            for step in (s + 1 for s in bar):
-                try:
-                    metrics = self.step(loader, step)
-                except RolloutClusterLost:  # not back within --rollout-cluster-reconnect-seconds (§6.3)
-                    send_stop()  # the driver: in place of the rollouts the others wait for
-                    done = self._save_last_update(loader)
-                    if self.exit_signal is None or self.exit_signal.received_at is None:
-                        raise
-                    # a scheduler stopping the job signals every step of it, the rollout cluster's too (hetjob)
-                    log.warning("exit signal: the rollout side failed after it; stopped after step %d; exiting 0", done)
-                    break
-                if every and (step % every == 0 or step == cfg.run.train_iters):
-                    metrics.update(self.validate())
+
+    def _step_unless_lost(self, loader: PromptLoader, step: int) -> dict[str, float] | None:
+        """:meth:`step`; None when the rollout side was lost after the job's exit signal (the last update saved).
+        A failed write into ``--log-dir`` (the step's dumps, before its update) saves the last update the weights
+        hold, as a lost rollout side does, and stops the run."""
+        try:
+            return self.step(loader, step)
+        except LogWriteError as failure:
+            send_stop()  # the driver: in place of the rollouts the others wait for
+            self._kept(failure, self._save_last_update(loader))
+            raise
+        except RolloutClusterLost:  # not back within --rollout-cluster-reconnect-seconds (§6.3)
+            send_stop()  # the driver: in place of the rollouts the others wait for
+            done = self._save_last_update(loader)
+            if self.exit_signal is None or self.exit_signal.received_at is None:
+                raise
+            # a scheduler stopping the job signals every step of it, the rollout cluster's too (hetjob)
+            log.warning("exit signal: the rollout side failed after it; stopped after step %d; exiting 0", done)
+            return None
+
+    def _log_or_stop(self, step: int, metrics: dict[str, float], loader: PromptLoader) -> bool:
+        """The step's metrics into the sinks (collective where there are several ranks: whether the driver's write
+        failed). A failed write (a full disk) saves this step's update when --save is set, then stops the run: the
+        driver raises the one line naming the file, the step and the OS error; the others return True."""
+        failure = None
+        try:
+            if self.writer is not None:
                 self.writer.log(step, metrics)
-                history.append(metrics)
-                last = step == cfg.run.train_iters
-                ck = cfg.checkpoint
-                saved = ck.save and ((ck.save_interval and step % ck.save_interval == 0) or last)
-                if saved:
-                    self.save(step, loader)
-                    self.saved_step = step
-                if self.exit_signal is not None and not last and self.exit_signal.should_stop():
-                    log.warning("exit signal: every rank stops after step %d", step)
-                    if ck.save and not saved:
-                        self.save(step, loader)
-                    log.warning("exit signal: stopped after step %d (checkpoint: %s); exiting 0", step, ck.save)
-                    break
-                if self.driver:
-                    bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', float('nan')):.3f}")
-        bar.close()
-        return history
+        except LogWriteError as exc:
+            failure = exc
+        if not any_rank(failure is not None):
+            return False
+        if self.cfg.checkpoint.save and self.saved_step < step:
+            self.save(step, loader)
+            self.saved_step = step
+        if failure is None:
+            return True
+        self._kept(failure, step)
+        raise failure
+
+    def _kept(self, failure: LogWriteError, done: int) -> None:
+        """Say in ``failure``'s line what the run kept: the update of step ``done`` (saved when --save is set)."""
+        save = self.cfg.checkpoint.save
+        if not done:
+            failure.outcome = "stopped before the first update (nothing to keep)"
+        elif save:
+            failure.outcome = f"stopped; step {done}'s update is saved: free space and resume with --load {save}"
+        else:
+            failure.outcome = f"stopped; step {done}'s update is not kept (no --save)"
+
+    def _save_or_stop(self, step: int, loader: PromptLoader) -> bool:
+        """The checkpoint when due; then True when the exit signal stops the run (saved after this step)."""
+        saved = self.checkpoints.due(step)
+        if saved:
+            self.save(step, loader)
+            self.saved_step = step
+        if self.exit_signal is None or step == self.cfg.run.train_iters or not self.exit_signal.should_stop():
+            return False
+        log.warning("exit signal: every rank stops after step %d", step)
+        if self.cfg.checkpoint.save and not saved:
+            self.save(step, loader)
+        log.warning("exit signal: stopped after step %d (checkpoint: %s); exiting 0", step, self.cfg.checkpoint.save)
+        return True
 
     def _save_last_update(self, loader: PromptLoader) -> int:
         """After the rollout side failed in the middle of a step: save the last step whose update the weights hold
@@ -235,31 +277,33 @@ class Trainer:
         """One training step (collective): this step's rollouts (generated now, or during the previous step with
         ``--off-policy-steps 1``), the next step's generation started in the background, the update, a reference
         reset when due, then the weight sync once no generation is in flight."""
-        cfg = self.cfg
         started = time.perf_counter()
-        rows = None if self.pending_step == step else loader.next_batch()
+        ahead = self.pending_step == step  # generated during the previous step (or restored): older weights
+        rows = None if ahead else loader.next_batch()
         position = loader.state_dict()  # right after this step's prompts: a checkpoint of this step resumes here
         self.pending_step = None
-        gen, ran, waited = None, [], 0.0  # this step's rollouts; generations run during it; trainer's wait
-        if self.driver:
-            assert self.producer is not None
-            t0 = time.perf_counter()
-            with self._rollout_side():
-                if rows is None:
-                    gen = self.producer.take(step)  # generated during the previous step (or restored)
-                else:
-                    gen = self.producer.run(rows, step, self.engine_version)
-                    ran.append(gen)
-            waited += time.perf_counter() - t0
-        if cfg.rollout.off_policy_steps and step < cfg.run.train_iters:
-            next_rows, self.pending_step = loader.next_batch(), step + 1
-            if self.driver:
-                assert self.producer is not None
-                self.producer.submit(next_rows, step + 1, self.engine_version)
+        gen = self.producer.rollouts(rows, step, self.engine_version)
+        self._dump(step, gen)
+        if self.cfg.rollout.off_policy_steps and step < self.cfg.run.train_iters:
+            self.pending_step = step + 1
+            self.producer.ahead(loader.next_batch(), step + 1, self.engine_version)
         batch = self._distribute(gen)
+        metrics, train = self._update(batch, step, same_weights=not ahead)
+        self.updated = (step, position)  # the weights now hold this step (its sync to the engines may still fail)
+        self.producer.drain()
+        metrics.update(self._sync(step, batch))
+        metrics.update(self.timer.collect())
+        if gen is not None:
+            metrics.update(self._driver_metrics(step, gen, loader, train, (started, time.perf_counter())))
+        return metrics
+
+    def _update(self, batch: RolloutBatch, step: int, *, same_weights: bool) -> tuple[dict, tuple[float, float]]:
+        """The update on this rank's share (collective), the consistency bound, the reference's reset when due;
+        the metrics and the update's ``(start, end)``."""
+        cfg = self.cfg
         if self.colocation is not None:
             self.colocation.before_train()
-        train_started = time.perf_counter()
+        started = time.perf_counter()
         metrics = update_policy(
             self.actor,
             batch,
@@ -270,46 +314,53 @@ class Trainer:
             temperature=cfg.rollout.temperature,
             reference=self.reference,
             tis_cap=cfg.loss.tis_cap,
-            same_weights=rows is not None,  # generated ahead (one step off, or restored): older weights
+            same_weights=same_weights,
             score_fp8=cfg.score_fp8,
         )
-        train = (train_started, time.perf_counter())
+        train = (started, time.perf_counter())
         check_logprob_bound(cfg.rollout.max_logprob_diff, metrics, step)
         if self.reference is not None:
             metrics.update(self._after_step_reference(step, metrics))
-        self.updated = (step, position)  # the weights now hold this step (its sync to the engines may still fail)
-        if self.driver and self.producer is not None and self.producer.in_flight:
-            t0 = time.perf_counter()
-            with self._rollout_side():
-                ran.append(self.producer.wait())
-            waited += time.perf_counter() - t0
+        return metrics, train
+
+    def _sync(self, step: int, batch: RolloutBatch) -> dict[str, float]:
+        """The weights into the engines (collective; colocated, the engines wake around it), then the sync probe
+        when due (:func:`~megatron_pacs.consistency.probe_due`)."""
         with self.timer.phase("sync"), self._rollout_side():
             sync = self.colocation.after_train(self.sync_weights) if self.colocation else self.sync_weights()
         self.engine_version = step
-        # with --max-logprob-diff every sync is probed and compared (the consistency check above sees only steps
-        # whose rollouts came from the current weights: not those generated one step off or before a resume)
-        bound = cfg.rollout.max_logprob_diff
-        probe = bound is not None or step == 1 or (cfg.eval.eval_interval and step % cfg.eval.eval_interval == 0)
-        if probe and cfg.source.rollout_source == "fleet":
+        if self.source_spec.engines and probe_due(self.cfg, step):
             with self._rollout_side():
                 sync["sync/max_logprob_diff"] = probe_sync(self.actor, self.fleet, batch)
-            check_logprob_bound(bound, sync, step)
-        metrics.update(sync)
-        metrics.update(self.timer.collect())
-        if self.driver:
-            assert gen is not None
-            elapsed = time.perf_counter() - started
-            metrics.update(gen.rollouts.metrics)
-            if self.fleet is not None:  # read now: a loss during this step's sync or probe counts in this step
-                metrics.update(self.fleet.fault_counts())
-            if cfg.source.rollout_source == "fleet":  # how long engines and trainer waited for each other
-                metrics.update(overlap_metrics(ran, train, (started, started + elapsed), waited))
-            metrics["rollout/policy_lag"] = float(step - 1 - gen.version)
-            metrics["data/dropped_prompts"] = float(loader.dropped)  # over --max-prompt-length, at load
-            metrics["perf/time/step"] = elapsed
-            metrics["perf/tokens_per_sec"] = gen.rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
-            dump_rollouts(cfg.run, step, gen.rollouts, self.dump_context)
+            check_logprob_bound(self.cfg.rollout.max_logprob_diff, sync, step)
+        return sync
+
+    def _driver_metrics(
+        self,
+        step: int,
+        gen: Generated,
+        loader: PromptLoader,
+        train: tuple[float, float],
+        window: tuple[float, float],
+    ) -> dict[str, float]:
+        """The driver's share of the step's metrics (rollouts, faults, timing, throughput)."""
+        elapsed = window[1] - window[0]
+        metrics = dict(gen.rollouts.metrics)
+        if self.fleet is not None:  # read now: a loss during this step's sync or probe counts in this step
+            metrics.update(self.fleet.fault_counts())
+        metrics.update(self.producer.step_metrics(gen, train, window))
+        metrics["data/dropped_prompts"] = float(loader.dropped)  # over --max-prompt-length, at load
+        metrics["perf/time/step"] = elapsed
+        metrics["perf/tokens_per_sec"] = gen.rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
+        if self.writer is not None:  # --log-samples: the first responses, to TensorBoard and W&B
+            self.writer.log_samples(step, gen.rollouts.records[: self.cfg.run.log_samples])
         return metrics
+
+    def _dump(self, step: int, gen: Generated | None) -> None:
+        """The step's rollouts into ``--log-dir/rollouts/`` (the driver), before its update: a full disk stops the
+        run with the weights of the step before (:meth:`_step_unless_lost` saves them)."""
+        if gen is not None:
+            dump_rollouts(self.cfg.run, step, gen.rollouts, self.dump_context)
 
     def _rollout_side(self) -> contextlib.AbstractContextManager[None]:
         """The driver's calls to the rollout side: after the exit signal, their failure is the job's stop."""
@@ -356,9 +407,12 @@ class Trainer:
     def save(self, step: int, loader: PromptLoader) -> Path:
         """This run's checkpoint after ``step`` (collective; :class:`~megatron_pacs.checkpointing.RunCheckpoints`)."""
         # One step off: the next step's rollouts are done (the sync waited for them); they are kept with it.
-        pending = self.producer.done if self.driver and self.producer is not None and self.pending_step else None
+        pending = self.producer.done if self.pending_step else None
         with self.timer.phase("save"):
-            return self.checkpoints.save(step, loader, pending_step=self.pending_step, pending_rollouts=pending)
+            path = self.checkpoints.save(step, loader, pending_step=self.pending_step, pending_rollouts=pending)
+        if self.driver:
+            log.info("saved step %d to %s", step, path)
+        return path
 
     def _resume_and_sync(self, loader: PromptLoader) -> int:
         """:meth:`resume`, then the loaded weights into the fleet. Colocated, the load is one colocated cycle: the
@@ -381,7 +435,6 @@ class Trainer:
         if resumed.step:
             self.pending_step = resumed.pending_step
             if self.driver and resumed.pending_rollouts is not None:
-                assert self.producer is not None
                 self.producer.done = resumed.pending_rollouts
             self.engine_version = resumed.step
         return resumed.step

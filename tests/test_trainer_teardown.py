@@ -1,4 +1,4 @@
-"""The driver's teardown and dumps (issue 24.8). ``Trainer.close`` neither hangs nor stops half-way: the real
+"""The driver's teardown and dumps. ``Trainer.close`` neither hangs nor stops half-way: the real
 close on a real rollout producer with a generation stuck in flight and a real reward pool, beside a fleet whose
 shutdown fails (a fault injected in place of the Ray fleet, which this test does not start; the other tests close
 real fleets)."""
@@ -53,7 +53,7 @@ def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkey
 
 
 def test_rollout_dumps_follow_the_flag(tmp_path):
-    """Issue 24.8: ``--no-dump-rollouts`` skips the per-step dump (about 45 MB per step at recipe scale)."""
+    """``--no-dump-rollouts`` skips the per-step dump (about 45 MB per step at recipe scale)."""
     from megatron_pacs.config import parse_config
     from megatron_pacs.sources import StepRollouts, dump_rollouts
 

@@ -6,7 +6,8 @@ import itertools
 import pytest
 import torch
 
-from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_rows, pad_rows
+from megatron_pacs.data.batching import RolloutBatch
+from megatron_pacs.data.layout import micro_batch_rows, mini_batch_rows, pad_rows
 
 
 def make_batch(prompt_lens, response_lens, group_size=1):

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from megatron_pacs.data.batching import RolloutBatch, pack_rows
+from megatron_pacs.data.batching import RolloutBatch
+from megatron_pacs.data.layout import pack_rows
 from megatron_pacs.data.packing import balanced_group_shares, lpt_bins, pack_micro_batches
 
 

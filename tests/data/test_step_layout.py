@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_pacs.config import BatchConfig
-from megatron_pacs.data.batching import RolloutBatch, micro_batch_rows, mini_batch_rows
-from megatron_pacs.data.layout import StepLayout, rank_rows, step_shares
+from megatron_pacs.data.batching import RolloutBatch
+from megatron_pacs.data.layout import StepLayout, micro_batch_rows, mini_batch_rows, rank_rows, step_shares
 from megatron_pacs.data.lockstep import Lockstep, lockstep_mode
 
 

@@ -109,7 +109,8 @@ PACKED_ROW = 64  # one packed row length for every micro-batch (pipeline message
 
 def _packing_batches(vocab: int, seed: int = 3):
     """The same five sequences as padded micro-batches (3 rows x longest) and as packed rows of 64 tokens."""
-    from megatron_pacs.data.batching import RolloutBatch, pack_rows, pad_rows
+    from megatron_pacs.data.batching import RolloutBatch
+    from megatron_pacs.data.layout import pack_rows, pad_rows
 
     gen = torch.Generator().manual_seed(seed)
     batch = RolloutBatch.from_sequences(
