@@ -3,9 +3,11 @@ sampled."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from typing import Any
 
-from megatron_pacs.config.base import bad, is_set
+from megatron_pacs.config.base import bad, is_set, option
 
 __all__ = ["RAY_CLIENT_GRACE_S", "RolloutConfig", "check_reconnect_window"]
 
@@ -19,84 +21,81 @@ ROLLOUT_BACKENDS = ("vllm",)
 
 WEIGHT_SYNC = ("auto", "object_store", "broadcast", "ipc")
 
+# --help groups (flags and fields keep their names)
+_ENGINES, _SAMPLING, _SYNC = "engines", "sampling", "weight sync"
+_CLUSTER, _SCHEDULING = "cluster and faults", "scheduling"
+
 
 @dataclass(kw_only=True)
 class RolloutConfig:
     """The engine fleet and sampling."""
 
-    rollout_backend: str = "vllm"
+    rollout_backend: str = option("vllm", choices=ROLLOUT_BACKENDS, group=_ENGINES)
     """The engines' inference backend, a name registered in megatron_pacs/rollout/backends.py (vllm: vLLM); the
     backend turns the settings below into its own engine arguments."""
-    num_engines: int = 1
+    num_engines: int = option(1, group=_ENGINES)
     """Independent vLLM engines (data-parallel generation)."""
-    rollout_tensor_parallel_size: int = 1
+    rollout_tensor_parallel_size: int = option(1, group=_ENGINES)
     """GPUs per engine (vLLM tensor parallelism); 1 on CPU."""
-    temperature: float = 1.0
+    temperature: float = option(1.0, group=_SAMPLING)
     """Sampling temperature (also the temperature of the trainer's log-probs)."""
-    top_p: float = 1.0
+    top_p: float = option(1.0, group=_SAMPLING)
     """Nucleus sampling."""
-    top_k: int = -1
+    top_k: int = option(-1, group=_SAMPLING)
     """Top-k sampling; -1 = off."""
-    rollout_dtype: str = "auto"
+    rollout_dtype: str = option("auto", group=_ENGINES)
     """Engine dtype; auto: the trainer's (bfloat16 with --bf16, else float32)."""
-    ray_address: str | None = None
+    ray_address: str | None = option(None, group=_CLUSTER)
     """Existing Ray cluster for the fleet (auto, ray://host:10001, host:6379); default: a local one inside
     --log-dir."""
-    ray_object_store_gb: float = 0.5
+    ray_object_store_gb: float = option(0.5, group=_CLUSTER)
     """Object store of a locally started Ray, GiB (weight updates pass through it on CPU)."""
-    colocate: bool = False
+    colocate: bool = option(False, group=_ENGINES)
     """Engines share the trainer's GPUs, sleeping while it trains (GPU only; refused on a machine without CUDA)."""
-    gpu_memory_utilization: float | None = None
+    gpu_memory_utilization: float | None = option(None, group=_ENGINES)
     """GPU memory share per engine for weights and KV cache; default: 0.85 when the engines own their GPUs, 0.5 with
     --colocate (the trainer's weights, gradients and activations stay on the GPU while the engines generate)."""
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float = option(1.0, group=_ENGINES)
     """CPU only: KV cache per engine, GiB."""
-    weight_sync: str = "auto"
+    weight_sync: str = option("auto", choices=WEIGHT_SYNC, group=_SYNC)
     """How new weights reach the engines: object_store, broadcast (NCCL side group) or ipc (CUDA IPC, colocated);
     auto: object_store on CPU, ipc when colocated, else broadcast."""
-    weight_sync_address: str | None = None
-    """With --weight-sync broadcast: the trainer rank 0 address (IP or host name) the engines connect to for the
-    side group. Default: the source address of this host's route towards the engines' nodes (as the engines report
-    them), which is right both when the trainer is a Ray cluster member and through Ray Client (ray://); set it
-    when the engines must use another interface or name."""
-    weight_sync_bucket_mb: int = 256
+    weight_sync_address: str | None = option(None, group=_SYNC)
+    """With --weight-sync broadcast: the address (IP or host name) of trainer rank 0 that the engines connect to;
+    default: this host's source address towards the engines' nodes (docs/training.md)."""
+    weight_sync_bucket_mb: int = option(256, group=_SYNC)
     """Weight-sync bucket size in MiB."""
-    keep_weights_for_restart: bool | None = None
+    keep_weights_for_restart: bool | None = option(None, group=_SYNC)
     """Keep a host copy of the last weight update in Ray's object store, so that a restarted engine is re-synced at
-    once (and an update that an engine's death cut short is completed); without it a restarted engine waits for the
-    next update. Default: on with CPU engines, off with GPU engines (the copy moves the whole model to host memory
-    and into the object store every step: about 15 GB per step at 7B). The object-store transport keeps it anyway."""
-    chunks_per_engine: int = 4
+    once; default: on with CPU engines, off with GPU engines (a host copy of the whole model per step;
+    docs/training.md)."""
+    chunks_per_engine: int = option(4, group=_SCHEDULING)
     """Work units per engine per generate call: more balances better and loses less on a crash, fewer costs less
     RPC."""
-    max_engine_restarts: int = 3
+    max_engine_restarts: int = option(3, group=_CLUSTER)
     """Engine restarts allowed within one fleet call (a generation, a weight sync, a sync probe, a sleep or wake-up)
     before the step fails."""
-    engine_call_timeout_seconds: float = 1800.0
+    engine_call_timeout_seconds: float = option(1800.0, group=_CLUSTER)
     """The longest one engine call may take (a generation chunk, a weight bucket, a probe, sleep or wake-up, an
     engine's start): an engine that has not answered by then is taken as hung, killed and restarted like a dead
     one. Raise it for very long generations per chunk (or raise --chunks-per-engine)."""
-    rollout_cluster_reconnect_seconds: float = 0.0
-    """With a rollout cluster reached through Ray Client (--ray-address ray://host:10001): when its head is lost
-    mid-run (found once Ray Client's own reconnect grace, RAY_CLIENT_RECONNECT_GRACE_PERIOD, 30 s, has passed), wait
-    up to this many seconds for the head's client port to answer again; then connect again, start the engines anew,
-    re-sync them to the current weights and repeat the call (a generation repeats exactly: per-request seeds). Not
-    back in time: every rank saves the last completed step (if not checkpointed yet) and the run exits 1 with one
-    line naming the address and this flag; the same command resumes. Costs one host copy of the weights on trainer
-    rank 0, refreshed at every update. 0: off (a lost head fails the step). The other ranks wait in a collective
-    meanwhile: window + Ray Client's grace must leave half of --distributed-timeout-minutes."""
-    off_policy_steps: int = 0
+    rollout_cluster_reconnect_seconds: float = option(0.0, group=_CLUSTER)
+    """With --ray-address ray://host:10001: when the rollout cluster's head is lost mid-run, wait up to this many
+    seconds for it, then restart and re-sync the engines and repeat the call; 0: off (docs/training.md)."""
+    off_policy_steps: int = option(0, group=_SCHEDULING)
     """0: generate, then train, every step (synchronous). 1: the engines generate step k+1's rollouts while the
     actor trains on step k's, so every step after the first trains on rollouts one update old (docs/algorithm.md
     §5.1)."""
-    offload_optimizer_during_rollout: bool = False
+    offload_optimizer_during_rollout: bool = option(False, group=_ENGINES)
     """With --colocate: move the optimizer state and gradient buffers to host memory while the engines generate
     (GPU only)."""
-    max_logprob_diff: float | None = None
+    rollout_engine_kwargs: str | dict[str, Any] = field(default_factory=dict, metadata={"help_group": _ENGINES})
+    """Extra keyword arguments for every engine, one JSON object (e.g. '{"enforce_eager": true}'); with vLLM, any
+    engine argument except those set from this project's own flags (each refused naming its flag), applied last
+    (docs/training.md)."""
+    max_logprob_diff: float | None = option(None, group=_SYNC)
     """Stop the run when the largest |engine - trainer| token log-prob exceeds this (weights not synced, a wrong
-    tokenizer or dtype), on the step's rollouts when they came from the current weights and on a probe after every
-    weight sync, in every mode (synchronous, one step off, resumed); None: report only (docs/algorithm.md §7.1
-    gives the expected values)."""
+    tokenizer or dtype), on fresh rollouts and after every weight sync; None: report only (docs/algorithm.md §7.1)."""
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "rollout_tensor_parallel_size", "weight_sync_bucket_mb", "chunks_per_engine"):
@@ -163,6 +162,17 @@ class RolloutConfig:
             )
         if self.ray_object_store_gb <= 0 or self.kv_cache_gb <= 0:
             raise bad("ray_object_store_gb" if self.ray_object_store_gb <= 0 else "kv_cache_gb", "must be > 0")
+        self.rollout_engine_kwargs = _json_object(self.rollout_engine_kwargs)
+        if self.rollout_engine_kwargs:
+            # the backend's own check module (standard library only: neither torch nor vLLM is imported)
+            from megatron_pacs.rollout.backends import check_engine_kwargs
+
+            check_engine_kwargs(self.rollout_backend, self.rollout_engine_kwargs)
+
+    @property
+    def engine_extra_kwargs(self) -> dict[str, Any]:
+        """``--rollout-engine-kwargs`` as a dict (the field holds its JSON text until ``__post_init__`` parses it)."""
+        return _json_object(self.rollout_engine_kwargs)
 
     @property
     def engine_memory_fraction(self) -> float:
@@ -170,6 +180,29 @@ class RolloutConfig:
         if self.gpu_memory_utilization is not None:
             return self.gpu_memory_utilization
         return 0.5 if self.colocate else 0.85
+
+
+def _json_object(value: str | dict[str, Any]) -> dict[str, Any]:
+    """``--rollout-engine-kwargs``'s value as a dict: JSON text (the command line) or a dict (Python).
+
+    Raises:
+        ValueError: naming the flag, for text that is not JSON, JSON that is not an object, or a key that is not a
+            keyword name.
+    """
+    example = """pass one JSON object of engine arguments, e.g. '{"enforce_eager": true}'"""
+    parsed: Any = value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            why = f"{value!r} is not valid JSON ({exc.msg}, column {exc.colno}); {example}"
+            raise bad("rollout_engine_kwargs", why) from None
+    if not isinstance(parsed, dict):
+        raise bad("rollout_engine_kwargs", f"{value!r} is a JSON {type(parsed).__name__}, not an object; {example}")
+    names = [k for k in parsed if not (isinstance(k, str) and k.isidentifier())]
+    if names:
+        raise bad("rollout_engine_kwargs", f"{names} are not keyword names; {example}")
+    return dict(parsed)
 
 
 def check_reconnect_window(rollout: RolloutConfig, distributed_timeout_minutes: int) -> None:

@@ -263,8 +263,8 @@ def test_the_resume_comparison_gives_the_weights_gap_and_every_metric(tmp_path):
 def test_the_gpu_tests_are_collected_on_a_machine_without_the_fleet_stack():
     """The trainer tier's ``pytest tests -m gpu`` on an image without Ray, vLLM or math-verify: every test module
     is collected (one that needs the fleet skips with its reason), so no collection error fails the whole step
-    (tests/rollout/test_reconnect.py imported the fleet, and with it Ray, at its top)."""
-    from conftest import NO_FLEET_STACK
+    (as a module that imports the fleet, and with it Ray, at its top would)."""
+    from helpers.runs import NO_FLEET_STACK
 
     env = {**os.environ, "PYTHONPATH": f"{NO_FLEET_STACK}:{ROOT}"}
     cmd = [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider"]

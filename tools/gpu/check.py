@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""``make gpu-check``: verify the GPU path on a machine with one or more CUDA GPUs, in one command, in two tiers.
+"""``make gpu-check``: verify the GPU path on a machine with one or more CUDA GPUs, in one command, in four tiers.
 
 ``--tier trainer`` (``make gpu-check TIER=trainer``; within 6.5 minutes on one H100, model creation included, so
 that it fits the 7.5 minutes a short loan of a GPU machine leaves after installing megatron-core) needs only torch,
@@ -16,20 +16,30 @@ telling first (a budget cut drops the tail):
 5. the 1.5B train step, packed vs padded vs HF (``bench_train_step --shape 1.5b``, MFU and peak memory), with
    fewer iterations to fit.
 
+``--tier rollout`` (6.5 minutes after vLLM and Ray are installed; no TE) and ``--tier te`` (6.5 minutes after
+Transformer Engine is; no vLLM or Ray) run the plans of tools/gpu/tiers.py (``PLANS``), most telling first. Rollout:
+three PACS steps with a colocated vLLM CUDA engine (sleep/wake, CUDA-IPC sync, optimizer offload) on the random
+0.5B shape, with the engine's start, the sync's time, generation tokens/s, the GPU memory timeline and engine vs
+trainer log-probs (``consistency/*``, ``sync/max_logprob_diff``); the same two steps stale with partial rollouts
+where the train CLI has those flags; R3 from a real engine on a tiny Qwen3-MoE. TE: the 1.5B packed train step on
+the TE spec in bf16 and FP8 (MFU, peak memory); three synthetic PACS steps with an FP8 trainer and bf16 score
+passes; the same train step without TE; FP8's log-prob drift over 1k and 4k tokens against bf16.
+``--engine-kwargs JSON`` (or ``GPU_CHECK_ENGINE_KWARGS``) reruns the engines with another engine argument.
+
 ``--tier full`` (the default; 25 minutes on one H100) runs the trainer tier's steps and then the rest: the 1.5B step
 with TE; three PACS steps end to end with a real vLLM CUDA engine (colocated with sleep/wake, CUDA-IPC sync and
 optimizer offload, with the GPU memory timeline; the NCCL broadcast to an engine on its own GPU with two or more
 GPUs; an FP8 trainer); the 7B TE bf16 vs FP8 fwd+bwd, the FP8 score drift and TE's fp32 diagnosis.
 
-Every step runs in its own process under a time limit derived from the README's H100 baseline (see ``LIMITS``),
+Every step runs in its own process under a time limit derived from the README's H100 baseline (``LIMITS``),
 within the tier's budget (``--budget-min``); a step the remaining budget no longer allows is skipped with that
 reason, and every result is written to ``OUT/results.json`` as it finishes, so a run cut short keeps what completed.
 Then ``OUT/report.md`` and ``OUT/report.json`` (tools/gpu/report.py): the figures beside their targets, every test,
 and every step that could not run with its reason. ``--baseline old/report.json`` adds the change of every figure.
 Without CUDA it says so and exits 2.
 
-Usage: python tools/gpu_check.py [--tier trainer|full] [--out gpu-report] [--baseline old/report.json]
-       [--budget-min M] [--only STEP ...]
+Usage: python tools/gpu_check.py [--tier full|rollout|te|trainer] [--out gpu-report] [--baseline old/report.json]
+       [--budget-min M] [--only STEP ...] [--engine-kwargs JSON]
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,113 +56,47 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
-from gpu.machine import MemoryTimeline, environment, junit_results  # noqa: E402 - importable from any directory
+from gpu.machine import (  # noqa: E402 - importable from any directory
+    MemoryTimeline,
+    environment,
+    junit_results,
+    no_cuda_message,
+    train_cli_has,
+)
 from gpu.report import write_report  # noqa: E402
+from gpu.tiers import (  # noqa: E402
+    ASYNC_FLAGS,
+    ASYNC_MISSING,
+    COLOCATED_FLAGS,
+    DRIFT_ARGS,
+    E2E_FLAGS,
+    E2E_SHAPE,
+    FP8_RL_FLAGS,
+    LIMITS,
+    MIN_START_S,
+    PLANS,
+    R3_TEST,
+    SYNTHETIC_FLAGS,
+    TIER_BUDGET_MIN,
+    TRAIN_STEP_SIZE,
+    step_limit,
+)
+
+__all__ = ["E2E_SHAPE", "LIMITS", "PLANS", "SYNTHETIC_FLAGS", "TIER_BUDGET_MIN", "Check", "main"]
 
 PY = sys.executable
-
-# Qwen2.5-0.5B's shape (random init; the vocabulary is the local tokenizer's).
-E2E_SHAPE = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
-# Three PACS steps without the fleet: the reference policy, reset at step 2, and a KL term (trainer tier).
-SYNTHETIC_FLAGS = [
-    "--rollout-source",
-    "synthetic",
-    "--train-iters",
-    "3",
-    "--global-batch-size",
-    "8",
-    "--group-size",
-    "8",
-    "--ppo-mini-batch-size",
-    "4",
-    "--max-prompt-length",
-    "256",
-    "--max-response-length",
-    "1024",
-    "--bf16",
-    "--pacs-score-reference",
-    "ref",
-    "--ref-reset-interval",
-    "2",
-    "--kl-coef",
-    "0.01",
-    # resume == continuous is checked bit for bit: attention's default backward on CUDA sums with atomics
-    "--deterministic-mode",
-]
-E2E_FLAGS = [
-    "--train-iters",
-    "3",
-    "--global-batch-size",
-    "8",
-    "--ppo-mini-batch-size",
-    "4",
-    "--group-size",
-    "4",
-    "--max-prompt-length",
-    "128",
-    "--max-response-length",
-    "128",
-    "--bf16",
-    "--rollout-dtype",
-    "bfloat16",
-    "--reward-workers",
-    "2",
-]
-
-
-# Each step's time limit (seconds) on one H100, from the README's H100 baseline (shared/gpu figures: a 1.5B
-# fwd+bwd 0.17-0.28 s, a full train step 0.25-0.38 s, a 7B fwd+bwd 0.31-0.42 s, a PACS step through the project
-# 1.8 s, the 1.5B weight export 0.26 s) plus what the baseline does not count: a process's start (CUDA context,
-# imports of torch, megatron-core and transformers: about 20 s), building a random model on the GPU (1.5B: about
-# 15 s; 7B: about 60 s) and the HF reference's load. The limit is about 2x that estimate.
-LIMITS = {
-    # pytest start (~20 s) and one CUDA process per distributed test (~20 s each, ~5 of them without TE/vLLM)
-    "gpu_tests": 240,
-    # 4 implementations x 13 timed passes of <= 20 ms, one process: start-up bound (~30 s)
-    "bench_logprobs": 90,
-    # 3 variants x 2 layouts in one process each (~20 s start + 15 s model + (1 + 3) x 0.4 s): ~6 x 37 s = 220 s
-    "train_step_1.5b": 420,
-    # (full tier) the TE train step: 2 layouts x (20 s + 15 s + 6 x 0.3 s)
-    "train_step_1.5b_te": 180,
-    # a 0.5B model built once (~30 s); a 3-step synthetic run: start 30 s, 3 x (0.6 s step + 3 s checkpoint)
-    "rl_setup": 120,
-    "rl_synthetic": 180,
-    "rl_synthetic_resumed": 120,
-    # (full tier) an end-to-end run with a vLLM CUDA engine: engine start (~60-90 s) + trainer + 3 steps
-    "rl_e2e": 300,
-    # (full tier) the 7B model on the GPU (~60 s), 3 FP8 recipes + bf16 x (1 + 3) x 0.4 s, per process ~90 s
-    "train_step_7b_fp8": 480,
-    "bench_fp8_drift": 240,
-    "diag_te_fp32": 90,
-}
-TIER_BUDGET_MIN = {"trainer": 6.5, "full": 25.0}
-
-
-def no_cuda_message() -> str | None:
-    """Why this machine cannot run the check, or None when it has a CUDA GPU."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        build = f"torch {torch.__version__} (CUDA build {torch.version.cuda})" if torch.version.cuda else "a CPU torch"
-        return f"no CUDA GPU visible ({build}): make gpu-check needs a machine with one or more CUDA GPUs"
-    return None
 
 
 class Check:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.out = args, args.out
-        self.deadline = time.time() + args.budget_min * 60
-        self.results: dict = {"started": datetime.now(UTC).isoformat(timespec="seconds"), "steps": {}}
+        self.t0 = time.time()
+        self.deadline = self.t0 + args.budget_min * 60
+        self.results: dict = {
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "tier": getattr(args, "tier", "full"),
+            "steps": {},
+        }
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
 
     def save(self) -> None:
@@ -163,18 +108,32 @@ class Check:
         print(f"== {name}: skipped ({reason})", flush=True)
         self.save()
 
-    def run(self, name: str, cmd: list[str], limit_s: float, **extra) -> dict:
-        """Run one step (a subprocess in the project root) within its limit and the overall budget."""
-        if self.args.only and name not in self.args.only:
-            return {}
+    def budget_cut(self, min_s: float = 30) -> str | None:
+        """Why a step needing at least ``min_s`` seconds cannot start any more, or None when the budget allows it."""
         left = self.deadline - time.time()
         if left < 30:
-            self.skip(name, f"the {self.args.budget_min}-minute budget is spent")
+            return f"the {self.args.budget_min}-minute budget is spent"
+        if left < min_s:
+            return f"the {self.args.budget_min}-minute budget leaves {left:.0f} s; the step needs about {min_s:.0f} s"
+        return None
+
+    def run(
+        self, name: str, cmd: list[str], limit_s: float, min_s: float = 30, path: tuple[Path, ...] = (), **extra
+    ) -> dict:
+        """Run one step (a subprocess in the project root, with ``path`` on its PYTHONPATH too) within its limit and
+        the overall budget; a step that needs more than ``min_s`` seconds of what is left is skipped with that
+        reason."""
+        if self.args.only and name not in self.args.only:
+            return {}
+        cut = self.budget_cut(min_s)
+        if cut:
+            self.skip(name, cut)
             return self.results["steps"][name]
-        limit = min(limit_s, left)
+        limit = min(limit_s, self.deadline - time.time())
         print(f"== {name}: {' '.join(cmd)} (limit {limit:.0f} s)", flush=True)
         started = time.time()
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        pythonpath = os.pathsep.join([str(ROOT), *map(str, path), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=pythonpath)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=limit, env=env)
             status = "ok" if proc.returncode == 0 else "failed"
@@ -217,12 +176,7 @@ class Check:
         """The log-prob kernels and the 1.5B train step (packed vs padded vs HF); the TE step in the full tier."""
         self.run("bench_logprobs", [PY, "benchmarks/bench_logprobs.py", "--device", "cuda"], LIMITS["bench_logprobs"])
         ts = [PY, "benchmarks/bench_train_step.py", "--shape", "1.5b", "--workdir", str(self.out / "work")]
-        # 4 prompts x 8 responses, one padded row (or its worst-case tokens packed) per micro-batch: the first
-        # H100 run of the default (8 prompts, 2 rows) failed in every variant, its exception hidden by NCCL's exit
-        # warning; the same bench at 4 prompts ran fwd+bwd within 49 GiB, and the train variant adds ~27 GiB of
-        # optimizer state on one GPU.
-        sized = ["--variants", "hf", "train", "--prompts", "4", "--micro-batch-size", "1", "--warmup", "1"]
-        sized += ["--iters", "3"]
+        sized = ["--variants", "hf", "train", *TRAIN_STEP_SIZE]  # what fits one GPU (tiers.py)
         self.run("train_step_1.5b_no_te", [*ts, "--impl", "sdpa", *sized], LIMITS["train_step_1.5b"])
         if self.args.tier == "trainer":
             return
@@ -264,32 +218,10 @@ class Check:
         work = str(self.out / "work")
         if env.get("transformer-engine") is not None:
             if memory >= 70:
-                self.run(
-                    "train_step_7b_fp8",
-                    [
-                        PY,
-                        "benchmarks/bench_train_step.py",
-                        "--shape",
-                        "7b",
-                        "--impl",
-                        "te",
-                        "--variants",
-                        "fwd_bwd",
-                        "--layouts",
-                        "padded",
-                        "--micro-batch-size",
-                        "1",
-                        "--fp8",
-                        "delayed",
-                        "tensorwise",
-                        "blockwise",
-                        "--iters",
-                        "3",
-                        "--workdir",
-                        work,
-                    ],
-                    LIMITS["train_step_7b_fp8"],
-                )
+                cmd = [PY, "benchmarks/bench_train_step.py", "--shape", "7b", "--impl", "te", "--variants", "fwd_bwd"]
+                cmd += ["--layouts", "padded", "--micro-batch-size", "1", "--fp8", "delayed", "tensorwise"]
+                cmd += ["blockwise", "--iters", "3", "--workdir", work]
+                self.run("train_step_7b_fp8", cmd, LIMITS["train_step_7b_fp8"])
             else:
                 self.skip("train_step_7b_fp8", f"{memory} GiB of GPU memory; the 7B fwd+bwd needs about 70")
             self.run(
@@ -319,10 +251,9 @@ class Check:
                 self.skip(name, "the model and data could not be prepared (rl_setup)")
             return
         base = ["--hf-model", str(setup / "model"), "--train-data", str(setup / "train.jsonl"), *E2E_FLAGS]
+        base += self.engine_flags()
         train = [PY, "-m", "megatron_pacs.train"]
-        self._rl(
-            "rl_colocated", [*train, *base, "--colocate", "--weight-sync", "ipc", "--offload-optimizer-during-rollout"]
-        )
+        self._rl("rl_colocated", [*train, *base, *COLOCATED_FLAGS])
         if env.get("gpu_count", 1) >= 2:
             self._rl("rl_broadcast", [*train, *base, "--num-engines", "1", "--weight-sync", "broadcast"])
         else:
@@ -334,26 +265,117 @@ class Check:
         else:
             self.skip("rl_fp8", "Transformer Engine is not installed (FP8 needs it)")
 
-    def _rl(self, name: str, cmd: list[str], limit_s: float = LIMITS["rl_e2e"]) -> dict:
+    def _rl(self, name: str, cmd: list[str], limit_s: float = LIMITS["rl_e2e"], min_s: float = 30) -> dict:
         log_dir = self.out / "work" / name
         with MemoryTimeline() as timeline:
-            step = self.run(name, [*cmd, "--log-dir", str(log_dir)], limit_s)
-        if not step:
+            step = self.run(name, [*cmd, "--log-dir", str(log_dir)], limit_s, min_s)
+        if not step or step["status"] == "skipped":
             return step
         metrics_file = log_dir / "metrics.jsonl"
         if metrics_file.exists():
             step["metrics"] = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
         step["memory"] = timeline.summary()
+        log = self.out / "logs" / f"{name}.log"
+        started = re.search(r"engine\(s\) ready in ([0-9.]+) ?s", log.read_text()) if log.exists() else None
+        if started:  # the fleet's own line: every engine up, from its first spawn
+            step["engine_start_s"] = float(started.group(1))
         self.save()
         return step
 
+    def engine_flags(self) -> list[str]:
+        """``--rollout-engine-kwargs`` for every run with engines, from ``--engine-kwargs`` (or
+        ``GPU_CHECK_ENGINE_KWARGS``): a rerun with another engine argument, e.g. ``{"enforce_eager": true}``."""
+        extra = getattr(self.args, "engine_kwargs", None)
+        return ["--rollout-engine-kwargs", extra] if extra else []
+
+    # -- the rollout and TE tiers: a plan of steps (tiers.py) ---------------------------------------------------
+
+    def run_plan(self, env: dict) -> None:
+        """The tier's plan in order: each step runs unless the budget no longer fits it (``MIN_START_S``) or this
+        machine lacks what it needs; either way it is recorded with the reason (a budget cut skips the tail)."""
+        for name in PLANS[self.args.tier]:
+            if self.args.only and name not in self.args.only:
+                continue
+            why = self.budget_cut(MIN_START_S[name]) or self.missing(name, env)
+            if why:
+                self.skip(name, why)
+            elif name == "rl_setup":
+                self.run(name, [PY, str(Path(__file__).resolve()), "--make-rl-setup", str(self.setup)], LIMITS[name])
+            else:
+                self._plan_step(name)
+
+    @property
+    def setup(self) -> Path:
+        """The end-to-end runs' random 0.5B model and prompts (``rl_setup``)."""
+        return self.out / "work" / "rl"
+
+    def missing(self, name: str, env: dict) -> str | None:
+        """What this machine lacks for step ``name`` (CUDA, vLLM and Ray, Transformer Engine, the train CLI's
+        asynchronous flags, the prepared model), or None."""
+        if name == "rl_colocated_async" and not train_cli_has(*(f for f in ASYNC_FLAGS if f.startswith("--"))):
+            return ASYNC_MISSING  # the project's reason comes first: no machine would run it
+        why = no_cuda_message()
+        if why:
+            return why
+        if name in ("rl_colocated", "rl_colocated_async", "r3_routed_experts"):
+            for dist, label in (("vllm", "vLLM"), ("ray", "Ray")):
+                if not env.get(dist):
+                    return f"{label} is not installed"
+        if name in ("train_step_1.5b_te_fp8", "rl_fp8_synthetic", "fp8_drift"):
+            if not (env.get("transformer-engine") or env.get("transformer-engine-torch")):
+                return "Transformer Engine is not installed"
+        if name == "rl_setup":
+            return "already prepared" if (self.setup / "model" / "config.json").exists() else None
+        if name in ("rl_colocated", "rl_colocated_async", "rl_fp8_synthetic"):
+            if not (self.setup / "model" / "config.json").exists():
+                return "the model and data could not be prepared (rl_setup)"
+        return None
+
+    def _plan_step(self, name: str) -> None:
+        data = ["--hf-model", str(self.setup / "model"), "--train-data", str(self.setup / "train.jsonl")]
+        train = [PY, "-m", "megatron_pacs.train", *data]
+        work = str(self.out / "work")
+        ts = [PY, "benchmarks/bench_train_step.py", "--shape", "1.5b", "--workdir", work, "--variants", "train"]
+        ts += ["--layouts", "packed", *TRAIN_STEP_SIZE]
+        limit, min_s = step_limit(name), MIN_START_S[name]
+        if name == "rl_colocated":
+            self._rl(name, [*train, *E2E_FLAGS, *self.engine_flags(), *COLOCATED_FLAGS], limit, min_s)
+        elif name == "rl_colocated_async":
+            self._rl(name, [*train, *E2E_FLAGS, *self.engine_flags(), *COLOCATED_FLAGS, *ASYNC_FLAGS], limit, min_s)
+        elif name == "r3_routed_experts":
+            self.routed_experts(limit, min_s)
+        elif name == "train_step_1.5b_te_fp8":
+            self.run(name, [*ts, "--impl", "te", "--fp8", "tensorwise"], limit, min_s)
+        elif name == "train_step_1.5b_no_te_packed":
+            self.run(name, [*ts, "--impl", "sdpa"], limit, min_s)
+        elif name == "rl_fp8_synthetic":
+            self._rl(name, [*train, *FP8_RL_FLAGS], limit, min_s)
+        elif name == "fp8_drift":
+            self.run(name, [PY, "benchmarks/bench_fp8_drift.py", "--workdir", work, *DRIFT_ARGS], limit, min_s)
+        else:
+            raise KeyError(name)
+
+    def routed_experts(self, limit: float, min_s: float) -> None:
+        """R3 from a real engine on a tiny Qwen3-MoE (the gpu test); skipped when the test skips itself."""
+        xml = self.out / "r3.xml"
+        # no conftest: it would queue the module's CPU parity launches beside this test (tests/ for its helpers)
+        cmd = [PY, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-q", "-rA", f"--junitxml={xml}", R3_TEST]
+        step = self.run("r3_routed_experts", cmd, limit, min_s, path=(ROOT / "tests",))
+        if step and xml.exists():
+            step["tests"] = junit_results(xml)
+            if step["status"] == "ok" and step["tests"] and all(t["status"] == "skipped" for t in step["tests"]):
+                step.update(status="skipped", reason=step["tests"][0]["reason"])
+            self.save()
+
     def main(self) -> int:
-        self.t0 = time.time()
         env = self.results["environment"] = environment()
         self.save()
-        self.rl_synthetic()
-        self.gpu_tests()
-        self.benchmarks(env)
+        if self.args.tier in PLANS:
+            self.run_plan(env)
+        else:
+            self.rl_synthetic()
+            self.gpu_tests()
+            self.benchmarks(env)
         if self.args.tier == "full":
             self.e2e(env)
             self.long_benchmarks(env)
@@ -415,11 +437,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "gpu-report")
     ap.add_argument("--baseline", type=Path, default=None, help="an earlier report.json: the change of every figure")
-    ap.add_argument("--tier", choices=sorted(TIER_BUDGET_MIN), default="full", help="trainer: no TE/vLLM/Ray needed")
-    ap.add_argument("--budget-min", type=float, default=None, help="the time budget, minutes (trainer 6.5, full 25)")
+    ap.add_argument(
+        "--tier",
+        choices=sorted(TIER_BUDGET_MIN),
+        default="full",
+        help="trainer: no TE/vLLM/Ray needed; rollout: vLLM + Ray, no TE; te: TE, no vLLM/Ray; full: everything",
+    )
+    ap.add_argument(
+        "--budget-min", type=float, default=None, help="the time budget, minutes (trainer, rollout, te 6.5; full 25)"
+    )
     ap.add_argument("--only", nargs="*", default=[], help="run only these steps (names as in the report)")
+    ap.add_argument(
+        "--engine-kwargs",
+        default=os.environ.get("GPU_CHECK_ENGINE_KWARGS") or None,
+        metavar="JSON",
+        help="--rollout-engine-kwargs for every run with engines, e.g. '{\"enforce_eager\": true}' (default: "
+        "$GPU_CHECK_ENGINE_KWARGS, so that a bundle's rerun can pass it)",
+    )
     ap.add_argument("--make-rl-setup", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.engine_kwargs is not None:
+        try:
+            extra = json.loads(args.engine_kwargs)
+        except json.JSONDecodeError as exc:
+            ap.error(f"--engine-kwargs: {args.engine_kwargs!r} is not valid JSON ({exc.msg})")
+        if not isinstance(extra, dict):
+            ap.error(f"--engine-kwargs: {args.engine_kwargs!r} is not a JSON object")
     if args.budget_min is None:
         args.budget_min = TIER_BUDGET_MIN[args.tier]
     if args.make_rl_setup:

@@ -54,6 +54,26 @@ def environment() -> dict:
     return env
 
 
+def no_cuda_message() -> str | None:
+    """Why this machine cannot run the check, or None when it has a CUDA GPU."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__} (CUDA build {torch.version.cuda})" if torch.version.cuda else "a CPU torch"
+        return f"no CUDA GPU visible ({build}): make gpu-check needs a machine with one or more CUDA GPUs"
+    return None
+
+
+def train_cli_has(*flags: str) -> bool:
+    """Whether ``python -m megatron_pacs.train --help`` offers every one of ``flags`` (its parser, read here)."""
+    from megatron_pacs.config import build_parser
+
+    offered = {option for action in build_parser()._actions for option in action.option_strings}
+    return all(f in offered for f in flags)
+
+
 class MemoryTimeline:
     """nvidia-smi's used memory per GPU, sampled every ``period`` seconds while a run lasts."""
 
@@ -80,7 +100,8 @@ class MemoryTimeline:
         self._thread.join(timeout=15)
 
     def summary(self) -> dict:
-        """Peak, and each large drop of GPU 0's used memory (a phase freeing memory: sleep, offload), in GiB."""
+        """Peak, each large drop of GPU 0's used memory (a phase freeing memory: sleep, offload), in GiB, and the
+        timeline itself (``[seconds since the first sample, GiB]``, thinned to about 120 points)."""
         used = [s[1][0] for s in self.samples if s[1]]
         drops, high = [], None
         for value in used:
@@ -89,7 +110,10 @@ class MemoryTimeline:
                 drops.append(round(high - value, 2))
                 high = value
         freed = {f"drop {i + 1}": d for i, d in enumerate(drops[:6])}
-        return {"peak_gib": max(used, default=None), "samples": len(used), "freed_gib": freed}
+        start = self.samples[0][0] if self.samples else 0.0
+        timeline = [[round(t - start, 1), round(v[0], 2)] for t, v in self.samples if v]
+        timeline = timeline[:: max(1, len(timeline) // 120)]  # at most ~120 points: (seconds, GiB)
+        return {"peak_gib": max(used, default=None), "samples": len(used), "freed_gib": freed, "timeline": timeline}
 
 
 def junit_results(path: Path) -> list[dict]:

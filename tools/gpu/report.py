@@ -6,6 +6,7 @@ re-render a finished run: ``python tools/gpu/report.py gpu-report/results.json [
 
 The results (``results.json``, written step by step by gpu_check.py) hold:
 
+- ``tier``: which plan ran (``trainer``, ``full``, ``rollout``, ``te``; absent: ``full``), which picks the figures;
 - ``environment``: GPU names, driver, torch/CUDA, TE, vLLM, Megatron-Core, mbridge versions (``None`` = absent);
 - ``steps``: ``{name: {"status": "ok" | "failed" | "skipped" | "timeout", "reason", "seconds", "cmd",
   "stdout", ...}}`` for the gpu-marked tests (with ``tests``: one entry per test), each benchmark and each
@@ -187,6 +188,7 @@ def e2e_figures(name: str, step: dict | None, bound: float) -> list[dict]:
     problem = _step_problem(step)
     if problem:
         return [_missing(f"RL {name}: sync/max_logprob_diff", f"<= {bound}", problem)]
+    assert step is not None  # _step_problem says "not run" for None
     metrics = step.get("metrics", [])
     if not metrics:
         return [_missing(f"RL {name}: sync/max_logprob_diff", f"<= {bound}", "the run wrote no metrics")]
@@ -245,9 +247,142 @@ def synthetic_figures(continuous: dict | None, resumed: dict | None) -> list[dic
     return out
 
 
+def _worst(metrics: list[dict], key: str) -> float | None:
+    values = [m[key] for m in metrics if isinstance(m.get(key), (int, float))]
+    return max(values) if values else None
+
+
+def engine_run_figures(label: str, step: dict | None) -> list[dict]:
+    """A run with a vLLM CUDA engine (rollout tier): :func:`e2e_figures`, the engine's start, generation tokens/s,
+    the GPU memory timeline and engine vs trainer log-probs in bf16 (docs/algorithm.md §7.1), worst step."""
+    out = e2e_figures(label, step, BF16_SYNC_BOUND)
+    if _step_problem(step) or not (step or {}).get("metrics"):
+        return out
+    assert step is not None
+    name, metrics = f"RL {label}", step["metrics"]
+    start = step.get("engine_start_s")
+    out.append(
+        _figure(f"{name}: engine start", start, "info", None, "s")
+        if start is not None
+        else _missing(f"{name}: engine start", "info", "no 'engine(s) ready in' line in the run's log")
+    )
+    rates = []
+    for m in metrics:
+        prompt, response = m.get("rollout/prompt_len_mean"), m.get("rollout/response_len_mean")
+        if m.get("perf/time/generate") and m.get("rollout/num_tokens") and prompt is not None and response:
+            rates.append(m["rollout/num_tokens"] * response / (prompt + response) / m["perf/time/generate"])
+    if rates:
+        out.append(_figure(f"{name}: generated tokens/s (last step)", rates[-1], "info", None, note="responses only"))
+    bound = f"<= {BF16_SYNC_BOUND}"
+    for key, what, target in (
+        ("consistency/logprob_abs_diff_max", "engine vs trainer max abs(d logp), bf16", bound),
+        ("consistency/logprob_abs_diff_mean", "engine vs trainer mean abs(d logp), bf16", "info"),
+        ("consistency/k3", "engine vs trainer k3, bf16", "info"),
+        ("consistency/seq_logprob_abs_diff_max", "first mini-batch's abs(log ratio) per response, max", "info"),
+    ):
+        worst = _worst(metrics, key)
+        if worst is None:
+            out.append(_missing(f"{name}: {what}", target, f"no {key} in the metrics"))
+        else:
+            ok = worst <= BF16_SYNC_BOUND if target == bound else None
+            out.append(_figure(f"{name}: {what} (worst step)", worst, target, ok, note=key))
+    memory = step.get("memory") or {}
+    if memory.get("peak_gib") is not None:
+        points = memory.get("timeline") or []
+        trace = ", ".join(f"{t:.0f} s {gib:.1f}" for t, gib in points[:: max(1, len(points) // 12)])
+        out.append(_figure(f"{name}: GPU memory peak", memory["peak_gib"], "info", None, "GiB", trace))
+    return out
+
+
+def routed_experts_figures(step: dict | None) -> list[dict]:
+    """R3 from a real engine: the gpu test's verdict (a test that skipped itself is a line with its reason)."""
+    name, problem = "R3: routed experts from a vLLM engine replayed by the trainer", _step_problem(step)
+    if problem:
+        return [_missing(name, "passed", problem)]
+    assert step is not None
+    tests = step.get("tests") or []
+    passed = bool(tests) and all(t["status"] == "passed" for t in tests)
+    return [_figure(name, passed, "passed", passed, note="; ".join(t.get("reason", "") for t in tests)[:200])]
+
+
+def te_train_step_figures(te: dict | None, no_te: dict | None) -> list[dict]:
+    """TE tier: the 1.5B packed train step on the TE spec in bf16 and FP8 against the same step without TE."""
+    out = []
+    base = _pick(_rows(no_te), "train", "packed")
+    base_mfu = _number((base or {}).get("MFU"))
+    if base_mfu is None:
+        out.append(_missing("1.5B packed train step MFU, no TE", "info", _step_problem(no_te) or "no train row"))
+    else:
+        out.append(_figure("1.5B packed train step MFU, no TE", base_mfu, "info", None, "%"))
+        peak = _number((base or {}).get("peak GiB"))
+        out.append(_figure("1.5B packed train step peak memory, no TE", peak, "info", None))
+    problem, rows = _step_problem(te), _rows(te)
+    for precision, label in (("bf16", "TE bf16"), ("tensorwise", "TE FP8 tensorwise")):
+        row = _pick(rows, "train", "packed", precision)
+        mfu = _number((row or {}).get("MFU"))
+        name = f"1.5B packed train step MFU, {label}"
+        if mfu is None:
+            why = problem or ((row or {}).get("ms/step") or f"no {precision} train row")[:160]
+            out.append(_missing(name, ">= 45%" if precision == "bf16" else "info", why))
+            continue
+        assert row is not None
+        if precision == "bf16":
+            out.append(_figure(name, mfu, ">= 45%", mfu >= 0.45, "%"))
+            if base_mfu:
+                ratio = mfu / base_mfu
+                out.append(_figure("1.5B packed train step, TE bf16 vs no TE", ratio, ">= 1.0x", ratio >= 1.0, "x"))
+        else:
+            out.append(_figure(name, mfu, "info", None, "%"))
+            speed = _number(row.get("vs bf16"))
+            out.append(_figure("1.5B packed train step, TE FP8 vs TE bf16 tokens/s", speed, "info", None, "x"))
+        out.append(_figure(f"1.5B packed train step peak memory, {label}", _number(row.get("peak GiB")), "info", None))
+    return out
+
+
+def drift_vs_bf16_figures(step: dict | None) -> list[dict]:
+    """TE tier: each FP8 option's per-token bias and its log-prob sum's drift over 4k tokens, beside bf16's."""
+    if _step_problem(step):
+        return []
+    rows = [r for r in _rows(step) if _number((r.get("token bias") or "").strip()) is not None]
+    bf16 = next((r for r in rows if r.get("option") == "bf16"), None)
+    base = _number((bf16 or {}).get("sum drift all mean / max", "").split("/")[0])
+    out = []
+    for r in rows:
+        label = f"{r.get('option')} {r.get('recipe', '-')}".replace(" -", "")
+        drift = _number((r.get("sum drift all mean / max") or "").split("/")[0])
+        note = f"bf16: {base:.3g}" if base is not None and r is not bf16 else ""
+        out.append(_figure(f"log-prob sum drift over 4k tokens, {label} (mean)", drift, "info", None, "nats", note))
+        out.append(_figure(f"per-token log-prob bias, {label}", _number(r.get("token bias")), "info", None, "nats"))
+    return out
+
+
+def fp8_rl_figures(step: dict | None) -> list[dict]:
+    """TE tier: three synthetic PACS steps with an FP8 trainer and bf16 score passes: all ran, with finite losses."""
+    name = "RL FP8 trainer, bf16 scores (synthetic)"
+    problem = _step_problem(step)
+    if problem:
+        return [_missing(f"{name}: 3 steps with finite loss", "3", problem)]
+    assert step is not None
+    steps = [m for m in step.get("metrics", []) if "train/loss" in m]
+    finite = [m for m in steps if m["train/loss"] == m["train/loss"] and abs(m["train/loss"]) != float("inf")]
+    out = [_figure(f"{name}: steps with finite loss", len(finite), "3", len(finite) == 3)]
+    for key in sorted(k for k in (steps[-1] if steps else {}) if k.startswith(("perf/time/", "consistency/fp8_gap"))):
+        out.append(_figure(f"{name}: {key} (last step)", steps[-1][key], "info", None))
+    return out
+
+
 def figures(results: dict) -> list[dict]:
-    """Every figure with its target (``ok``: True / False / None = informational or unmeasured)."""
+    """Every figure of the run's tier with its target (``ok``: True / False / None = informational or unmeasured)."""
     steps = results.get("steps", {})
+    if results.get("tier") == "rollout":
+        out = engine_run_figures("colocated (ipc, sleep/wake, optimizer offload)", steps.get("rl_colocated"))
+        if steps.get("rl_colocated_async", {}).get("status") != "skipped":
+            out += engine_run_figures("colocated, 2 steps stale, partial rollouts", steps.get("rl_colocated_async"))
+        return out + routed_experts_figures(steps.get("r3_routed_experts"))
+    if results.get("tier") == "te":
+        out = te_train_step_figures(steps.get("train_step_1.5b_te_fp8"), steps.get("train_step_1.5b_no_te_packed"))
+        out += fp8_rl_figures(steps.get("rl_fp8_synthetic"))
+        return out + drift_figures(steps.get("fp8_drift")) + drift_vs_bf16_figures(steps.get("fp8_drift"))
     out = logprob_figures(steps.get("bench_logprobs"))
     out += train_step_figures(steps.get("train_step_1.5b_no_te"), steps.get("train_step_1.5b_te"))
     out += fp8_figures(steps.get("train_step_7b_fp8"))

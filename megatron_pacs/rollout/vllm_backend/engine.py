@@ -118,7 +118,7 @@ class VLLMEngine:
         gpu_memory_utilization: Share of each GPU for weights + KV cache.
         kv_cache_gb: CPU only: the KV-cache budget in GiB.
         enable_sleep_mode: GPU only: allow :meth:`sleep` to release memory (colocated mode).
-        engine_kwargs: Anything else for ``vllm.LLM``.
+        engine_kwargs: Anything else for ``vllm.LLM`` (``--rollout-engine-kwargs``), applied last.
 
     Raises:
         ValueError: A CPU engine in bfloat16/float16 where ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below the AMX that vLLM
@@ -181,7 +181,8 @@ class VLLMEngine:
     def engine_kwargs(
         cls, config: RolloutConfig, *, dtype: str, max_model_len: int | None, seed: int, on_gpu: bool
     ) -> dict[str, Any]:
-        """This constructor's keywords from the fleet's settings (see :meth:`FleetEngine.engine_kwargs`)."""
+        """This constructor's keywords from the fleet's settings (see :meth:`FleetEngine.engine_kwargs`), with
+        ``--rollout-engine-kwargs`` for ``vllm.LLM`` (checked by the config: none of them is set here)."""
         tp = config.rollout_tensor_parallel_size
         kwargs: dict[str, Any] = dict(
             tensor_parallel_size=tp,
@@ -192,9 +193,12 @@ class VLLMEngine:
             kv_cache_gb=config.kv_cache_gb,
             enable_sleep_mode=config.colocate and on_gpu,
         )
+        extra = dict(config.engine_extra_kwargs)
         if on_gpu and tp > 1:
             # vLLM's workers take the GPUs of the engine's placement group (captured by the actor), not new ones
-            kwargs["engine_kwargs"] = {"distributed_executor_backend": "ray"}
+            extra["distributed_executor_backend"] = "ray"
+        if extra:
+            kwargs["engine_kwargs"] = extra
         return kwargs
 
     @classmethod
