@@ -47,14 +47,15 @@ DIST_CHECKPOINT_LOAD_DEPRECATIONS = (
 )
 
 
-def load_distributed(sharded: dict[str, Any], ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+def load_distributed(sharded: dict[str, Any], ckpt_dir: str | os.PathLike, strategy: Any = None) -> dict[str, Any]:
     """``dist_checkpointing.load`` of ``sharded`` from ``ckpt_dir`` (CUDA allocations on the CPU under the CPU
-    shims), without the deprecation warnings of :data:`DIST_CHECKPOINT_LOAD_DEPRECATIONS`."""
+    shims), without the deprecation warnings of :data:`DIST_CHECKPOINT_LOAD_DEPRECATIONS`; ``strategy``: the sharded
+    load strategy (None: Megatron's default for the checkpoint)."""
     with warnings.catch_warnings(), cuda_to_cpu():
         for message in DIST_CHECKPOINT_LOAD_DEPRECATIONS:
             warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z", category=FutureWarning)
         # A dict: load returns a tuple only for the strict="return_*" modes.
-        return cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt_dir)))
+        return cast(dict[str, Any], dist_checkpointing.load(sharded, str(ckpt_dir), sharded_strategy=strategy))
 
 
 def _rank() -> int:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megatron_pacs.mcore.checkpoint_fingerprint import CheckpointContentError, FingerprintedLoad, FingerprintedSave
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.model_checkpoint import META_FILE, _barrier, _rank, apply_model_state, load_distributed
 from megatron_pacs.utils.checkpoint_dirs import (
@@ -156,32 +157,53 @@ def save_training_checkpoint(
     tmp = box[0]
     assert tmp is not None, "rank 0 makes the folder and broadcasts its path"
     parent_ref = _parent_ref(final.parent, parent)
+    failure: str | None = None
     try:
         _write(tmp, models, optimizer, extra_models, driver_objects)
         if _rank() == 0:
             world = dist.get_world_size() if dist.is_initialized() else 1
             meta = {**metadata, "step": step, "world_size": world, "written_at": time.time(), "parent": parent_ref}
-            with open(os.path.join(tmp, META_FILE), "w") as f:
-                json.dump(meta, f, indent=2, default=str)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(final.parent)
-            _record_lineage(final, parent_ref)
-            _write_durably(final.parent / TRACKER, f"{step}\n")
+            _commit(tmp, final, meta, parent_ref, keep_last)
     except Exception as exc:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename went through
         error = os_error_of(exc, final.parent)
         if error is None:
+            _outcome(f"--save: writing step {step}'s checkpoint failed: {type(exc).__name__}: {exc}")
             raise
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(_write_failure(save, step, error)) from exc
-    if _rank() == 0:
-        _prune(final, keep_last)
-    _barrier()
+        failure = _write_failure(save, step, error)
+    # rank 0's outcome to every rank, in place of a bare barrier: a commit that fails on rank 0 ends every rank
+    # with its message instead of leaving the others waiting for it
+    failure = _outcome(failure)
+    if failure is not None:
+        raise CheckpointWriteError(failure)
     return final
+
+
+def _commit(tmp: str, final: Path, meta: dict[str, Any], parent_ref: str | None, keep_last: int) -> None:
+    """Rank 0: the metadata, the rename into place, the lineage, the tracker, then ``--keep-last`` pruning (each
+    durable before the next; a stop between any two leaves a directory :func:`find_latest_checkpoint` resumes)."""
+    with open(os.path.join(tmp, META_FILE), "w") as f:
+        json.dump(meta, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    _record_lineage(final, parent_ref)
+    _write_durably(final.parent / TRACKER, f"{meta['step']}\n")
+    _prune(final, keep_last)
+
+
+def _outcome(failure: str | None) -> str | None:
+    """Rank 0's failure message (None: the checkpoint is in place) on every rank; the first rank that failed when
+    rank 0 did not."""
+    if not dist.is_initialized():
+        return failure
+    box: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, failure)
+    return next((f if r == 0 else f"rank {r}: {f}" for r, f in enumerate(box) if f is not None), None)
 
 
 def _write(
@@ -194,13 +216,13 @@ def _write(
     """Every rank's shards, RNG state and (rank 0) driver objects into ``tmp``."""
     _start_write_results_queue()
     with cuda_to_cpu():
-        dist_checkpointing.save(_sharded(models, optimizer, is_loading=False), tmp)
+        dist_checkpointing.save(_sharded(models, optimizer, is_loading=False), tmp, FingerprintedSave())
         for name, chunks in (extra_models or {}).items():
             sub = os.path.join(tmp, name)
             if _rank() == 0:
                 os.makedirs(sub, exist_ok=True)
             _barrier()
-            dist_checkpointing.save(_sharded(chunks, None, is_loading=False), sub)
+            dist_checkpointing.save(_sharded(chunks, None, is_loading=False), sub, FingerprintedSave())
     rng = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
@@ -316,7 +338,13 @@ def _prune(final: Path, keep_last: int) -> None:
     chain = lineage(final.parent, final)
     complete = set(complete_checkpoints(final.parent))
     for old in [p for p in chain if p in complete][keep_last:]:
-        shutil.rmtree(old, ignore_errors=True)
+        # renamed first, to a name no resume reads: a stop half-way through the removal leaves no checkpoint that
+        # looks complete with tensors missing (the next start under the run lock removes the rest)
+        doomed = old.with_name(f".{old.name}.tmp-pruned")
+        shutil.rmtree(doomed, ignore_errors=True)  # one an earlier stop left
+        os.replace(old, doomed)
+        _fsync_dir(old.parent)
+        shutil.rmtree(doomed, ignore_errors=True)
     for other in sorted(complete - set(chain)):
         moved = set_aside(other)
         log.warning(
@@ -332,7 +360,9 @@ def _load_models(ckpt: Path, models: Sequence[MegatronModule], optimizer: Any = 
     """Load the chunks' state (and return the loaded state dict, the optimizer's still to apply)."""
     sharded = _sharded(models, optimizer, is_loading=True)
     try:
-        state = load_distributed(sharded, ckpt)
+        state = load_distributed(sharded, ckpt, FingerprintedLoad())
+    except CheckpointContentError:
+        raise
     except Exception as exc:  # noqa: BLE001 - Megatron raises several types here
         raise ValueError(f"--load: {ckpt} does not fit this model: {type(exc).__name__}: {exc}") from None
     apply_model_state(models, state, f"--load: {ckpt}")

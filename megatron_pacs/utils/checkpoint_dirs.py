@@ -209,6 +209,7 @@ def choose_checkpoint(load: str | os.PathLike) -> LoadChoice:
         named = None
     if named is not None and named in done:
         choice.checkpoint = named
+        _newer_untracked(root, named, done, choice)
         return choice
     if named is None:  # no tracker (a crash before it was first written, or copied folders): the one written last
         choice.checkpoint = done[-1]
@@ -230,6 +231,30 @@ def choose_checkpoint(load: str | os.PathLike) -> LoadChoice:
         "checkpoint of its lineage" + (f" (not from {', '.join(others)}: off that lineage)" if others else "")
     )
     return choice
+
+
+def _newer_untracked(root: Path, named: Path, done: list[Path], choice: LoadChoice) -> None:
+    """Complete checkpoints written after the tracker's ``named`` (a save stopped between its rename and the
+    tracker's write): the newest that descends from ``named`` is resumed instead; the others are named in a note."""
+    newer = done[done.index(named) + 1 :]
+    if not newer:
+        return
+    tracker = root / TRACKER
+    descendants = [p for p in newer if named in lineage(root, p)]
+    if descendants:
+        choice.checkpoint = descendants[-1]
+        choice.notes.append(
+            f"{tracker} names {named.name}, but {descendants[-1].name}, complete and descending from it, was written "
+            f"later without a tracker entry (a save stopped before its tracker write): resuming from "
+            f"{descendants[-1].name}"
+        )
+    others = [p.name for p in newer if p not in descendants]
+    if others:
+        choice.notes.append(
+            f"{', '.join(others)}: complete, written after {named.name} without a tracker entry and off the lineage "
+            f"of {choice.checkpoint.name if choice.checkpoint else named.name} (a save of another branch stopped "
+            f"before its tracker write): not resumed; --load {root}/<name> resumes one explicitly"
+        )
 
 
 def _problem(ckpt: Path) -> str:

@@ -4,8 +4,12 @@ The lock is ``.megatron_pacs.lock`` in the directory: a ``flock`` held for the w
 record of the holder (host, pid, start time). A second run is refused with one line naming the holder. A record
 whose holder is gone is taken over with a warning: on this host when no process holds the ``flock`` (the kernel
 releases it when the holder dies); from another host, whose ``flock`` a shared filesystem may not show, when the
-holder has not refreshed the record (its mtime, every ``heartbeat_s``) for ``stale_after_s``. The released lock
-keeps an empty file: removing it would let a run that opened it before the removal hold a lock nobody sees.
+holder has not refreshed the record (its mtime, every ``heartbeat_s``) for ``stale_after_s``, or at once when the
+record names a Slurm job that is this one requeued (the same ``SLURM_JOB_ID``, a higher ``SLURM_RESTART_COUNT``: the
+holder is the job's earlier run, ended by the requeue) or a Slurm job that has ended (``squeue -h -j ID`` lists
+nothing, or ``scontrol show job ID`` says it is no longer pending, running, suspended or completing; asked only where
+those commands exist). The released lock keeps an empty file: removing it would let a run that opened it before the
+removal hold a lock nobody sees.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -62,7 +68,8 @@ class RunLock:
             holder = self._holder()
             if holder:
                 self._take_over(holder)
-            record = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
+            record: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
+            record.update(_slurm_job())
             record["started"] = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(record["started_at"]))
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
@@ -107,6 +114,10 @@ class RunLock:
     def _take_over(self, holder: dict[str, Any]) -> None:
         """Take over a record left by a run that is gone, or refuse when its holder may still run elsewhere."""
         age = time.time() - self.path.stat().st_mtime
+        ended = _slurm_job_ended(holder)
+        if ended is not None:
+            log.warning("--save %s: taking over the lock of %s at once: %s", self.directory, _who(holder), ended)
+            return
         if holder.get("host") != socket.gethostname() and age < self.stale_after_s:
             raise ValueError(
                 self._refusal(
@@ -130,6 +141,59 @@ class RunLock:
                 os.utime(self.path)
             except OSError as exc:  # a flaky shared filesystem: the next beat may succeed
                 log.warning("could not refresh %s: %s", self.path, exc)
+
+
+def _slurm_job() -> dict[str, Any]:
+    """This process's Slurm job id and restart count, for its record ({} outside Slurm)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return {}
+    try:
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    except ValueError:
+        restarts = 0
+    return {"slurm_job_id": job, "slurm_restart_count": restarts}
+
+
+LIVE_STATES = ("PENDING", "RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "REQUEUED", "RESIZING", "STOPPED")
+
+
+def _slurm_job_ended(holder: dict[str, Any]) -> str | None:
+    """Why the holder's Slurm job is over (this job requeued, or the job ended), or None when it may still run."""
+    job, restarts = holder.get("slurm_job_id"), holder.get("slurm_restart_count")
+    if not isinstance(job, str) or not job:
+        return None
+    mine = _slurm_job()
+    if mine.get("slurm_job_id") == job and isinstance(restarts, int) and mine["slurm_restart_count"] > restarts:
+        return (
+            f"this is its Slurm job {job} requeued (restart {mine['slurm_restart_count']}, the holder's was {restarts})"
+        )
+    if mine.get("slurm_job_id") == job:
+        return None  # this job's own run of the same restart: the flock and the refresh decide
+    return _ended_per_slurm(job)
+
+
+def _ended_per_slurm(job: str) -> str | None:
+    """What Slurm says of another job that ended ("squeue lists nothing", its final state), or None when it runs,
+    Slurm cannot tell, or Slurm's commands are absent."""
+    if shutil.which("squeue"):
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if out.returncode == 0 and not out.stdout.strip():
+            return f"its Slurm job {job} has ended (squeue lists nothing)"
+        if out.returncode == 0:
+            return None
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        state = next((w.split("=", 1)[1] for w in out.stdout.split() if w.startswith("JobState=")), None)
+        if out.returncode == 0 and state is not None and state not in LIVE_STATES:
+            return f"its Slurm job {job} has ended (scontrol: JobState={state})"
+    return None
 
 
 def _who(holder: dict[str, Any]) -> str:

@@ -59,3 +59,51 @@ def test_the_holder_refreshes_its_record(tmp_path):
         os.utime(lock.path, (old, old))
         time.sleep(0.3)
         assert time.time() - lock.path.stat().st_mtime < 5
+
+
+def _slurm_holder(path, job, restarts):
+    """The record a run of Slurm job ``job`` (restart ``restarts``) on another host leaves, refreshed just now."""
+    path.write_text(
+        json.dumps(
+            {"host": "node-3", "pid": 77, "started": "earlier", "slurm_job_id": job, "slurm_restart_count": restarts}
+        )
+    )
+
+
+def test_a_requeued_slurm_job_takes_its_own_lock_over_at_once(tmp_path, caplog, monkeypatch):
+    """The job requeued onto another host after its first host died: the same SLURM_JOB_ID with a higher
+    SLURM_RESTART_COUNT takes over the record its earlier run left at once (not after the 300 s bound); the same
+    restart count, or another job still listed by Slurm, still counts as running."""
+    _slurm_holder(tmp_path / LOCK_FILE, "4242", 0)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm commands here
+    with pytest.raises(ValueError, match="in use by another run"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with caplog.at_level(logging.WARNING, logger="megatron_pacs"), RunLock(tmp_path) as lock:
+        record = json.loads(lock.path.read_text())
+        assert record["slurm_job_id"] == "4242" and record["slurm_restart_count"] == 1
+    assert "at once: this is its Slurm job 4242 requeued (restart 1, the holder's was 0)" in caplog.text
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_holder_whose_slurm_job_ended_is_taken_over_at_once(tmp_path, caplog, monkeypatch, listed):
+    """A record of Slurm job 17 from another host, refreshed just now: taken over at once when ``squeue -h -j 17``
+    lists nothing, refused while it lists the job. ``squeue`` here is a stand-in script on PATH (no Slurm on this
+    machine; tests/cluster runs the real one)."""
+    _slurm_holder(tmp_path / LOCK_FILE, "17", 0)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    squeue.write_text("#!/bin/sh\n" + ('echo "  17 batch train u R 1:00 1 node-3"\n' if listed else "exit 0\n"))
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    if listed:
+        with pytest.raises(ValueError, match="in use by another run"):
+            RunLock(tmp_path).acquire()
+        return
+    with caplog.at_level(logging.WARNING, logger="megatron_pacs"), RunLock(tmp_path):
+        pass
+    assert "at once: its Slurm job 17 has ended (squeue lists nothing)" in caplog.text
