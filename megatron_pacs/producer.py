@@ -115,6 +115,8 @@ class RolloutProducer:
         return metrics
 
     def _timed(self, rows: list[PromptRow], step: int, version: int) -> Generated:
+        if self._collect is None:
+            raise RuntimeError("only the driver's producer has a rollout source to run")
         started = time.perf_counter()
         rollouts = self._collect(rows, step)
         return Generated(rollouts, step, version, started, time.perf_counter())

@@ -3,6 +3,7 @@ sampled."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,10 @@ unnoticed before ``--rollout-cluster-reconnect-seconds`` starts counting."""
 # The names megatron_pacs/rollout/backends.py registers, spelled out so that config/ imports nothing of the package
 # above it; tests/rollout/test_backends.py proves they agree.
 ROLLOUT_BACKENDS = ("vllm",)
+
+ENGINE_ARG_CHECKS = {"vllm": "megatron_pacs.rollout.vllm_backend.engine_args:check_engine_kwargs"}
+"""Backend name -> ``"module:function"`` that refuses bad ``--rollout-engine-kwargs`` (a ``ValueError`` naming the
+flag), imported by name when the flag is given: its module imports neither torch nor the backend's library."""
 
 WEIGHT_SYNC = ("auto", "object_store", "broadcast", "ipc")
 
@@ -163,11 +168,10 @@ class RolloutConfig:
         if self.ray_object_store_gb <= 0 or self.kv_cache_gb <= 0:
             raise bad("ray_object_store_gb" if self.ray_object_store_gb <= 0 else "kv_cache_gb", "must be > 0")
         self.rollout_engine_kwargs = _json_object(self.rollout_engine_kwargs)
-        if self.rollout_engine_kwargs:
+        if self.rollout_engine_kwargs and self.rollout_backend in ENGINE_ARG_CHECKS:
             # the backend's own check module (standard library only: neither torch nor vLLM is imported)
-            from megatron_pacs.rollout.backends import check_engine_kwargs
-
-            check_engine_kwargs(self.rollout_backend, self.rollout_engine_kwargs)
+            module, _, function = ENGINE_ARG_CHECKS[self.rollout_backend].partition(":")
+            getattr(importlib.import_module(module), function)(self.rollout_engine_kwargs)
 
     @property
     def engine_extra_kwargs(self) -> dict[str, Any]:

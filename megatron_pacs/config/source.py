@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_pacs.config.base import bad, flag, is_set, option
-from megatron_pacs.sources.registry import SOURCES
+from megatron_pacs.config.sources import SOURCES
 
 __all__ = ["SourceConfig", "check_source_flags"]
 

@@ -22,7 +22,7 @@ from megatron_pacs.config.reference import ReferenceConfig
 from megatron_pacs.config.rollout import RolloutConfig, check_reconnect_window
 from megatron_pacs.config.run import CheckpointConfig, DataConfig, EvalConfig, RewardConfig, RunConfig
 from megatron_pacs.config.source import SourceConfig, check_source_flags
-from megatron_pacs.sources.registry import SOURCES
+from megatron_pacs.config.sources import SOURCES
 
 __all__ = ["TrainConfig"]
 

@@ -9,8 +9,8 @@ the ranks, the update, the weight export, checkpoints, metrics and dumps) is the
 - :class:`~megatron_pacs.sources.replay.ReplaySource`: ``--replay-from``'s dumps, bit for bit;
 - :class:`~megatron_pacs.sources.synthetic.SyntheticSource`: seeded random sequences, for the training phase alone.
 
-:mod:`megatron_pacs.sources.registry` names them and what each can do. Nothing is imported until asked for (the
-config reads the registry, which imports only the standard library).
+:mod:`megatron_pacs.config.sources` names them and what each can do. Nothing is imported until asked for (the
+registry lives in the config, which validates the flag against it).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported on demand by __getattr__ below
+    from megatron_pacs.config.sources import SOURCES, SourceSpec, open_source, source_spec
     from megatron_pacs.sources.base import RolloutSource, StepRollouts, rollout_metrics
     from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, load_dump, tokenizer_fingerprint
     from megatron_pacs.sources.fleet import FleetSource, collect_rollouts
-    from megatron_pacs.sources.registry import SOURCES, SourceSpec, open_source, source_spec
     from megatron_pacs.sources.replay import ReplaySource
     from megatron_pacs.sources.synthetic import SyntheticSource
 
@@ -48,14 +48,16 @@ _MODULES = {
     "base": ("RolloutSource", "StepRollouts", "rollout_metrics"),
     "dumps": ("DumpContext", "dump_rollouts", "load_dump", "tokenizer_fingerprint"),
     "fleet": ("FleetSource", "collect_rollouts"),
-    "registry": ("SOURCES", "SourceSpec", "open_source", "source_spec"),
     "replay": ("ReplaySource",),
     "synthetic": ("SyntheticSource",),
 }
-_WHERE = {name: module for module, names in _MODULES.items() for name in names}
+_WHERE = {name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names}
+_WHERE.update(
+    {name: "megatron_pacs.config.sources" for name in ("SOURCES", "SourceSpec", "open_source", "source_spec")}
+)
 
 
 def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    return getattr(importlib.import_module(_WHERE[name]), name)

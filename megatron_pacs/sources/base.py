@@ -38,7 +38,7 @@ class StepRollouts:
 class RolloutSource(Protocol):
     """Turns a step's prompts into its rollouts, on the driver (global rank 0) only.
 
-    A source is registered in :mod:`megatron_pacs.sources.registry` (what it can do, declared there) and built by
+    A source is registered in :mod:`megatron_pacs.config.sources` (what it can do, declared there) and built by
     its ``open(cfg, *, tokenizer, log_dir, context)`` classmethod.
 
     Attributes:

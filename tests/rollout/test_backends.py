@@ -10,6 +10,7 @@
 """
 
 import ast
+import importlib
 import inspect
 import subprocess
 import sys
@@ -154,11 +155,15 @@ def test_an_unknown_backend_is_refused_naming_the_flag_and_the_choices(capsys):
 
 
 def test_the_configs_backend_choices_are_the_registry_and_the_default_is_registered():
-    """config/ spells the backend names out (it imports nothing of the package above it); they must agree."""
-    from megatron_pacs.config.rollout import ROLLOUT_BACKENDS
+    """config/ spells the backend names and their engine-argument checks out (it imports nothing of the package
+    above it); they must agree."""
+    from megatron_pacs.config.rollout import ENGINE_ARG_CHECKS, ROLLOUT_BACKENDS
     from megatron_pacs.rollout.backends import DEFAULT_BACKEND
 
     assert sorted(ROLLOUT_BACKENDS) == sorted(BACKENDS)
+    for name, target in ENGINE_ARG_CHECKS.items():  # every check names a backend and a function that exists
+        module, _, function = target.partition(":")
+        assert name in BACKENDS and callable(getattr(importlib.import_module(module), function))
     assert RolloutConfig().rollout_backend == DEFAULT_BACKEND
 
 

@@ -5,9 +5,10 @@ config reads :data:`SOURCES` to check the flag and the flags that only some sour
 source's capabilities on every rank (the sync probe is collective) without building it. A source's module is
 imported only when :func:`open_source` builds it.
 
-A new source: a module under ``sources/`` holding one class that implements
-:class:`~megatron_pacs.sources.base.RolloutSource` with an ``open(cfg, *, tokenizer, log_dir, context)``
-classmethod, and an entry here. Nothing else names it (tests/sources/test_registry.py registers a dummy one).
+It lives in the config because the config validates ``--rollout-source`` and the flags a source cannot use against
+it (the sources' own package is above the config). A new source: a module under ``sources/`` holding one class that
+implements :class:`~megatron_pacs.sources.base.RolloutSource` with an ``open(cfg, *, tokenizer, log_dir, context)``
+classmethod, and an entry here. Nothing else names it (tests/config/test_sources.py registers a dummy one).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ import torch
 
 from megatron_pacs.config import SourceConfig
 from megatron_pacs.config.source import check_source_flags
+from megatron_pacs.config.sources import SOURCES, SourceSpec, open_source, source_spec
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.sources.base import StepRollouts
-from megatron_pacs.sources.registry import SOURCES, SourceSpec, open_source, source_spec
 
 
 class ConstantSource:
