@@ -153,6 +153,6 @@ def distribute_rollouts(batch: RolloutBatch | None, cfg: BatchConfig, groups: Pa
 def send_stop() -> None:
     """On the driver (a no-op elsewhere): instead of a step's rollouts, tell every rank waiting in
     :func:`distribute_rollouts` to stop (it raises :class:`~megatron_pacs.rollout.lost.RolloutClusterLost` there:
-    rank 0 lost the rollout cluster for good)."""
+    rank 0 lost the rollout cluster for good, or could not write into --log-dir)."""
     if dist.get_rank() == 0 and dist.get_world_size() > 1:
         dist.broadcast(torch.tensor([_STOP, 0, 0], dtype=torch.long, device=_device()), src=0)

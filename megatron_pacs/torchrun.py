@@ -56,16 +56,31 @@ def latest_saved_step(argv: list[str]) -> int | None:
     Args:
         argv: The launcher's arguments (the trainer's follow its module or script).
     """
-    save = None
-    for i, arg in enumerate(argv):
-        if arg == "--save" and i + 1 < len(argv):
-            save = argv[i + 1]
-        elif arg.startswith("--save="):
-            save = arg.split("=", 1)[1]
+    save = _flag_value(argv, "--save")
+    config = _flag_value(argv, "--config")
+    if save is None and config is not None:  # --save given in the run's --config file only
+        try:
+            import yaml
+
+            section = (yaml.safe_load(Path(config).read_text()) or {}).get("checkpoint") or {}
+            save = section.get("save") if isinstance(section, dict) else None
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            save = None
     try:
         return int(Path(save, "latest_checkpointed_iteration.txt").read_text().strip()) if save else None
     except (OSError, ValueError):
         return None
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The last value of ``name`` in ``argv`` (``--name VALUE`` or ``--name=VALUE``), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(f"{name}="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def write_stop_marker(path: Path, signal_name: str, local_ranks: int, step: int | None) -> None:

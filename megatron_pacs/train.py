@@ -16,17 +16,35 @@ import os
 import sys
 
 from megatron_pacs.config import TrainConfig, parse_config
+from megatron_pacs.outputs import check_outputs, describe_outputs, resolve_log_dir
 from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError
+from megatron_pacs.utils.interrupts import interrupted_line, interruption_of, raise_on_sigterm
+from megatron_pacs.utils.log_writes import LogWriteError
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
+    cfg.model.resolve_hub_id()  # a hub id in the local cache: its folder from here on (never a download)
     if cfg.run.dry_run:
         from megatron_pacs.planner import dry_run  # pure arithmetic, no torch: instant
 
         return dry_run(cfg)
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before any model, engine or process group exists
+    resolve_log_dir(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))  # one folder per run by default
+    if cfg.checkpoint.load is not None:
+        from megatron_pacs.checkpointing import check_load_at_start
+
+        step = check_load_at_start(cfg)  # a checkpoint of another model shape is refused here
+        if step is not None and step >= cfg.run.train_iters:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"nothing to train: the checkpoint is at step {step} and --train-iters is {cfg.run.train_iters}")
+            return 0
+    check_outputs(cfg)  # writable; a --log-dir holding another run is refused unless this run resumes it
+    if int(os.environ.get("RANK", "0")) == 0:
+        from megatron_pacs.utils.logging import get_logger
+
+        get_logger("train").info(describe_outputs(cfg))
     lock = None
     if cfg.checkpoint.save is not None and int(os.environ.get("RANK", "0")) == 0:
         from megatron_pacs.utils.checkpoint_dirs import remove_stale_temp_folders
@@ -43,12 +61,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg: TrainConfig) -> int:
-    from transformers import AutoTokenizer
-
     from megatron_pacs.data.loader import PromptLoader
     from megatron_pacs.data.prepare import load_prompts
+    from megatron_pacs.data.tokenizer import load_checked_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_model)
+    tokenizer = load_checked_tokenizer(cfg.model.hf_model)  # a missing or empty one would train on empty prompts
     train_rows, val_rows, dropped = load_prompts(cfg.data, tokenizer, cfg.batch.max_prompt_length)
 
     loader = PromptLoader(train_rows, cfg.batch.global_batch_size, seed=cfg.run.seed, dropped=dropped)
@@ -62,7 +79,7 @@ def _train(cfg: TrainConfig) -> int:
     with Trainer(cfg, val_rows) as trainer:
         try:
             trainer.fit(loader)
-        except RolloutClusterLost:  # saved; one line at the exit (below)
+        except (RolloutClusterLost, LogWriteError):  # saved; one line at the exit (below)
             raise
         except Exception as exc:
             from megatron_pacs.mcore.parallel import lost_rank
@@ -86,6 +103,7 @@ def _train(cfg: TrainConfig) -> int:
 
 
 if __name__ == "__main__":
+    raise_on_sigterm()  # SIGTERM and Ctrl-C end the run with one line (below); --exit-signal-handler replaces it
     try:
         sys.exit(main())
     except ValueError as exc:  # bad flags or data: the message names the flag and the fix
@@ -97,3 +115,13 @@ if __name__ == "__main__":
     except CheckpointWriteError as exc:  # a full disk: the message names the step, the directory and what resumes
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+    except LogWriteError as exc:  # a full --log-dir: the path, the step, the OS error and what the run kept
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except BaseException as exc:  # Ctrl-C or SIGTERM, also where it surfaced wrapped (e.g. by Ray's Cython code)
+        interruption = None if isinstance(exc, SystemExit) else interruption_of(exc)
+        if interruption is None:
+            raise
+        line, code = interrupted_line(interruption)
+        print(line, file=sys.stderr)
+        sys.exit(code)

@@ -10,37 +10,9 @@ from megatron_pacs.data.prompts import PromptRow, apply_chat_template
 from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.utils.logging import get_logger
 
-__all__ = ["validate", "validation_sets"]
+__all__ = ["validate", "validation_due"]
 
 log = get_logger("validation")
-
-
-def validation_sets(files: dict[str, list[PromptRow]]) -> dict[str, list[PromptRow]]:
-    """Validation rows keyed by each row's ``data_source`` (the ``val/<source>/`` metrics), not by file name.
-
-    Args:
-        files: Each ``--val-data`` file's rows.
-
-    Returns:
-        ``{data_source: rows}``; a file of several sources gives several sets.
-
-    Raises:
-        ValueError: naming ``--val-data``, both files and the source, when two files hold rows of one source (one
-            set would hide the other under the same metric).
-    """
-    sets: dict[str, list[PromptRow]] = {}
-    origin: dict[str, str] = {}
-    for path, rows in files.items():
-        for row in rows:
-            first = origin.setdefault(row.data_source, path)
-            if first != path:
-                raise ValueError(
-                    f"--val-data: {first} and {path} both hold validation rows of data_source {row.data_source!r}, "
-                    "and validation is logged per data_source (val/<source>/reward_mean); merge them into one file "
-                    "or give each its own data_source (tools/prepare_data.py --data-source NAME)"
-                )
-            sets.setdefault(row.data_source, []).append(row)
-    return sets
 
 
 def validation_due(cfg: EvalConfig, step: int, last_step: int) -> bool:

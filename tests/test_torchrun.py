@@ -110,3 +110,12 @@ def test_latest_saved_step_reads_the_trainers_save_flag(tmp_path):
     assert latest_saved_step(["--save=" + str(save)]) == 12
     assert latest_saved_step(["--save", str(tmp_path / "none")]) is None
     assert latest_saved_step(["--lr", "1"]) is None
+
+
+def test_latest_saved_step_reads_save_from_the_runs_config_file(tmp_path):
+    """A --save given only in --config FILE.yaml (the command line's own --save still wins)."""
+    save = _saved(tmp_path, 7)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"checkpoint:\n  save: {save}\n")
+    assert latest_saved_step(["-m", "megatron_pacs.train", "--config", str(config)]) == 7
+    assert latest_saved_step(["--config", str(config), "--save", str(tmp_path / "none")]) is None

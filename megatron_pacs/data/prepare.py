@@ -52,8 +52,9 @@ def load_prompts(
         max_prompt_length: ``--max-prompt-length``.
 
     Returns:
-        ``(train_rows, {source: val_rows}, dropped)`` with the source named after each validation file's stem, and
-        the number of training prompts dropped (the trainer reports it as ``data/dropped_prompts``).
+        ``(train_rows, {source: val_rows}, dropped)`` with the validation rows keyed by their ``data_source``
+        (:func:`validation_sets`), and the number of training prompts dropped (the trainer
+        reports it as ``data/dropped_prompts``).
     """
     dropped_train = 0
 
@@ -69,7 +70,7 @@ def load_prompts(
         kept, dropped = read(path)
         train += kept
         dropped_train += dropped
-    val = {Path(path).stem: read(path)[0] for path in data.val_data}
+    val = validation_sets({path: read(path)[0] for path in data.val_data})  # two files of one source: refused
     return train, val, dropped_train
 
 
@@ -107,3 +108,31 @@ def prepare_dataset(
         raise ValueError(f"{input_path}: no rows left to write ({skipped} malformed, {too_long} too long)")
     write_rows(rows, output_path)
     return PrepareReport(len(rows), skipped, too_long, str(output_path))
+
+
+def validation_sets(files: dict[str, list[PromptRow]]) -> dict[str, list[PromptRow]]:
+    """Validation rows keyed by each row's ``data_source`` (the ``val/<source>/`` metrics), not by file name.
+
+    Args:
+        files: Each ``--val-data`` file's rows.
+
+    Returns:
+        ``{data_source: rows}``; a file of several sources gives several sets.
+
+    Raises:
+        ValueError: naming ``--val-data``, both files and the source, when two files hold rows of one source (one
+            set would hide the other under the same metric).
+    """
+    sets: dict[str, list[PromptRow]] = {}
+    origin: dict[str, str] = {}
+    for path, rows in files.items():
+        for row in rows:
+            first = origin.setdefault(row.data_source, path)
+            if first != path:
+                raise ValueError(
+                    f"--val-data: {first} and {path} both hold validation rows of data_source {row.data_source!r}, "
+                    "and validation is logged per data_source (val/<source>/reward_mean); merge them into one file "
+                    "or give each its own data_source (tools/prepare_data.py --data-source NAME)"
+                )
+            sets.setdefault(row.data_source, []).append(row)
+    return sets

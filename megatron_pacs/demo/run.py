@@ -8,6 +8,9 @@
 4. Print the reward curve, write ``reward_curve.png`` and ``summary.json`` (``first5_reward_mean``,
    ``last5_reward_mean``, ``wall_s``).
 
+Each RL run starts afresh in ``<out>/<loss>`` (the previous demo's run there is removed first: a run's log folder
+holds one run); the warm-up in ``<out>/warm`` is reused.
+
 ``--compare`` (``make demo-compare``) trains PACS and GRPO from the same warm-up and seeds and plots both. Trainer
 flags after ``--`` go to every run (e.g. PACS v2: ``-- --pacs-score-reference ref --ref-reset-interval 10``).
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -196,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {}
     for loss in ("pacs", "grpo") if args.compare else ("pacs",):
         run_dir = out / loss
+        if run_dir.exists():  # the previous demo's run: its metrics and dumps would mix with this one's
+            log.info("demo: removing the previous run in %s (each demo run starts afresh)", run_dir)
+            shutil.rmtree(run_dir)
         rewards = run_rl(model, data, run_dir, loss, args.steps, args.seed, extra)
         first5, last5 = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
         summary[loss] = {"first5_reward_mean": first5, "last5_reward_mean": last5, "rewards": rewards}

@@ -3,24 +3,30 @@
 ``concurrent.futures`` cannot stop a task that hangs (a pathological LaTeX parse can run for minutes), so each
 worker here has its own pipe and the parent enforces a deadline per item: a worker past its deadline is killed
 and replaced, its item scores 0.0 and is counted as a timeout. A worker that dies scores its item 0.0 as an
-error. The step is never held longer than about ``timeout_s`` per item. Each worker has its own start-up deadline
+error. Every worker killed or found dead and replaced is counted (``reward/worker_restarts``). The step is never held
+longer than about ``timeout_s`` per item. Each worker has its own start-up deadline
 from the moment it is (re)started, so replacing every worker at once (hangs late in a long batch) cannot end the
 run; only a pool none of whose workers ever starts raises.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from megatron_pacs.config.reward_fn import load_reward_fn
 from megatron_pacs.rewards.math_verify import ERROR, OK, TIMEOUT, TOO_LONG, VERIFY_TIMEOUT, score_with_status
 from megatron_pacs.utils.exit_signal import ignore_stop_signals
 from megatron_pacs.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from megatron_pacs.config.run import RewardConfig
 
 __all__ = ["RewardScorer", "ScoreResult"]
 
@@ -40,6 +46,7 @@ class ScoreResult:
         num_too_long: Items scored 0.0 without parsing because they exceed ``max_chars``.
         num_verify_timeouts: Items scored 0.0 because math-verify's own time limit (~5 s) cut them short.
         statuses: Per item ``"ok"``, ``"error"``, ``"timeout"``, ``"too_long"`` or ``"verify_timeout"``.
+        num_worker_restarts: Workers replaced while scoring this batch (killed past a deadline, or found dead).
     """
 
     scores: list[float]
@@ -48,6 +55,7 @@ class ScoreResult:
     num_too_long: int = 0
     statuses: list[str] = field(default_factory=list)
     num_verify_timeouts: int = 0
+    num_worker_restarts: int = 0
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """``{prefix}/mean`` and the failure counts, for the metric logger."""
@@ -57,22 +65,27 @@ class ScoreResult:
             f"{prefix}/num_timeouts": float(self.num_timeouts),
             f"{prefix}/num_too_long": float(self.num_too_long),
             f"{prefix}/num_verify_timeouts": float(self.num_verify_timeouts),
+            f"{prefix}/worker_restarts": float(self.num_worker_restarts),
         }
 
 
 def _call(fn: RewardFn, response: Any, ground_truth: Any) -> tuple[float, str]:
+    """``fn``'s score and status; an exception, a non-number, NaN or a score outside [0, 1] is 0.0, an error."""
     try:
         out = fn(response, ground_truth)
-    except Exception:  # noqa: BLE001 - a reward that raises scores 0 and is counted
+        score, status = (float(out[0]), str(out[1])) if isinstance(out, tuple) else (float(out), OK)
+    except Exception:  # noqa: BLE001 - a reward that raises (or returns no number) scores 0 and is counted
         return 0.0, ERROR
-    if isinstance(out, tuple):
-        return float(out[0]), str(out[1])
-    return float(out), OK
+    if not (math.isfinite(score) and 0.0 <= score <= 1.0):
+        return 0.0, ERROR
+    return score, status
 
 
-def _worker_main(conn: Connection, fn: RewardFn) -> None:
+def _worker_main(conn: Connection, fn: RewardFn | str) -> None:
     """Worker loop: warm up, say ready, then answer ``(idx, response, gt)`` with ``(idx, score, status)``."""
     ignore_stop_signals()  # the trainer decides when the pool stops; a worker ends on its pipe's end (EOFError)
+    if isinstance(fn, str):  # --reward-fn: found by name here (the parent checked that it imports)
+        fn = load_reward_fn(fn)
     _call(fn, "\\boxed{1}", "1")  # import and build the verifier before the first timed item
     conn.send("ready")
     while True:
@@ -87,7 +100,7 @@ def _worker_main(conn: Connection, fn: RewardFn) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, fn: RewardFn) -> None:
+    def __init__(self, ctx, fn: RewardFn | str) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True, name="megatron_pacs-reward")
         self.proc.start()
@@ -109,7 +122,9 @@ class RewardScorer:
         num_workers: Worker processes; 0 scores serially in this process (math-verify's own time limits only,
             no hard timeout).
         timeout_s: Wall-clock limit per item, measured from when a ready worker receives it.
-        reward_fn: A picklable ``(response, ground_truth) -> float | (float, status)``; default math-verify.
+        reward_fn: A picklable ``(response, ground_truth) -> float | (float, status)``, or a ``module:function``
+            / ``path/to/file.py:function`` that each worker imports (``--reward-fn``); default math-verify. A score
+            that is not a number in [0, 1] is 0.0, counted as an error.
         start_timeout_s: How long a worker may take to import and warm up, from its own (re)start; one that
             does not is restarted, and only when no worker has started within it does ``score`` raise.
         max_chars: Responses longer than this score 0.0 unparsed (status ``too_long``, counted); None disables
@@ -122,7 +137,7 @@ class RewardScorer:
         self,
         num_workers: int = 2,
         timeout_s: float = 10.0,
-        reward_fn: RewardFn = score_with_status,
+        reward_fn: RewardFn | str = score_with_status,
         start_timeout_s: float = 120.0,
         max_chars: int | None = 100_000,
     ) -> None:
@@ -135,15 +150,29 @@ class RewardScorer:
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.reward_fn = reward_fn
+        # the function itself for serial scoring; a name is imported here first, so a bad one fails now
+        self._fn = load_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn
         self.start_timeout_s = start_timeout_s
         self.max_chars = max_chars
         self.total_errors = 0
         self.total_timeouts = 0
         self.total_too_long = 0
         self.total_verify_timeouts = 0
+        self.total_worker_restarts = 0
+        self._restarts = 0  # workers replaced in the batch being scored
         # spawn, not fork: the trainer process holds threads (Ray, torch) that fork would copy half-initialised.
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
+
+    @classmethod
+    def from_config(cls, reward: RewardConfig) -> RewardScorer:
+        """The pool ``--reward-*`` describe: ``--reward-fn`` (math-verify without it), workers, time-out, cap."""
+        return cls(
+            num_workers=reward.reward_workers,
+            timeout_s=reward.reward_timeout,
+            reward_fn=reward.reward_fn or score_with_status,
+            max_chars=reward.reward_max_chars or None,
+        )
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -180,6 +209,7 @@ class RewardScorer:
                 "response (repeat a prompt's answer for each of its samples)"
             )
         results: list[tuple[float, str] | None] = [None] * len(responses)
+        self._restarts = 0
         todo: deque[int] = deque()
         for i, resp in enumerate(responses):
             if not isinstance(resp, str):
@@ -190,7 +220,7 @@ class RewardScorer:
                 todo.append(i)
         if self.num_workers == 0:
             for i in todo:
-                results[i] = _call(self.reward_fn, responses[i], ground_truths[i])
+                results[i] = _call(self._fn, responses[i], ground_truths[i])
         elif todo:
             self._run_pool(todo, responses, ground_truths, results)
         scores = [r[0] for r in results]  # type: ignore[index]
@@ -202,11 +232,13 @@ class RewardScorer:
             statuses.count(TOO_LONG),
             statuses,
             num_verify_timeouts=statuses.count(VERIFY_TIMEOUT),
+            num_worker_restarts=self._restarts,
         )
         self.total_errors += out.num_errors
         self.total_timeouts += out.num_timeouts
         self.total_too_long += out.num_too_long
         self.total_verify_timeouts += out.num_verify_timeouts
+        self.total_worker_restarts += out.num_worker_restarts
         if out.num_errors or out.num_timeouts or out.num_too_long or out.num_verify_timeouts:
             log.warning(
                 "reward: %d errors, %d timeouts (> %.1fs), %d over %s chars (--reward-max-chars), %d stopped by "
@@ -222,6 +254,12 @@ class RewardScorer:
         return out
 
     def _ensure_workers(self) -> None:
+        """Start the pool's missing workers; one that died since the last batch (killed from outside) is counted."""
+        for w in self._workers:
+            if not w.proc.is_alive():
+                log.warning("reward worker pid %s died (exit code %s): restarting it", w.proc.pid, w.proc.exitcode)
+                w.conn.close()
+                self._restarts += 1
         self._workers = [w for w in self._workers if w.proc.is_alive()]
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.reward_fn))
@@ -229,6 +267,7 @@ class RewardScorer:
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
         self._workers[self._workers.index(worker)] = _Worker(self._ctx, self.reward_fn)
+        self._restarts += 1
 
     def _check_start_up(self, now: float) -> None:
         """Raise when every worker is past its own start-up deadline (each counts from that worker's start, so
@@ -236,8 +275,8 @@ class RewardScorer:
         late = [w for w in self._workers if not w.ready and now > w.started + self.start_timeout_s]
         if late and len(late) == len(self._workers):
             raise RuntimeError(
-                f"no reward worker started within {self.start_timeout_s}s; check that math-verify imports "
-                "(python -c 'import math_verify') or raise start_timeout_s"
+                f"no reward worker started within {self.start_timeout_s}s; check that the reward imports in a fresh "
+                "process (python -c 'import math_verify', or --reward-fn's module) or raise start_timeout_s"
             )
         for w in late:
             log.warning(

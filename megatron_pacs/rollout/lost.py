@@ -14,7 +14,10 @@ from contextlib import contextmanager
 
 __all__ = ["FOLLOWER_LINE", "RolloutClusterLost", "lost_line", "stopped_with_the_job"]
 
-FOLLOWER_LINE = "stopped with rank 0, which lost the rollout cluster (its line names the address and the flag)"
+FOLLOWER_LINE = (
+    "stopped with rank 0, which could not go on (its line names the cause: the rollout cluster lost, or a write "
+    "into --log-dir failed)"
+)
 """What a rank other than 0 says when the driver's stop reaches it."""
 
 

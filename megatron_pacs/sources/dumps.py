@@ -16,6 +16,7 @@ Legend: S responses of the step, P prompts, L_i sequence i's length (prompt + re
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ import torch
 from megatron_pacs.config import RunConfig
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.sources.base import StepRollouts
+from megatron_pacs.utils.log_writes import log_write
 
 __all__ = [
     "DUMP_FORMAT",
@@ -110,14 +112,19 @@ def _tensors(batch: RolloutBatch) -> dict[str, torch.Tensor]:
 
 def dump_rollouts(run: RunConfig, step: int, rollouts: StepRollouts, context: DumpContext | None = None) -> list[Path]:
     """Write step ``step``'s dumps (the readable records, and with ``context`` the replayable rollouts) unless
-    ``--no-dump-rollouts``; returns the files written."""
+    ``--no-dump-rollouts``; returns the files written.
+
+    Raises:
+        LogWriteError: naming the file and the step, when a write fails (a full disk).
+    """
     if not run.dump_rollouts:
         return []
     text = dump_path(run.log_dir, step, ".jsonl")
-    text.parent.mkdir(parents=True, exist_ok=True)
-    with open(text, "w", encoding="utf-8") as f:
-        for rec in rollouts.records:
-            f.write(json.dumps(rec) + "\n")
+    with log_write(text, step):
+        text.parent.mkdir(parents=True, exist_ok=True)
+        with open(text, "w", encoding="utf-8") as f:
+            for rec in rollouts.records:
+                f.write(json.dumps(rec) + "\n")
     if context is None:
         return [text]
     from safetensors.torch import save_file
@@ -138,9 +145,26 @@ def dump_rollouts(run: RunConfig, step: int, rollouts: StepRollouts, context: Du
     }
     path = dump_path(run.log_dir, step)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"megatron_pacs": json.dumps(meta)})
-    os.replace(tmp, path)  # a dump cut short by a crash is never found under the step's name
+    with log_write(path, step):
+        try:
+            save_file(tensors, str(tmp), metadata={"megatron_pacs": json.dumps(meta)})
+        except Exception as exc:  # safetensors raises its own error for a failed write; the OS error is what counts
+            tmp.unlink(missing_ok=True)
+            raise _os_error(exc) from exc
+        os.replace(tmp, path)  # a dump cut short by a crash is never found under the step's name
     return [text, path]
+
+
+def _os_error(exc: Exception) -> Exception:
+    """The ``OSError`` behind a failed write (safetensors' Rust writer reports one as its own error type, with the
+    OS error's text), else ``exc`` itself."""
+    if isinstance(exc, OSError):
+        return exc
+    text = str(exc)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS):
+        if os.strerror(code) in text or f"os error {code}" in text:
+            return OSError(code, os.strerror(code))
+    return exc
 
 
 def read_dump_metadata(path: str | Path) -> dict[str, Any]:

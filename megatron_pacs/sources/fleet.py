@@ -122,7 +122,7 @@ class FleetSource:
 
     @classmethod
     def open(cls, cfg: TrainConfig, *, tokenizer: Any, log_dir: str, context: Any) -> FleetSource:
-        """Start the engines and the reward pool (:func:`~megatron_pacs.sources.registry.open_source`)."""
+        """Start the engines and the reward pool (:func:`~megatron_pacs.config.sources.open_source`)."""
         return cls(cfg, tokenizer, log_dir)
 
     def check(self, steps: Sequence[int]) -> None:

@@ -6,8 +6,9 @@ bit for bit, and the consistency metrics compare the trainer with the recorded e
 vLLM or math-verify.
 
 :meth:`ReplaySource.check` runs on every rank before any model is built: a folder without dumps, a missing step,
-a truncated dump, another tokenizer, vocabulary, group size, batch size or temperature is refused naming the file
-and the mismatch. A dump's tensors are checked against their SHA-256 when the step loads them.
+a truncated dump, another tokenizer, vocabulary, group size, batch size or temperature, prompts or responses longer
+than ``--max-prompt-length`` / ``--max-response-length`` are refused naming the file and the
+mismatch. A dump's tensors are checked against their SHA-256 when the step loads them.
 """
 
 from __future__ import annotations
@@ -38,10 +39,18 @@ class ReplaySource:
         context: This run's tokenizer fingerprint, vocabulary and temperature.
     """
 
+    fleet = None
+    scorer = None
+
     def __init__(self, cfg: TrainConfig, context: DumpContext) -> None:
         assert cfg.source.replay_from is not None
         self.cfg, self.context = cfg, context
         self.run_dir = Path(cfg.source.replay_from)
+
+    @classmethod
+    def open(cls, cfg: TrainConfig, *, tokenizer: Any, log_dir: str, context: DumpContext) -> ReplaySource:
+        """The dumps of ``--replay-from``, read step by step (opened on every rank: :meth:`check`)."""
+        return cls(cfg, context)
 
     def check(self, steps: Sequence[int]) -> None:
         """Refuse, before anything is built, dumps that this run cannot replay exactly.
@@ -90,6 +99,7 @@ class ReplaySource:
                 raise ValueError(
                     f"{path}: {len(meta['prompt_ids'])} prompts, this run has --global-batch-size {b.global_batch_size}"
                 )
+            _check_lengths(path, b.max_prompt_length, b.max_response_length)
 
     def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
         """Step ``step``'s dumped rollouts (``rows`` only keep the loader's position; a different order is logged)."""
@@ -116,6 +126,24 @@ class ReplaySource:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _check_lengths(path: Path, max_prompt: int, max_response: int) -> None:
+    """Refuse a dump with a prompt or a response longer than this run's limits, naming the file and the flag (reads
+    the two small length tensors, ``[S]`` each, not the tokens)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            longest = {name: int(f.get_tensor(name).max()) for name in ("prompt_lens", "response_lens")}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+        raise ValueError(f"{path}: not a readable rollout dump ({exc}); dump the step again") from None
+    for name, what, limit in (("prompt_lens", "prompt", max_prompt), ("response_lens", "response", max_response)):
+        if longest[name] > limit:
+            raise ValueError(
+                f"{path}: a {what} of {longest[name]} tokens, over --max-{what}-length {limit}; replay with the "
+                f"limits of the run that dumped it (--max-{what}-length {longest[name]} or more)"
+            )
 
 
 def _dumped_steps(folder: Path) -> str:

@@ -71,7 +71,7 @@ def use_deterministic_kernels() -> dict[str, str]:
     ``torch.use_deterministic_algorithms(True)``: an op without a deterministic form raises instead of running (e.g.
     attention's backward on CUDA then takes FlashAttention's deterministic path instead of accumulating dQ with
     atomics), plus ``DETERMINISTIC_ENV`` where unset. Call it before the process's first CUDA kernel and its process
-    group. On the CPU the run's bits are already repeatable (tests/conftest.py pins the vector kernels).
+    group. On the CPU the run's bits are already repeatable (tests/helpers/cpu.py pins the vector kernels).
 
     Returns:
         The environment variables it set (name -> value), for the log.

@@ -3,7 +3,8 @@
 The JSONL file (``<log_dir>/metrics.jsonl``) is the durable record: one flat line per :meth:`MetricsWriter.log`
 call, ``{"step": 3, "rollout/reward_mean": 0.41, ...}``, appended and flushed at once so a crashed run keeps
 everything it logged. Non-finite values are written as ``null`` (JSON has no NaN) and read back as NaN by
-:func:`read_metrics`. Tools such as ``tools/plot_metrics.py`` read it back.
+:func:`read_metrics`. Tools such as ``tools/plot_metrics.py`` read it back. A write into the log dir that fails (a
+full disk) raises :class:`~megatron_pacs.utils.log_writes.LogWriteError` naming the file, the step and the OS error.
 """
 
 from __future__ import annotations
@@ -11,19 +12,24 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
 
+from megatron_pacs.utils.log_writes import LogWriteError, log_write
 from megatron_pacs.utils.logging import get_logger
 
-__all__ = ["CONSOLE_FIELDS", "METRICS_FILE", "MetricsWriter", "read_metrics"]
+__all__ = ["CONFIG_FILE", "CONSOLE_FIELDS", "METRICS_FILE", "MetricsWriter", "read_metrics"]
 
 logger = get_logger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+"""The run's resolved configuration beside its metrics: ``--config`` reads it back (docs/training.md)."""
 WANDB_ID_FILE = "wandb_run_id.txt"
 """The W&B run of a log dir: a resumed run (``start_step > 0``) continues it instead of starting another."""
 
@@ -69,6 +75,25 @@ def _console_line(step: int, total_steps: int | None, metrics: Mapping[str, floa
     return " | ".join(parts)
 
 
+def _quiet_tensorboard_write_errors() -> None:
+    """TensorBoard writes its events in a thread of its own; an ``OSError`` there (a full disk) is kept and raised
+    again in the caller's next write or flush, where :class:`MetricsWriter` names it in one line. The thread's own
+    traceback (``threading.excepthook``) would print it a second time, at length: it is not printed."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    before = threading.excepthook
+    if getattr(before, "quiets_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError):
+            return
+        before(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 def _parse_line(line: str) -> dict[str, Any] | None:
     """The record on one JSONL line, or None when the line is corrupt or has no integer ``step``."""
     try:
@@ -111,6 +136,50 @@ def _truncate_from(path: Path, start_step: int) -> None:
         )
 
 
+SAMPLE_MAX_CHARS = 10_000
+"""The longest text of one sample :meth:`MetricsWriter.log_samples` records (the rollout dumps keep it whole)."""
+
+
+def _sample_value(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > SAMPLE_MAX_CHARS:
+        return value[:SAMPLE_MAX_CHARS] + f" [... {len(value) - SAMPLE_MAX_CHARS} more characters]"
+    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+
+
+def _samples_markdown(columns: list[str], rows: list[list[Any]]) -> str:
+    """Each sample as a line of its short fields and an indented (verbatim) block per text field."""
+    parts = []
+    for i, row in enumerate(rows):
+        short = [f"**{c}** `{v}`" for c, v in zip(columns, row, strict=True) if not _is_text_block(v)]
+        parts.append(f"#### sample {i}\n\n" + " · ".join(short))
+        for c, v in zip(columns, row, strict=True):
+            if _is_text_block(v):
+                parts.append(f"**{c}**\n\n" + "\n".join("    " + line for line in str(v).splitlines() or [""]))
+    return "\n\n".join(parts)
+
+
+def _is_text_block(value: Any) -> bool:
+    """Prose (a prompt, a response) gets a block of its own; a short token (an id, an answer) stays in the line."""
+    return isinstance(value, str) and (any(c.isspace() for c in value) or "`" in value or len(value) > 60)
+
+
+def _write_config_file(path: Path, config: Mapping[str, Any]) -> None:
+    """``config`` as YAML at ``path``, replaced whole (a crash leaves the old file or the new one). ``log_dir`` is
+    left out: the folder holds this run, so a run again from the file takes a new one (one run per --log-dir)."""
+    import yaml
+
+    config = {k: dict(v) if isinstance(v, Mapping) else v for k, v in config.items()}
+    if isinstance(config.get("run"), dict):
+        config["run"].pop("log_dir", None)
+    tmp = path.with_name(path.name + ".tmp")
+    header = (
+        f"# This run's resolved configuration but --log-dir; `python -m megatron_pacs.train --config {path}` runs "
+        "it again (in a new --log-dir).\n"
+    )
+    tmp.write_text(header + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
     """Fan metrics out to the console, TensorBoard, Weights & Biases and ``<log_dir>/metrics.jsonl``.
 
@@ -125,11 +194,15 @@ class MetricsWriter:
         wandb_project (str | None): W&B project; None disables W&B. Without ``WANDB_API_KEY`` and with no
             ``WANDB_MODE`` set, the run is logged offline (sync it later with ``wandb sync``).
         wandb_name (str | None): W&B run name.
-        config (dict | None): Run configuration, sent to W&B and shown as text in TensorBoard.
+        config (dict | None): Run configuration, sent to W&B, shown as text in TensorBoard and written to
+            ``<log_dir>/config.yaml`` (which ``--config`` reads back).
         total_steps (int | None): Shown as ``step 3/20`` on the console.
         start_step (int): The step a resumed run restarts at; lines with ``step >= start_step`` are removed from
             an existing ``metrics.jsonl`` (and TensorBoard events from then on are purged) so the record holds
             each step once.
+        fresh (bool): This run starts at its first step: an existing ``metrics.jsonl`` can only be an earlier
+            attempt of the same job that ended before its first checkpoint (:mod:`megatron_pacs.outputs` refuses
+            any other), so its lines go too.
 
     Raises:
         ValueError: If ``start_step`` or ``total_steps`` is negative.
@@ -146,12 +219,13 @@ class MetricsWriter:
         config: dict | None = None,
         total_steps: int | None = None,
         start_step: int = 0,
+        fresh: bool = False,
     ) -> None:
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         if total_steps is not None and total_steps < 0:
             raise ValueError(f"total_steps must be >= 0 or None, got {total_steps}")
-        self.enabled = enabled
+        self.enabled, self.fresh = enabled, fresh
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.total_steps = total_steps
         self.wandb_mode: str | None = None
@@ -159,15 +233,31 @@ class MetricsWriter:
         self._tb = None
         self._wandb = None
         self._closed = False
+        self._failed = False  # a write failed: close() then drops what it cannot write
         if not enabled:
             return
         if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._open_jsonl(self.log_dir / METRICS_FILE, start_step)
+            with self._writing(self.log_dir / METRICS_FILE, start_step):
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                self._open_jsonl(self.log_dir / METRICS_FILE, start_step)
+            if config:
+                with self._writing(self.log_dir / CONFIG_FILE, start_step):
+                    _write_config_file(self.log_dir / CONFIG_FILE, config)
             if tensorboard:
-                self._open_tensorboard(config, start_step)
+                with self._writing(self.log_dir / "tensorboard", start_step):
+                    self._open_tensorboard(config, start_step)
         if wandb_project:
             self._open_wandb(wandb_project, wandb_name, config, start_step)
+
+    @contextmanager
+    def _writing(self, path: Path, step: int | None) -> Iterator[None]:
+        """:func:`~megatron_pacs.utils.log_writes.log_write`, remembering the failure (for :meth:`close`)."""
+        try:
+            with log_write(path, step):
+                yield
+        except Exception:
+            self._failed = True
+            raise
 
     @property
     def jsonl_path(self) -> Path | None:
@@ -176,7 +266,7 @@ class MetricsWriter:
 
     def _open_jsonl(self, path: Path, start_step: int) -> None:
         if path.exists():
-            if start_step > 0:
+            if start_step > 0 or self.fresh:
                 _truncate_from(path, start_step)
             elif path.stat().st_size > 0:
                 logger.warning("%s already exists and start_step is 0; appending to it", path)
@@ -194,6 +284,7 @@ class MetricsWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         assert self.log_dir is not None
+        _quiet_tensorboard_write_errors()
         self._tb = SummaryWriter(str(self.log_dir / "tensorboard"), purge_step=start_step or None)
         if config:
             self._tb.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", start_step)
@@ -248,11 +339,14 @@ class MetricsWriter:
             values[str(key)] = _to_float(key, value)
         if self._jsonl is not None:
             row = {"step": step, **{k: v if math.isfinite(v) else None for k, v in values.items()}}
-            self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
-            self._jsonl.flush()
+            with self._writing(Path(self._jsonl.name), step):
+                self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
+                self._jsonl.flush()
         if self._tb is not None:
-            for key, value in values.items():
-                self._tb.add_scalar(key, value, step)
+            with self._writing(Path(self._tb.log_dir), step):
+                for key, value in values.items():
+                    self._tb.add_scalar(key, value, step)
+                self._tb.flush()  # its thread's write error, if any, is this step's (not the next one's)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         logger.info(_console_line(step, self.total_steps, values))
@@ -268,7 +362,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self._tb is not None:
-            self._tb.add_text(key, "```\n" + text + "\n```", int(step))
+            with self._writing(Path(self._tb.log_dir), int(step)):
+                self._tb.add_text(key, "```\n" + text + "\n```", int(step))
         if self._wandb is not None:
             import html
 
@@ -276,22 +371,61 @@ class MetricsWriter:
 
             self._wandb.log({key: wandb.Html("<pre>" + html.escape(text) + "</pre>")}, step=int(step))
 
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]], key: str = "samples") -> None:
+        """Record a few of the step's generations (e.g. the rollout dump's records: ``input``, ``output``,
+        ``ground_truth``, ``score``): one text entry in TensorBoard, one ``wandb.Table`` in W&B; not in the JSONL
+        file or on the console. Texts over :data:`SAMPLE_MAX_CHARS` are cut there.
+
+        Args:
+            step (int): Training step.
+            samples (Sequence[Mapping[str, Any]]): One flat record per generation; the columns are the first
+                record's keys (``step`` left out: it is the x axis). Empty: nothing is logged.
+            key (str): Tag / W&B key.
+        """
+        if not self.enabled or not samples:
+            return
+        columns: list[Any] = [c for c in samples[0] if c != "step"]  # W&B's column type: str among others
+        rows = [[_sample_value(record.get(c)) for c in columns] for record in samples]
+        if self._tb is not None:
+            with self._writing(Path(self._tb.log_dir), int(step)):
+                self._tb.add_text(key, _samples_markdown(columns, rows), int(step))
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=int(step))
+
     def flush(self) -> None:
         """Push buffered TensorBoard events to disk (the JSONL file is flushed on every log call)."""
         if self._tb is not None:
-            self._tb.flush()
+            with self._writing(Path(self._tb.log_dir), None):
+                self._tb.flush()
 
     def close(self) -> None:
-        """Flush and close every sink; safe to call twice."""
+        """Flush and close every sink; safe to call twice. After a failed write (its error already raised), what
+        cannot be written is dropped without a second error.
+
+        Raises:
+            LogWriteError: When closing a file fails (a full disk) and no write had failed before.
+        """
         if self._closed:
             return
         self._closed = True
+        failed_before, error = self._failed, None
+        files: list[tuple[Callable[[], object], Path]] = []
         if self._jsonl is not None:
-            self._jsonl.close()
+            files.append((self._jsonl.close, Path(self._jsonl.name)))
         if self._tb is not None:
-            self._tb.close()
+            files.append((self._tb.close, Path(self._tb.log_dir)))
+        for close, path in files:
+            try:
+                with self._writing(path, None):
+                    close()
+            except LogWriteError as exc:  # the other sinks are closed all the same
+                error = error or exc
         if self._wandb is not None:
             self._wandb.finish()
+        if error is not None and not failed_before:
+            raise error
 
     def __enter__(self) -> MetricsWriter:
         return self

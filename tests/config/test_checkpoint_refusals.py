@@ -1,4 +1,4 @@
-"""Issue 29: what --load and --save refuse before anything is built, through ``TrainConfig.validate`` and the
+"""what --load and --save refuse before anything is built, through ``TrainConfig.validate`` and the
 trainer's command line: damaged checkpoints named (never a silent fresh start), a second run on one --save, and a
 changed seed or changed rows on resume."""
 
@@ -38,7 +38,7 @@ def train(*argv, cwd):
 
 
 def test_a_load_whose_checkpoints_are_all_damaged_is_refused_naming_each_file(tmp_path, files):
-    """Issue 29.1: --load (also --save's own directory) holding only unreadable checkpoints is refused, naming every
+    """--load (also --save's own directory) holding only unreadable checkpoints is refused, naming every
     damaged metadata file; a fresh start needs --load-optional."""
     run = tmp_path / "run"
     _damaged(run, 3, "")
@@ -55,8 +55,8 @@ def test_a_load_whose_checkpoints_are_all_damaged_is_refused_naming_each_file(tm
 
 
 def test_a_damaged_checkpoint_is_refused_in_one_line_naming_its_file_before_anything_starts(tmp_path, files):
-    """Issue 29.1/29.2 through the trainer's command line: exit 2 and one line naming the file, in seconds (no
-    model, no engine; it used to train from scratch, or print only "Expecting value: line 1 column 1")."""
+    """Through the trainer's command line: exit 2 and one line naming the file, in seconds (no
+    model, no engine; never a fresh start from scratch, nor only "Expecting value: line 1 column 1")."""
     run = tmp_path / "run"
     _damaged(run, 3, "")
     proc = train(*files, "--save", run, "--load", run, cwd=tmp_path)
@@ -69,7 +69,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_its_file_before_anyt
 
 
 def test_a_second_run_on_one_save_is_refused_naming_the_holder(tmp_path, files):
-    """Issue 29.4: rank 0 holds the --save directory's lock for the whole run; a second run is refused with one
+    """rank 0 holds the --save directory's lock for the whole run; a second run is refused with one
     line naming the holder's host and pid."""
     from megatron_pacs.utils.run_lock import RunLock
 
@@ -114,8 +114,8 @@ def resumable(tmp_path):
 
 
 def test_a_changed_seed_is_refused_before_any_model_is_built(tmp_path, resumable, monkeypatch):
-    """Issue 29.2: the seed and data-set checks of a resume come from the metadata, right after the data loads
-    (they used to come after the whole start-up, about 30 s): the trainer is never imported."""
+    """the seed and data-set checks of a resume come from the metadata, right after the data loads
+    (not after the whole start-up): the trainer is never imported."""
     flags, _, _ = resumable
     monkeypatch.setitem(sys.modules, "megatron_pacs.trainer", None)  # importing it would fail
     with pytest.raises(ValueError, match=r"^--seed: 1 in the checkpoint, 2 now"):
@@ -123,7 +123,7 @@ def test_a_changed_seed_is_refused_before_any_model_is_built(tmp_path, resumable
 
 
 def test_changed_rows_are_refused_on_resume_unless_allowed(tmp_path, resumable):
-    """Issue 29.6 through the resume's plan (what train.py checks before building the trainer)."""
+    """Through the resume's plan (what train.py checks before building the trainer)."""
     from megatron_pacs.checkpointing import plan_resume
     from megatron_pacs.data.loader import PromptLoader
 

@@ -69,7 +69,7 @@ def test_help_documents_every_flag():
         (["--pacs-score-reference", "ref", "--no-ref-reset-optimizer"], "--no-ref-reset-optimizer"),
         (["--pacs-score-reference", "ref", "--ref-reset-lr-warmup-steps", "4"], "--ref-reset-lr-warmup-steps"),
         (["--ref-reset-lr-warmup-steps", "-1"], "--ref-reset-lr-warmup-steps"),
-        # issue 24.5/24.6: more flags a parsed config would ignore, and bad values, refused
+        # more flags a parsed config would ignore, and bad values, refused
         (["--save-interval", "5"], "--save-interval"),
         (["--keep-last", "3"], "--keep-last"),
         (["--save-hf"], "--save-hf"),
@@ -86,16 +86,16 @@ def test_help_documents_every_flag():
         (["--ray-address", "auto", "--ray-object-store-gb", "2"], "--ray-object-store-gb"),
         (["--top-k", "-2"], "--top-k"),
         (["--reward-max-chars", "-1"], "--reward-max-chars"),
-        # issue 19: multi-host flags
+        # multi-host flags
         (["--weight-sync", "object_store", "--weight-sync-address", "10.0.0.1"], "--weight-sync-address"),
         (["--exit-signal-grace-seconds", "30"], "--exit-signal-grace-seconds"),
         (["--exit-signal-handler", "--exit-signal-grace-seconds", "0"], "--exit-signal-grace-seconds"),
         (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes"),
-        # issue 30.4: heartbeats: 0 (off) or at least 2 s
+        # heartbeats: 0 (off) or at least 2 s
         (["--heartbeat-timeout-seconds", "1"], "--heartbeat-timeout-seconds"),
         (["--heartbeat-timeout-seconds", "-5"], "--heartbeat-timeout-seconds"),
         (["--heartbeat-timeout-seconds", "nan"], "--heartbeat-timeout-seconds"),
-        # issue 21.1: seeds derive independent streams (numpy SeedSequence), which take non-negative entropy
+        # seeds derive independent streams (numpy SeedSequence), which take non-negative entropy
         (["--seed", "-1"], "--seed"),
     ],
 )
@@ -181,7 +181,7 @@ def _ckpt(root, step):
 
 
 def test_checkpoint_directories_checked_before_anything_starts(tmp_path):
-    """Issue 24.5: a mistyped --load is refused (not a silent fresh start) unless --load-optional or it is --save's
+    """a mistyped --load is refused (not a silent fresh start) unless --load-optional or it is --save's
     own directory (a requeued job's first start); --save over existing checkpoints needs --load pointing there."""
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
     (tmp_path / "train.jsonl").write_text("")
@@ -208,7 +208,7 @@ def test_checkpoint_directories_checked_before_anything_starts(tmp_path):
 
 
 def test_engine_flags_the_machine_would_ignore_are_refused(tmp_path, monkeypatch):
-    """Issue 24.5: --gpu-memory-utilization on CPU engines, --kv-cache-gb on GPU engines (simulated: the check reads
+    """--gpu-memory-utilization on CPU engines, --kv-cache-gb on GPU engines (simulated: the check reads
     ``_cuda_available``), and --no-keep-weights-for-restart with the object-store transport, which keeps the update
     anyway."""
     from megatron_pacs.config import train as train_config
@@ -315,7 +315,7 @@ def test_colocate_is_refused_before_anything_starts_without_cuda(tmp_path):
 
 
 def test_logprob_impl_fused_is_refused_where_triton_cannot_run_and_chunked_always_works(tmp_path, monkeypatch):
-    """Issue 23.9: --logprob-impl chunked is the escape hatch where Triton fails to compile; fused is refused before
+    """--logprob-impl chunked is the escape hatch where Triton fails to compile; fused is refused before
     anything starts without CUDA (or TRITON_INTERPRET=1) and Triton, with the flag named. The GPU is simulated."""
     from megatron_pacs.config import train as train_config
 
@@ -384,7 +384,7 @@ def test_a_reference_anchor_never_reset_is_warned_about():
 
 
 def test_colocated_engines_are_one_engine_of_one_gpu_and_ipc_needs_colocation():
-    """Issue 23.3: a colocated engine maps trainer rank 0's CUDA IPC handles, which only an engine on that GPU can;
+    """a colocated engine maps trainer rank 0's CUDA IPC handles, which only an engine on that GPU can;
     more engines or a TP > 1 engine would each get GPU 0's handle. ``--weight-sync ipc`` without ``--colocate``
     (engines on GPUs of their own) cannot map them either."""
     from megatron_pacs.config import RolloutConfig

@@ -1,4 +1,4 @@
-"""What a resumed run may change (issue 24.7): the checkpoint's configuration against the new launch's."""
+"""What a resumed run may change: the checkpoint's configuration against the new launch's."""
 
 import pytest
 

@@ -17,10 +17,10 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from megatron_pacs.config import RolloutConfig
 from megatron_pacs.rollout.backends import backend_class
-from megatron_pacs.rollout.fleet.ray_start import join_cluster, start_local
+from megatron_pacs.rollout.fleet.ray_start import join_cluster, ray_temp_dir, start_local
 from megatron_pacs.rollout.fleet.reconnect import connect_again, connection_lost
 from megatron_pacs.rollout.lost import RolloutClusterLost, lost_line
-from megatron_pacs.rollout.placement import local_engine_gpus, short_temp_dir, visible_devices
+from megatron_pacs.rollout.placement import local_engine_gpus, visible_devices
 from megatron_pacs.rollout.sync import SideGroup, close_group
 from megatron_pacs.rollout.types import FleetEngine
 from megatron_pacs.utils.logging import get_logger
@@ -146,7 +146,7 @@ class EngineSet:
         if cfg.ray_address:
             join_cluster(cfg.ray_address)
             return
-        self._temp_dir = short_temp_dir(self.run_dir)
+        self._temp_dir = ray_temp_dir(self.run_dir)  # outside --log-dir (a full one would take Ray down)
         gpus = None
         if self.on_gpu:
             gpus = local_engine_gpus(

@@ -9,18 +9,31 @@
 - A local Ray's new node must register with its GCS within a fixed 30 s (``raylet_start_wait_time_s`` in
   ray/_private/node.py, not configurable), too short on a loaded host: its start raises "The current node timed out
   during startup" and leaves its processes running. They are ended and the node started again.
+- ``ray.init`` replaces the driver's SIGTERM handler with its own (``sys.exit``); the one in place before is put back
+  (:mod:`megatron_pacs.utils.interrupts`: the run ends with one line).
+- A local Ray's temporary folder (its logs and sockets) lives outside ``--log-dir``, under the system's temporary
+  folder (:func:`ray_temp_dir`), unless :data:`RAY_TEMP_IN_LOG_DIR_ENV` asks for it there.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import signal
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
 import ray
+import ray._private.utils as ray_utils
 from ray.util.client import ray as ray_client
 
+from megatron_pacs.utils.interrupts import raises_on_sigterm
 from megatron_pacs.utils.logging import get_logger
 
 __all__ = [
@@ -28,8 +41,10 @@ __all__ = [
     "CLIENT_ATTEMPTS",
     "CLIENT_SERVER_START_FAILURES",
     "NODE_START_TIMEOUT",
+    "RAY_TEMP_IN_LOG_DIR_ENV",
     "client_init",
     "join_cluster",
+    "ray_temp_dir",
     "start_local",
 ]
 
@@ -47,6 +62,54 @@ CLIENT_SERVER_START_FAILURES = ("Starting Ray client server failed", "Initializa
 
 NODE_START_TIMEOUT = "The current node timed out during startup"
 """What ``ray.init`` raises when its new node did not register with the GCS within Ray's fixed 30 s."""
+
+RAY_TEMP_IN_LOG_DIR_ENV = "MEGATRON_PACS_RAY_TEMP_IN_LOG_DIR"
+"""Set to 1: a local Ray's temporary folder goes under ``--log-dir`` (``<log-dir>/ray``, or a short folder under the
+system's temporary folder where its socket paths would pass the 107-byte Unix limit)."""
+
+SOCKET_PATH_ROOM = len("/session_2026-01-01_00-00-00_000000_1234567/sockets/plasma_store")
+"""What Ray appends to its temporary folder for its longest socket path (Unix sockets: 107 bytes at most)."""
+
+
+def ray_temp_dir(log_dir: str) -> str:
+    """A new temporary folder for a local Ray node (removed at the fleet's shutdown): ``ray_<random>`` under the
+    system's temporary folder (``$TMPDIR``, or ``/tmp`` where that one is too long for Ray's socket paths), so a
+    full ``--log-dir`` does not take Ray down; under ``--log-dir`` with :data:`RAY_TEMP_IN_LOG_DIR_ENV`.
+
+    Args:
+        log_dir: The run's ``--log-dir``.
+    """
+    if os.environ.get(RAY_TEMP_IN_LOG_DIR_ENV, "") not in ("", "0"):
+        from megatron_pacs.rollout.placement import short_temp_dir
+
+        return short_temp_dir(log_dir)
+    root = tempfile.gettempdir()
+    if len(os.path.join(root, "ray_12345678")) + SOCKET_PATH_ROOM >= 107:
+        root = "/tmp"
+    path = tempfile.mkdtemp(prefix="ray_", dir=root)
+    # also when the start-up is cut short (SIGTERM, Ctrl-C) before the fleet can shut down; after Ray's own atexit
+    # shutdown, which ray.init registers later (atexit runs last-in first-out)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+@contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """Keep the SIGTERM handler through ``ray.init``, which installs its own (main thread only): it is put back
+    after, and where SIGTERM raises :class:`~megatron_pacs.utils.interrupts.Terminated`, Ray's is not installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    install = ray_utils.set_sigterm_handler
+    if raises_on_sigterm():  # Ray's handler is not installed at all: its SystemExit could be raised in a __del__
+        ray_utils.set_sigterm_handler = lambda handler: None  # (ignored there: the run went on after SIGTERM)
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = install
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
 
 
 def client_init(address: str) -> None:
@@ -75,7 +138,8 @@ def client_init(address: str) -> None:
     watcher = threading.Thread(target=end_held_streams, name="ray-client-init-watch", daemon=True)
     watcher.start()
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        with _keeping_sigterm_handler():
+            ray.init(address=address, include_dashboard=False, log_to_driver=True)
     finally:
         done.set()
         watcher.join()
@@ -107,7 +171,8 @@ def start_local(**init_kwargs: Any) -> None:
     for attempt in range(ATTEMPTS):
         before = {p.pid for p in psutil.Process().children()}
         try:
-            ray.init(**init_kwargs)
+            with _keeping_sigterm_handler():
+                ray.init(**init_kwargs)
             return
         except Exception as exc:  # Ray raises a bare Exception for this one
             if attempt == ATTEMPTS - 1 or NODE_START_TIMEOUT not in str(exc):

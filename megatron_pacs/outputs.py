@@ -1,105 +1,32 @@
-"""A run's output folders: the default ``--log-dir``, the checks before anything starts, and a failed write in it.
+"""A run's output folders: the default ``--log-dir`` and the checks before anything starts.
 
 - The default ``--log-dir`` is one folder per run: ``<--save>/logs`` when ``--save`` is given (a resumed job finds
   its log folder again), else ``runs/run-<UTC time>-<pid>`` (:func:`resolve_log_dir`).
 - Before any model, engine or process group exists (:func:`check_outputs`): ``--save`` and ``--log-dir`` must be
   writable, and a ``--log-dir`` that holds another run (metrics of some step, or rollout dumps) is refused unless this
-  run resumes that one (``--load`` names a checkpoint that run wrote while logging there).
-- A write into ``--log-dir`` that fails (a full disk) raises :class:`LogWriteError`: one line naming the path, the
-  step and the OS error (e.g. ``ENOSPC``); the trainer adds what it kept of the step (docs/training.md, "Outputs").
+  run resumes that one (``--load`` names a checkpoint that run wrote while logging there) or is the same job started
+  again before its first checkpoint.
+- A failed write into the folder later is :class:`~megatron_pacs.utils.log_writes.LogWriteError`.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from megatron_pacs.utils.logging import get_logger
+from megatron_pacs.config import TrainConfig
+from megatron_pacs.utils.checkpoint_dirs import choose_checkpoint, read_metadata
+from megatron_pacs.utils.log_writes import os_error_text
+from megatron_pacs.utils.sinks import METRICS_FILE
 
-if TYPE_CHECKING:
-    from megatron_pacs.config import TrainConfig
-
-__all__ = [
-    "LogWriteError",
-    "any_rank",
-    "check_outputs",
-    "describe_outputs",
-    "log_write",
-    "os_error_text",
-    "recorded_run",
-    "resolve_log_dir",
-]
-
-log = get_logger("run_dir")
+__all__ = ["SAVE_LOGS", "check_outputs", "describe_outputs", "recorded_run", "resolve_log_dir"]
 
 SAVE_LOGS = "logs"
 """The default ``--log-dir`` under ``--save``."""
-
-
-def os_error_text(exc: OSError) -> str:
-    """``ENOSPC (No space left on device)``: the error's symbolic name and its text."""
-    name = errno.errorcode.get(exc.errno, "") if exc.errno is not None else ""
-    text = exc.strerror or str(exc)
-    return f"{name} ({text})" if name else text
-
-
-class LogWriteError(RuntimeError):
-    """A write into ``--log-dir`` failed. ``str()`` is the one line the run stops with.
-
-    Attributes:
-        path: The file or folder being written.
-        step: The training step it belonged to (None outside a step, e.g. at the end of the run).
-        error: The OS error.
-        outcome: What the run kept of the step (set by the trainer; "" until then).
-    """
-
-    def __init__(self, path: str | os.PathLike, step: int | None, error: OSError) -> None:
-        super().__init__(str(path))
-        self.path, self.step, self.error = Path(path), step, error
-        self.outcome = ""
-
-    def __str__(self) -> str:
-        when = f"at step {self.step}" if self.step is not None else "at the end of the run"
-        line = f"--log-dir: writing {self.path} {when} failed: {os_error_text(self.error)}"
-        return f"{line}; {self.outcome}" if self.outcome else line
-
-
-@contextmanager
-def log_write(path: str | os.PathLike, step: int | None) -> Iterator[None]:
-    """Turn an ``OSError`` of the writes inside the block into a :class:`LogWriteError` naming ``path`` and ``step``.
-
-    Args:
-        path: What the block writes (a file, or the folder of a sink such as ``tensorboard/``).
-        step: The step being written (None outside a step).
-    """
-    try:
-        yield
-    except LogWriteError:
-        raise
-    except OSError as exc:
-        raise LogWriteError(path, step, exc) from exc
-
-
-def any_rank(failed: bool) -> bool:
-    """Collective where a process group exists: whether any rank's ``failed`` is True (every rank gets the same
-    answer); ``failed`` itself without one, or with one rank."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return failed
-    flag = torch.tensor([int(failed)], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def resolve_log_dir(cfg: TrainConfig, *, world_size: int = 1) -> str:
@@ -130,8 +57,6 @@ def resolve_log_dir(cfg: TrainConfig, *, world_size: int = 1) -> str:
 def recorded_run(log_dir: str | os.PathLike) -> str | None:
     """What ``log_dir`` holds of a run: ``"metrics.jsonl with steps 1-4, 4 rollout dumps"``; None when it holds no
     metric line and no rollout dump (an empty or new folder, or one with only stacks or TensorBoard events)."""
-    from megatron_pacs.utils.sinks import METRICS_FILE  # here: sinks imports this module
-
     root = Path(log_dir)
     found = []
     metrics = root / METRICS_FILE
@@ -163,14 +88,23 @@ def _resumed_log_dir(cfg: TrainConfig) -> str | None:
     there yet, or a checkpoint without its configuration)."""
     if cfg.checkpoint.load is None:
         return None
-    from megatron_pacs.utils.checkpoint_dirs import choose_checkpoint, read_metadata
-
     ckpt = choose_checkpoint(cfg.checkpoint.load).checkpoint
     if ckpt is None:
         return None
     saved: dict[str, Any] = read_metadata(ckpt).get("config") or {}
     log_dir = (saved.get("run") or {}).get("log_dir")
     return log_dir if isinstance(log_dir, str) and log_dir else None
+
+
+def _requeued_before_first_checkpoint(cfg: TrainConfig) -> bool:
+    """The same job started again (``--load`` and ``--save`` one folder, logging under it) before it saved anything:
+    its log folder holds what the first attempt logged, and the steps run again from the start."""
+    ck = cfg.checkpoint
+    if not (ck.load and ck.save and _same_dir(ck.load, ck.save)):
+        return False
+    if not _same_dir(cfg.run.log_dir, Path(ck.save) / SAVE_LOGS):
+        return False
+    return choose_checkpoint(ck.load).checkpoint is None
 
 
 def _check_writable(path: Path, flag: str) -> None:
@@ -195,7 +129,7 @@ def check_outputs(cfg: TrainConfig) -> None:
     """
     log_dir = Path(cfg.run.log_dir)
     other = recorded_run(log_dir)
-    if other is not None:
+    if other is not None and not _requeued_before_first_checkpoint(cfg):
         resumed = _resumed_log_dir(cfg)
         if resumed is None or not _same_dir(resumed, log_dir):
             logged = (
