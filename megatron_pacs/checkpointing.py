@@ -28,6 +28,7 @@ from megatron_pacs.utils.logging import get_logger
 if TYPE_CHECKING:
     from megatron_pacs.data.loader import PromptLoader
     from megatron_pacs.mcore.actor import Actor
+    from megatron_pacs.mcore.async_checkpoint import PendingCheckpoint
     from megatron_pacs.mcore.optim import Trainable
     from megatron_pacs.mcore.reference import ReferencePolicy
 
@@ -177,6 +178,30 @@ class RunCheckpoints:
         self.cfg, self.actor, self.reference, self.driver = cfg, actor, reference, driver
         self.resumed_from: Path | None = None  # the checkpoint this run resumed from
         self.parent: Path | None = None  # the newest checkpoint of this run's lineage (resumed or saved)
+        self.in_flight: PendingCheckpoint | None = None  # --async-save: the save whose writes may go on
+
+    def poll(self) -> None:
+        """--async-save: commit the save in flight if every rank's writes are done (collective; a no-op without
+        one). Raises :class:`CheckpointWriteError` when its writes failed."""
+        self._finish(blocking=False)
+
+    def wait(self) -> None:
+        """--async-save: wait for the save in flight and commit it (collective; a no-op without one)."""
+        self._finish(blocking=True)
+
+    def _finish(self, *, blocking: bool) -> None:
+        pending = self.in_flight
+        if pending is None:
+            return
+        try:
+            done = pending.finish(blocking=blocking)
+        except BaseException:
+            self.in_flight = None  # failed: its temporary folder is gone, nothing is left to wait for
+            raise
+        if done:
+            self.in_flight = None
+            if self.driver:
+                log.info("step %d's checkpoint is in place: %s", pending.step, pending.path)
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` is saved: every ``--save-interval`` steps and the run's last, with ``--save``."""
@@ -190,18 +215,26 @@ class RunCheckpoints:
         assert self.actor.trainable is not None, "the trainer's actor always has an optimizer"
         return self.actor.trainable
 
-    def save(self, step: int, loader: PromptLoader, *, pending_step: int | None, pending_rollouts: Any) -> Path:
+    def save(
+        self, step: int, loader: PromptLoader, *, pending_step: int | None, pending_rollouts: Any, background: bool
+    ) -> Path:
         """Model + optimizer + RNG + step + data position (+ a HF directory with ``--save-hf``).
+
+        With ``--async-save`` the save in flight is committed first (waited for), and with ``background`` this one's
+        shards are then written while training goes on (:meth:`poll`, :meth:`wait`); ``--save-hf``'s directory is
+        written on the step's path, into the temporary folder.
 
         Args:
             step: The step just completed.
             loader: The prompt loader (its position is saved).
             pending_step: A step whose rollouts were generated ahead, or None.
             pending_rollouts: The driver's rollouts for it (kept: the weights that generated them are gone).
+            background: Leave this save in flight (with ``--async-save``; else it is complete on return).
 
         Returns:
-            The checkpoint's folder (``iter_NNNNNNN``).
+            The checkpoint's folder (``iter_NNNNNNN``; with a save left in flight, where it will be).
         """
+        from megatron_pacs.mcore.async_checkpoint import start_training_checkpoint
         from megatron_pacs.mcore.model_checkpoint import save_hf_checkpoint
         from megatron_pacs.mcore.training_checkpoint import os_error_of, save_training_checkpoint
 
@@ -224,18 +257,26 @@ class RunCheckpoints:
             if self.reference.resets:  # the weights differ from --ref-load only after a reset
                 extra["reference"] = self.reference.models
         assert ck.save is not None
-        path = save_training_checkpoint(
-            ck.save,
-            step,
-            trainable.models,
-            trainable.optimizer,
-            meta,
-            parent=self.parent,
-            keep_last=ck.keep_last,
-            extra_models=extra,
-            driver_objects=driver_objects,
-        )
-        self.parent = path
+        self.wait()  # at most one save in flight
+        args = (ck.save, step, trainable.models, trainable.optimizer, meta)
+        kwargs: dict[str, Any] = {"parent": self.parent, "keep_last": ck.keep_last, "extra_models": extra}
+        kwargs["driver_objects"] = driver_objects
+        if ck.async_save:
+            pending = start_training_checkpoint(*args, **kwargs)
+            self.parent = pending.path
+            if ck.save_hf:  # the step's weights, into the temporary folder: committed with the rest
+                try:
+                    hf = self.actor.export_hf_weights()
+                    save_hf_checkpoint(
+                        hf, Path(pending.tmp) / "hf", side_files_from=self.cfg.model.hf_model, progress=False
+                    )
+                except Exception as exc:  # noqa: BLE001 - fail() reports an OS error in one line, re-raises others
+                    pending.fail(exc)
+            self.in_flight = pending
+            if not background:
+                self.wait()
+            return pending.path
+        path = self.parent = save_training_checkpoint(*args, **kwargs)
         if ck.save_hf:
             try:
                 save_hf_checkpoint(

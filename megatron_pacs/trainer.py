@@ -26,6 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from megatron_pacs.algo.objectives import build_objective
 from megatron_pacs.checkpointing import RunCheckpoints
 from megatron_pacs.config import TrainConfig
+from megatron_pacs.config.sources import open_source, source_spec
 from megatron_pacs.consistency import check_logprob_bound, probe_due, probe_sync
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.loader import PromptLoader
@@ -39,13 +40,12 @@ from megatron_pacs.rollout.colocate import Colocation
 from megatron_pacs.rollout.lost import RolloutClusterLost, stopped_with_the_job
 from megatron_pacs.sources.base import RolloutSource
 from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, tokenizer_fingerprint
-from megatron_pacs.sources.registry import open_source, source_spec
 from megatron_pacs.update import update_policy
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.heartbeat import Heartbeat
+from megatron_pacs.utils.log_writes import LogWriteError, any_rank
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.progress import progress_bar
-from megatron_pacs.utils.run_dir import LogWriteError, any_rank
 from megatron_pacs.utils.seeding import use_deterministic_kernels
 from megatron_pacs.utils.sinks import MetricsWriter
 from megatron_pacs.utils.stacks import StackDumps
@@ -88,6 +88,7 @@ class Trainer:
         self.stacks = StackDumps(Path(cfg.run.log_dir) / "stacks", rank=int(os.environ.get("RANK", "0")))
         self.stacks.install()
         self.writer: MetricsWriter | None = None
+        self.samples: list[dict] = []  # the driver's --log-samples records of the step being logged
         if cfg.model.deterministic_mode:  # before the first CUDA kernel and NCCL's communicator
             log.info("--deterministic-mode: deterministic kernels only (%s)", use_deterministic_kernels() or "env set")
         self.groups = init_parallel(cfg.parallel, seed=cfg.run.seed)
@@ -196,12 +197,14 @@ class Trainer:
             total_steps=cfg.run.train_iters,
             # the first step this run logs: the rows of the steps the checkpoint holds stay, later ones go
             start_step=start_step + 1 if start_step else 0,
+            fresh=start_step == 0,
         )
 
     def _step_unless_lost(self, loader: PromptLoader, step: int) -> dict[str, float] | None:
         """:meth:`step`; None when the rollout side was lost after the job's exit signal (the last update saved).
         A failed write into ``--log-dir`` (the step's dumps, before its update) saves the last update the weights
         hold, as a lost rollout side does, and stops the run."""
+        self.checkpoints.poll()  # --async-save: the save in flight committed once every rank's writes are done
         try:
             return self.step(loader, step)
         except LogWriteError as failure:
@@ -225,6 +228,7 @@ class Trainer:
         try:
             if self.writer is not None:
                 self.writer.log(step, metrics)
+                self.writer.log_samples(step, self.samples)  # --log-samples: to TensorBoard and W&B
         except LogWriteError as exc:
             failure = exc
         if not any_rank(failure is not None):
@@ -250,14 +254,15 @@ class Trainer:
     def _save_or_stop(self, step: int, loader: PromptLoader) -> bool:
         """The checkpoint when due; then True when the exit signal stops the run (saved after this step)."""
         saved = self.checkpoints.due(step)
-        if saved:
-            self.save(step, loader)
+        if saved:  # --async-save: written in the background, but the run's last save is waited for
+            self.save(step, loader, background=step < self.cfg.run.train_iters)
             self.saved_step = step
         if self.exit_signal is None or step == self.cfg.run.train_iters or not self.exit_signal.should_stop():
             return False
         log.warning("exit signal: every rank stops after step %d", step)
         if self.cfg.checkpoint.save and not saved:
             self.save(step, loader)
+        self.checkpoints.wait()
         log.warning("exit signal: stopped after step %d (checkpoint: %s); exiting 0", step, self.cfg.checkpoint.save)
         return True
 
@@ -352,8 +357,7 @@ class Trainer:
         metrics["data/dropped_prompts"] = float(loader.dropped)  # over --max-prompt-length, at load
         metrics["perf/time/step"] = elapsed
         metrics["perf/tokens_per_sec"] = gen.rollouts.metrics.get("rollout/num_tokens", 0.0) / elapsed
-        if self.writer is not None:  # --log-samples: the first responses, to TensorBoard and W&B
-            self.writer.log_samples(step, gen.rollouts.records[: self.cfg.run.log_samples])
+        self.samples = gen.rollouts.records[: self.cfg.run.log_samples]  # logged with the metrics (_log_or_stop)
         return metrics
 
     def _dump(self, step: int, gen: Generated | None) -> None:
@@ -404,13 +408,16 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
-    def save(self, step: int, loader: PromptLoader) -> Path:
-        """This run's checkpoint after ``step`` (collective; :class:`~megatron_pacs.checkpointing.RunCheckpoints`)."""
+    def save(self, step: int, loader: PromptLoader, *, background: bool = False) -> Path:
+        """This run's checkpoint after ``step`` (collective; :class:`~megatron_pacs.checkpointing.RunCheckpoints`);
+        with ``background`` and ``--async-save``, its shards are still being written on return."""
         # One step off: the next step's rollouts are done (the sync waited for them); they are kept with it.
         pending = self.producer.done if self.pending_step else None
         with self.timer.phase("save"):
-            path = self.checkpoints.save(step, loader, pending_step=self.pending_step, pending_rollouts=pending)
-        if self.driver:
+            path = self.checkpoints.save(
+                step, loader, pending_step=self.pending_step, pending_rollouts=pending, background=background
+            )
+        if self.driver and self.checkpoints.in_flight is None:
             log.info("saved step %d to %s", step, path)
         return path
 
@@ -450,6 +457,10 @@ class Trainer:
             self.writer.flush()
 
     def close(self) -> None:
+        try:  # --async-save: a save still in flight (after a failure elsewhere) is waited for and committed
+            self.checkpoints.wait()
+        except Exception:
+            log.exception("close: the checkpoint in flight could not be completed")
         if self.exit_signal is not None:
             self.exit_signal.finish()
         # This rank leaves: its last beat says so, so the others (still shutting down) do not take it for lost.

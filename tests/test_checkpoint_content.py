@@ -1,4 +1,4 @@
-"""Checkpoint content proven on a real training run (issue 41, item 2): the tiny model trained 3 steps on synthetic
+"""Checkpoint content proven on a real training run: the tiny model trained 3 steps on synthetic
 rollouts with a checkpoint every step and a reference reset at step 2. Consecutive checkpoints record different
 values for every trained tensor, each records the live weights of its step (the --save-hf export of that step), and
 the reference saved after its reset records the actor's weights of that step."""

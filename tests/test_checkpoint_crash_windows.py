@@ -1,4 +1,4 @@
-"""Every crash window of a save closed (issue 41, item 3): a real process saves checkpoints of a tiny two-tensor
+"""Every crash window of a save closed: a real process saves checkpoints of a tiny two-tensor
 model through Megatron's distributed checkpointing and is SIGKILLed at one point of its third save (during the
 writes, after the rename into place, before the tracker's write, half-way through pruning). The next start resumes
 the newest complete checkpoint, says which, warns about a complete one the tracker does not name, loads exactly the

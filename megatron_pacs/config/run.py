@@ -31,11 +31,9 @@ class CheckpointConfig:
     """Checkpoint directory. One that already holds checkpoints needs --load pointing at it (or at one of its
     checkpoints): a fresh run would overwrite checkpoints of the same step."""
     load: str | None = None
-    """Resume from the checkpoint written last here (latest_checkpointed_iteration.txt; when its metadata is damaged,
-    the newest complete checkpoint of its lineage), or from this checkpoint folder. A directory without a
-    checkpoint is refused (a mistyped path would train from scratch) unless it is --save's own directory (a
-    requeued job's first start) or --load-optional is given; one whose checkpoints are all damaged is refused
-    naming every damaged file, unless --load-optional is given."""
+    """Resume from the checkpoint written last in this directory, or from this checkpoint folder. A directory
+    without a readable checkpoint is refused, unless it is --save's own or --load-optional is given
+    (docs/training.md)."""
     load_optional: bool = False
     """With --load: a directory that does not exist, holds no checkpoint yet, or holds only damaged ones starts
     from --hf-model instead of being refused."""
@@ -49,6 +47,9 @@ class CheckpointConfig:
     """Checkpoints kept."""
     save_hf: bool = False
     """Also write a Hugging Face directory beside every checkpoint."""
+    async_save: bool = False
+    """Write the checkpoint's shards in the background while training goes on (Megatron-Core's asynchronous
+    checkpointing); it appears under --save once every rank's writes are done (docs/training.md)."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -56,7 +57,7 @@ class CheckpointConfig:
         if self.save_interval < 0:
             raise bad("save_interval", "must be >= 0")
         if self.save is None:  # nothing is saved: these would be ignored
-            for name in ("save_interval", "keep_last", "save_hf"):
+            for name in ("save_interval", "keep_last", "save_hf", "async_save"):
                 if is_set(self, name):
                     raise bad(name, "only applies with --save DIR; add it or drop this flag")
         for name in ("load_optional", "allow_changed_rows"):
@@ -88,10 +89,13 @@ class EvalConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    """The math-verify reward pool."""
+    """The reward and the worker pool that computes it."""
 
+    reward_fn: str | None = None
+    """Your reward in place of math-verify's: module:function or path/to/file.py:function, called as fn(response:
+    str, ground_truth: str) -> float in [0, 1] in the reward workers (docs/training.md)."""
     reward_workers: int = 2
-    """math-verify worker processes."""
+    """Reward worker processes."""
     reward_timeout: float = 10.0
     """Seconds per response before it scores 0."""
     reward_max_chars: int = 100_000
@@ -105,6 +109,13 @@ class RewardConfig:
             raise bad("reward_timeout", "must be > 0")
         if self.reward_max_chars < 0:
             raise bad("reward_max_chars", "must be >= 0 (0: no cap)")
+        if self.reward_fn is not None:  # imported here: a typo is refused before anything starts
+            from megatron_pacs.config.reward_fn import load_reward_fn
+
+            try:
+                load_reward_fn(self.reward_fn)
+            except ValueError as exc:
+                raise bad("reward_fn", str(exc)) from None
 
 
 @dataclass(kw_only=True)
@@ -115,36 +126,33 @@ class RunConfig:
     """Training steps."""
     seed: int = 1
     """Seed for data order, sampling and initialisation."""
-    log_dir: str = "runs/default"
-    """Metrics, TensorBoard, rollout dumps."""
+    log_dir: str = ""
+    """Metrics, TensorBoard, rollout dumps: one folder per run. Default: <--save>/logs with --save (a resume finds it
+    again), else a new runs/run-<UTC time>-<pid>; the run prints it at the start. One that holds another run is
+    refused unless this run resumes it (docs/training.md, "Outputs")."""
     dump_rollouts: bool = True
-    """Write every step's prompts, responses and rewards to --log-dir/rollouts/step_N.jsonl (about 45 MB per step at
-    recipe scale: 512 prompts x 8 responses of up to 4k tokens); --no-dump-rollouts skips them."""
+    """Write every step's rollouts to --log-dir/rollouts/: step_N.jsonl to read and step_N.safetensors to replay
+    (about 105 MB a step at recipe scale; docs/training.md); --no-dump-rollouts skips both."""
     wandb_project: str | None = None
     """Weights & Biases project (offline without an account)."""
     wandb_exp_name: str | None = None
     """W&B run name."""
+    log_samples: int = 0
+    """Generations (prompt, response, ground truth, reward) recorded per step in TensorBoard (text) and W&B (a
+    table): the step's first N responses; 0: none (every response is in --log-dir/rollouts/ anyway)."""
     dry_run: bool = False
     """Validate the configuration, print the layout and memory plan, and exit (no GPUs needed)."""
     world_size: int | None = None
     """With --dry-run: the world size to plan for (default: this launch's)."""
     exit_signal_handler: bool = False
-    """On SIGTERM (a scheduler's preemption notice), every rank stops at the next step boundary, saves a checkpoint
-    when --save is set and exits 0, as Megatron-LM's flag does; a step that would not finish within
-    --exit-signal-grace-seconds is abandoned (the run then resumes from the previous checkpoint)."""
+    """On SIGTERM (a scheduler's preemption notice), stop at the next step boundary, save a checkpoint when --save
+    is set and exit 0, as Megatron-LM's flag; see --exit-signal-grace-seconds."""
     exit_signal_grace_seconds: float = 60.0
     """With --exit-signal-handler: seconds from SIGTERM to exit (the step in progress, then the checkpoint); set it
     below the scheduler's kill delay (Slurm's KillWait)."""
     heartbeat_timeout_seconds: float = 60.0
-    """Every training rank publishes a heartbeat in the job's c10d store and watches the others'. When a rank's
-    heartbeat stops (its host lost, its process stopped) or the store stops answering, every other rank, whatever it
-    waits for (a collective, or rank 0's generation, which no collective timeout covers), logs one line naming that
-    rank and its host, writes every thread's stack to --log-dir/stacks/rank<R>-<time>.txt and exits 1 within this
-    many seconds (the checkpoints written stay; the same command resumes). The same dump, at any time and without
-    stopping the run: `kill -USR1 <pid of a rank>`, or `pkill -USR1 -f 'python[0-9.]* -u -m megatron_pacs.train'`
-    for every rank on a host (never the launcher: SIGUSR1 ends torchrun's agent). 0 turns heartbeats off (e.g.
-    while a debugger holds a rank stopped); then only --distributed-timeout-minutes bounds a wait in a
-    collective."""
+    """Seconds after a training rank's heartbeat stops (its host lost, its process stopped) before every other rank
+    logs it, writes its threads' stacks to --log-dir/stacks/ and exits 1; 0: off (docs/training.md)."""
 
     def __post_init__(self) -> None:
         if self.train_iters < 1:
@@ -162,5 +170,7 @@ class RunConfig:
             raise bad("world_size", "must be >= 1")
         if self.world_size is not None and not self.dry_run:
             raise bad("world_size", "only applies with --dry-run (a launch's world size is its own); drop it")
+        if self.log_samples < 0:
+            raise bad("log_samples", f"{self.log_samples} must be >= 0 (0: none)")
         if self.wandb_exp_name is not None and self.wandb_project is None:
             raise bad("wandb_exp_name", "only applies with --wandb-project; add it or drop this flag")

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_pacs.mcore.checkpoint_fingerprint import CheckpointContentError, FingerprintedLoad, FingerprintedSave
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
@@ -51,6 +52,7 @@ from megatron_pacs.utils.exit_signal import ignore_stop_signals
 from megatron_pacs.utils.logging import get_logger
 
 if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
     from megatron.core.transformer.module import MegatronModule
 
 __all__ = [
@@ -64,6 +66,9 @@ __all__ = [
 ]
 
 log = get_logger("checkpoint")
+
+WRITE_ERRORS = (Exception, CheckpointException)
+"""What a failed write raises (torch.distributed.checkpoint's per-rank failures are a BaseException)."""
 
 
 def _sharded(models: Sequence[MegatronModule], optimizer: Any, is_loading: bool) -> dict[str, Any]:
@@ -146,6 +151,17 @@ def save_training_checkpoint(
         CheckpointWriteError: when the write fails with an OS error (a full disk, an I/O error); the temporary
             folder is removed and the checkpoints already there are untouched.
     """
+    _, tmp = _temp_folder(save, step)
+    error = None
+    try:
+        _write(tmp, models, optimizer, extra_models, driver_objects)
+    except WRITE_ERRORS as exc:  # _finish reports an OS error in one line, re-raises any other
+        error = exc
+    return _finish(save, step, tmp, metadata, parent=parent, keep_last=keep_last, error=error)
+
+
+def _temp_folder(save: str | os.PathLike, step: int) -> tuple[Path, str]:
+    """``step``'s checkpoint folder and the temporary folder it is written into (made by rank 0, on every rank)."""
     final = checkpoint_dir(save, step)
     tmp = None
     if _rank() == 0:
@@ -156,15 +172,36 @@ def save_training_checkpoint(
         dist.broadcast_object_list(box, src=0)
     tmp = box[0]
     assert tmp is not None, "rank 0 makes the folder and broadcasts its path"
+    return final, tmp
+
+
+def _finish(
+    save: str | os.PathLike,
+    step: int,
+    tmp: str,
+    metadata: dict[str, Any],
+    *,
+    parent: str | os.PathLike | None,
+    keep_last: int,
+    error: BaseException | None,
+) -> Path:
+    """After every rank's writes into ``tmp`` (``error``: this rank's failure, None when they went through): rank 0
+    commits (:func:`_commit`), and its outcome reaches every rank (collective).
+
+    Raises:
+        CheckpointWriteError: when a rank's write or the commit failed with an OS error; ``tmp`` is removed.
+    """
+    final = checkpoint_dir(save, step)
     parent_ref = _parent_ref(final.parent, parent)
     failure: str | None = None
     try:
-        _write(tmp, models, optimizer, extra_models, driver_objects)
+        if error is not None:
+            raise error
         if _rank() == 0:
             world = dist.get_world_size() if dist.is_initialized() else 1
             meta = {**metadata, "step": step, "world_size": world, "written_at": time.time(), "parent": parent_ref}
             _commit(tmp, final, meta, parent_ref, keep_last)
-    except Exception as exc:
+    except WRITE_ERRORS as exc:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename went through
         error = os_error_of(exc, final.parent)
@@ -212,17 +249,24 @@ def _write(
     optimizer: Any,
     extra_models: Mapping[str, Sequence[MegatronModule]] | None,
     driver_objects: dict[str, Any] | None,
+    requests: list[AsyncRequest] | None = None,
 ) -> None:
-    """Every rank's shards, RNG state and (rank 0) driver objects into ``tmp``."""
+    """Every rank's shards, RNG state and (rank 0) driver objects into ``tmp``; with ``requests``, the shards'
+    writes are not done but appended there (Megatron's asynchronous requests, to schedule)."""
     _start_write_results_queue()
+    background = requests is not None
     with cuda_to_cpu():
-        dist_checkpointing.save(_sharded(models, optimizer, is_loading=False), tmp, FingerprintedSave())
+        parts = [(tmp, _sharded(models, optimizer, is_loading=False))]
         for name, chunks in (extra_models or {}).items():
             sub = os.path.join(tmp, name)
             if _rank() == 0:
                 os.makedirs(sub, exist_ok=True)
             _barrier()
-            dist_checkpointing.save(_sharded(chunks, None, is_loading=False), sub, FingerprintedSave())
+            parts.append((sub, _sharded(chunks, None, is_loading=False)))
+        for folder, sharded in parts:
+            request = dist_checkpointing.save(sharded, folder, FingerprintedSave(), async_sharded_save=background)
+            if requests is not None and request is not None:
+                requests.append(request)
     rng = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
@@ -293,7 +337,9 @@ def _probe_write(directory: Path) -> OSError | None:
     except OSError as exc:
         return exc
     try:
-        os.write(fd, b"\0" * (1 << 20))
+        data = memoryview(b"\0" * (1 << 20))
+        while data:  # a nearly full disk takes part of a write; the next one meets ENOSPC
+            data = data[os.write(fd, data) :]
         os.fsync(fd)
     except OSError as exc:
         return exc

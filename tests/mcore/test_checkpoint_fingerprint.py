@@ -1,4 +1,4 @@
-"""Checkpoint content proven (issue 41, item 2) on a real single-rank gloo group and Megatron's distributed
+"""Checkpoint content proven on a real single-rank gloo group and Megatron's distributed
 checkpointing: each checkpoint records a fingerprint of every tensor handed to the writer, consecutive checkpoints
 of changing weights record (and load) those weights, and a checkpoint whose tensor bytes were altered on disk is
 refused naming the data file."""

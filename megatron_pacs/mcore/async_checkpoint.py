@@ -1,0 +1,167 @@
+"""Training checkpoints written in the background (``--async-save``): Megatron-Core's asynchronous distributed
+checkpointing under the commit of :mod:`megatron_pacs.mcore.training_checkpoint`.
+
+:func:`start_training_checkpoint` does on the step's path what is cheap or must hold the step's values: the temporary
+folder, the save plans, each rank's fingerprint of the values it hands to the writer, the common state, the RNG
+states and the driver's objects. The shards' bytes are written by a process forked per save
+(``AsyncCallsQueue(persistent=False)``: the fork holds a copy-on-write image of the state at the step, so the next
+steps' updates cannot reach the files; on the GPU Megatron first copies the tensors to the host). The checkpoint
+becomes visible (the rename, the lineage, the tracker, ``--keep-last`` pruning) only in
+:meth:`PendingCheckpoint.finish`, once every rank's writes are done and their results gathered: Megatron's finalize
+callbacks on every rank, then the commit with its all-rank outcome. A failed write raises
+:class:`~megatron_pacs.utils.checkpoint_dirs.CheckpointWriteError` there, naming the step and the OS error; the
+temporary folder is removed and the checkpoints already in place stay.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+from megatron_pacs.mcore.cpu_support import cuda_to_cpu
+from megatron_pacs.mcore.training_checkpoint import WRITE_ERRORS, _finish, _temp_folder, _write
+from megatron_pacs.utils.checkpoint_dirs import checkpoint_dir
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
+
+__all__ = ["PendingCheckpoint", "start_training_checkpoint"]
+
+
+class PendingCheckpoint:
+    """A checkpoint whose shards are being written in the background (every call is collective).
+
+    Args:
+        save: The checkpoint root.
+        step: The step it holds.
+        tmp: The temporary folder it is written into.
+        metadata: Its metadata (the run's state at ``step``), written at the commit.
+        parent: The checkpoint it descends from.
+        keep_last: ``--keep-last``, applied at the commit.
+        queue: The scheduled writes.
+    """
+
+    def __init__(
+        self,
+        save: str | os.PathLike,
+        step: int,
+        tmp: str,
+        metadata: dict[str, Any],
+        *,
+        parent: str | os.PathLike | None,
+        keep_last: int,
+        queue: AsyncCallsQueue,
+    ) -> None:
+        self.save, self.step, self.tmp, self.metadata = save, step, tmp, metadata
+        self.parent, self.keep_last, self.queue = parent, keep_last, queue
+
+    @property
+    def path(self) -> Path:
+        """The checkpoint's folder once committed (``iter_NNNNNNN``)."""
+        return checkpoint_dir(self.save, self.step)
+
+    def finish(self, *, blocking: bool) -> bool:
+        """Commit the checkpoint if every rank's writes are done (``blocking``: wait for them first).
+
+        Returns:
+            True when the checkpoint is in place; False when writes are still going on (never with ``blocking``).
+
+        Raises:
+            CheckpointWriteError: when a rank's write failed with an OS error (the step, ``--save`` and the error
+                named; the temporary folder removed, the checkpoints in place untouched).
+        """
+        error = None
+        try:
+            with cuda_to_cpu():  # Megatron's finalize makes its flags on torch.cuda.current_device()
+                self.queue.maybe_finalize_async_calls(blocking=blocking)
+            if self.queue.get_num_unfinalized_calls():
+                return False
+        except WRITE_ERRORS as exc:  # _commit reports an OS error in one line, re-raises any other
+            _abort(self.queue)
+            error = exc
+        self._commit(error)
+        return True
+
+    def _commit(self, error: BaseException | None) -> None:
+        """:func:`~megatron_pacs.mcore.training_checkpoint._finish` of this save."""
+        _finish(
+            self.save, self.step, self.tmp, self.metadata, parent=self.parent, keep_last=self.keep_last, error=error
+        )
+
+    def fail(self, error: BaseException) -> NoReturn:
+        """Give this save up after ``error`` on the step's path (collective): its writes ended, its temporary
+        folder removed.
+
+        Raises:
+            CheckpointWriteError: naming the step and the OS error (``error`` itself when it is not an OS one).
+        """
+        _abort(self.queue)
+        self._commit(error)
+        raise error
+
+
+def _in_order(requests: list[AsyncRequest]) -> AsyncRequest:
+    """One request that writes ``requests`` (the model's, then each extra model's) one after the other in one
+    process. Megatron's writers report through one process-wide results queue, which each finalize reads in turn:
+    two writes in flight at once would each take the other's results."""
+    calls = []
+    for request in requests:
+        if request.async_fn is None:  # nothing for this rank to write there
+            continue
+        args = list(request.async_fn_args)
+        if request.preload_fn is not None:  # the host copy, on the step's path (as Megatron's scheduler makes it)
+            args[1] = request.preload_fn()
+        calls.append((request.async_fn, tuple(args), dict(request.async_fn_kwargs)))
+    finalize = [fn for request in requests for fn in request.finalize_fns]
+    return AsyncRequest(partial(_run_in_order, calls) if calls else None, (), finalize)
+
+
+def _run_in_order(calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]) -> None:
+    for fn, args, kwargs in calls:
+        fn(*args, **kwargs)
+
+
+def _abort(queue: AsyncCallsQueue) -> None:
+    """End the writes still scheduled after one failed (their folder is about to be removed)."""
+    while queue.async_calls:
+        queue.async_calls.popleft().async_caller.close(abort=True)
+
+
+def start_training_checkpoint(
+    save: str | os.PathLike,
+    step: int,
+    models: Sequence[MegatronModule],
+    optimizer: Any,
+    metadata: dict[str, Any],
+    *,
+    parent: str | os.PathLike | None = None,
+    keep_last: int = 2,
+    extra_models: Mapping[str, Sequence[MegatronModule]] | None = None,
+    driver_objects: dict[str, Any] | None = None,
+) -> PendingCheckpoint:
+    """Start writing ``save/iter_<step>`` in the background (collective; the arguments are
+    :func:`~megatron_pacs.mcore.training_checkpoint.save_training_checkpoint`'s).
+
+    Returns:
+        The save in flight: call :meth:`PendingCheckpoint.finish` on every rank until it returns True.
+
+    Raises:
+        CheckpointWriteError: when the part written on the step's path fails with an OS error.
+    """
+    _, tmp = _temp_folder(save, step)
+    queue = AsyncCallsQueue(persistent=False)
+    requests: list[AsyncRequest] = []
+    try:
+        _write(tmp, models, optimizer, extra_models, driver_objects, requests)
+        with cuda_to_cpu():
+            queue.schedule_async_request(_in_order(requests))
+    except WRITE_ERRORS as exc:
+        _abort(queue)
+        _finish(save, step, tmp, metadata, parent=parent, keep_last=keep_last, error=exc)  # raises
+        raise
+    return PendingCheckpoint(save, step, tmp, metadata, parent=parent, keep_last=keep_last, queue=queue)

@@ -1,0 +1,110 @@
+"""Training checkpoints written in the background (``--async-save``) on a real single-rank gloo group with Megatron's
+asynchronous writer (a process forked per save): the checkpoint holds the values at the save even when the tensors
+change while it is written, it appears only once committed, and a full disk during the background writes gives one
+line naming the step, the directory and the OS error, with the previous checkpoint kept and the temporary folder
+removed."""
+
+import os
+import shutil
+import socket
+import subprocess
+from typing import Any, cast
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing import ShardedTensor
+
+from megatron_pacs.mcore.async_checkpoint import start_training_checkpoint
+from megatron_pacs.mcore.cpu_support import apply_cpu_support
+from megatron_pacs.mcore.training_checkpoint import (
+    TRACKER,
+    CheckpointWriteError,
+    find_latest_checkpoint,
+    load_training_checkpoint,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo_group():
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    apply_cpu_support()
+    yield
+    dist.destroy_process_group()
+
+
+class _Weights(torch.nn.Module):
+    """What a model gives a save (its sharded state dict): one tensor of ``n`` values."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(float(n)))
+
+    def sharded_state_dict(self):
+        return {"weight": ShardedTensor.from_rank_offsets("weight", self.weight.detach(), replica_id=0)}
+
+
+def _save(root, step, model, parent=None):
+    return start_training_checkpoint(root, step, [model], None, {"step_state": step}, parent=parent)
+
+
+def test_a_background_save_holds_the_values_at_the_save_and_appears_only_when_committed(tmp_path):
+    """The tensor is changed in place right after the save starts (the next step's update): the checkpoint still
+    holds the values handed to the writer, and no ``iter_*`` folder or tracker exists before the commit."""
+    root = tmp_path / "ckpt"
+    model = _Weights(1 << 16)
+    saved = model.weight.detach().clone()
+    pending = _save(root, 1, model)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the training goes on
+    assert not (root / "iter_0000001").exists() and not (root / TRACKER).exists()
+    assert pending.finish(blocking=True)
+    assert (root / TRACKER).read_text() == "1\n"
+    fresh = _Weights(1 << 16)
+    meta = load_training_checkpoint(root / "iter_0000001", cast(Any, [fresh]), None)  # checks the fingerprint too
+    assert meta["step_state"] == 1
+    assert torch.equal(fresh.weight.detach(), saved)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (tests run as root in CI; elsewhere mounting may not be permitted)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI runs as root and must mount a tmpfs: {proc.stderr.strip()}")
+        pytest.skip(f"a full disk needs a small tmpfs, and mounting one is not permitted here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_full_disk_during_background_writes_says_why_and_keeps_the_previous_checkpoint(small_disk):
+    """The shards (256 KiB) no longer fit once the save has started: finishing it raises one line naming the step,
+    the directory and ENOSPC; the temporary folder is gone; the previous checkpoint and the tracker stay."""
+    root = small_disk / "ckpt"
+    model = _Weights(1 << 16)
+    assert _save(root, 1, model).finish(blocking=True)
+    free = shutil.disk_usage(small_disk).free
+    (small_disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))  # room for the metadata, not the shards
+    pending = _save(root, 2, model, parent=root / "iter_0000001")
+    with pytest.raises(CheckpointWriteError) as caught:
+        pending.finish(blocking=True)
+    message = str(caught.value)
+    assert "\n" not in message
+    for part in ("step 2", str(root), "No space left on device", "iter_0000001"):
+        assert part in message, (part, message)
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+    assert (root / TRACKER).read_text() == "1\n"
+    (small_disk / "filler").unlink()
+    latest = find_latest_checkpoint(root)
+    assert latest is not None and latest.name == "iter_0000001"
