@@ -142,3 +142,25 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_tokenizer")
     build_tokenizer(vocab_size=512).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def single_rank_gloo():
+    """A one-rank gloo process group with the CPU support applied, for a module's in-process Megatron checkpoints
+    (``pytestmark = pytest.mark.usefixtures("single_rank_gloo")``); one already up is used as it is."""
+    import socket
+
+    import torch.distributed as dist
+
+    from megatron_pacs.mcore.cpu_support import apply_cpu_support
+
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    apply_cpu_support()
+    yield
+    dist.destroy_process_group()

@@ -5,17 +5,14 @@ the newest complete checkpoint, says which, warns about a complete one the track
 weights of that step (their recorded fingerprint checked), and the next save goes on from there."""
 
 import logging
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from crash_save_rank import TwoTensors, weights_at
 
-from megatron_pacs.mcore.cpu_support import apply_cpu_support
 from megatron_pacs.mcore.training_checkpoint import (
     TRACKER,
     find_latest_checkpoint,
@@ -27,18 +24,7 @@ from megatron_pacs.utils.checkpoint_dirs import remove_stale_temp_folders
 CHILD = Path(__file__).parent / "crash_save_rank.py"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo_group():
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    apply_cpu_support()
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank_gloo")
 
 
 # point -> (the step resumed, a warning that names a complete checkpoint without a tracker entry)

@@ -240,7 +240,8 @@ def _newer_untracked(root: Path, named: Path, done: list[Path], choice: LoadChoi
     if not newer:
         return
     tracker = root / TRACKER
-    descendants = [p for p in newer if named in lineage(root, p)]
+    recorded = read_parents(root)  # only a recorded lineage proves descent (older checkpoints keep the tracker's)
+    descendants = [p for p in newer if p.name in recorded and named in lineage(root, p)]
     if descendants:
         choice.checkpoint = descendants[-1]
         choice.notes.append(

@@ -6,17 +6,14 @@ removed."""
 
 import os
 import shutil
-import socket
 import subprocess
 from typing import Any, cast
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_pacs.mcore.async_checkpoint import start_training_checkpoint
-from megatron_pacs.mcore.cpu_support import apply_cpu_support
 from megatron_pacs.mcore.training_checkpoint import (
     TRACKER,
     CheckpointWriteError,
@@ -24,19 +21,7 @@ from megatron_pacs.mcore.training_checkpoint import (
     load_training_checkpoint,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def gloo_group():
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    apply_cpu_support()
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank_gloo")
 
 
 class _Weights(torch.nn.Module):

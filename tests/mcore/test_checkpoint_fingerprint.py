@@ -4,30 +4,15 @@ of changing weights record (and load) those weights, and a checkpoint whose tens
 refused naming the data file."""
 
 import json
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedTensor
 
 from megatron_pacs.mcore.checkpoint_fingerprint import CheckpointContentError, read_fingerprints
-from megatron_pacs.mcore.cpu_support import apply_cpu_support
 from megatron_pacs.mcore.training_checkpoint import load_training_checkpoint, save_training_checkpoint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def gloo_group():
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    apply_cpu_support()
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank_gloo")
 
 
 class TwoTensors(torch.nn.Module):

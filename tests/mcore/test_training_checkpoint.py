@@ -9,17 +9,14 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedTensor
 
-from megatron_pacs.mcore.cpu_support import apply_cpu_support
 from megatron_pacs.mcore.training_checkpoint import (
     TRACKER,
     CheckpointWriteError,
@@ -29,19 +26,7 @@ from megatron_pacs.mcore.training_checkpoint import (
 )
 from megatron_pacs.utils.checkpoint_dirs import LINEAGE_FILE
 
-
-@pytest.fixture(scope="module", autouse=True)
-def gloo_group():
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    apply_cpu_support()
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank_gloo")
 
 
 def save(root, step, keep_last=2, parent=None):
