@@ -88,11 +88,12 @@ def _colocated_trainer(cfg):
             _record_train(self, self.calls)
             return Colocation(None, RecordingState(self.calls))
 
-        def _start_source(self) -> None:
+        def _start_source(self):
             self.calls.append("start engines")
-            super()._start_source()
+            producer = super()._start_source()
             # the source generates through the same recording proxy as the trainer's own fleet calls
             self.fleet = self.source.fleet = RecordingFleet(self.fleet, self.calls)  # type: ignore[union-attr]
+            return producer
 
     return ColocatedTrainer(cfg)
 
