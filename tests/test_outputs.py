@@ -12,14 +12,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.runs import TINY_SHAPE_FLAGS
 from helpers.tiny_folders import make_model, make_problems
 
 from megatron_pacs.config import parse_config
 from megatron_pacs.outputs import check_outputs, resolve_log_dir
 from megatron_pacs.train import main
 
-FLAGS = ["--global-batch-size", "4", "--ppo-mini-batch-size", "2", "--group-size", "4"]
-FLAGS += ["--max-response-length", "12", "--max-prompt-length", "96"]
+FLAGS = TINY_SHAPE_FLAGS
 SYNTHETIC = ["--rollout-source", "synthetic", "--synthetic-reward-rate", "0.5"]
 
 

@@ -11,24 +11,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from helpers.runs import TINY_SHAPE_FLAGS
 from helpers.tiny_folders import make_model, make_problems
 
 from megatron_pacs.planner import ModelShape
 from megatron_pacs.train import main
 
 SYNTHETIC = ["--rollout-source", "synthetic", "--synthetic-reward-rate", "0.5"]
-FLAGS = [
-    "--global-batch-size",
-    "4",
-    "--ppo-mini-batch-size",
-    "2",
-    "--group-size",
-    "4",
-    "--max-response-length",
-    "12",
-    "--max-prompt-length",
-    "96",
-]
+FLAGS = TINY_SHAPE_FLAGS
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ def make_rl_setup(root: Path, *, tied: bool, num_problems: int) -> Path:
 #: The tiny RL run the CLI-level tests share (4 prompts x 4 responses per step, 2 optimizer steps, short texts);
 #: ``run_train`` callers add the model, data and their own flags. ``TINY_TRAIN_FLAGS`` is the part a run without the
 #: fleet takes (``--rollout-source replay|synthetic`` refuses the reward pool's flags).
-TINY_TRAIN_FLAGS = [
+#: ``TINY_SHAPE_FLAGS``: only the batch shape and lengths (what the start-of-run refusal tests need).
+TINY_SHAPE_FLAGS = [
     "--global-batch-size",
     "4",
     "--ppo-mini-batch-size",
@@ -40,6 +41,9 @@ TINY_TRAIN_FLAGS = [
     "12",
     "--max-prompt-length",
     "96",
+]
+TINY_TRAIN_FLAGS = [
+    *TINY_SHAPE_FLAGS,
     "--lr",
     "1e-3",
 ]
