@@ -2,8 +2,8 @@
 checkpointing under the commit of :mod:`megatron_pacs.mcore.training_checkpoint`.
 
 :func:`start_training_checkpoint` does on the step's path what is cheap or must hold the step's values: the temporary
-folder, the save plans, each rank's fingerprint of the values it hands to the writer, the common state, the RNG
-states and the driver's objects. The shards' bytes are written by a process forked per save
+folder, the save plans, the common state, the RNG states and the driver's objects. The shards' bytes, and each rank's
+fingerprint of the values it writes, are written by a process forked per save, at a lower priority
 (``AsyncCallsQueue(persistent=False)``: the fork holds a copy-on-write image of the state at the step, so the next
 steps' updates cannot reach the files; on the GPU Megatron first copies the tensors to the host). The checkpoint
 becomes visible (the rename, the lineage, the tracker, ``--keep-last`` pruning) only in
@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
@@ -122,6 +123,10 @@ def _in_order(requests: list[AsyncRequest]) -> AsyncRequest:
 
 
 def _run_in_order(calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]) -> None:
+    # The forked writer yields the cores to the training step: a lower priority, and one thread for the host
+    # tensors' fingerprint sums (the step's own thread pool was sized for the step)
+    os.nice(10)
+    torch.set_num_threads(1)
     for fn, args, kwargs in calls:
         fn(*args, **kwargs)
 

@@ -6,17 +6,22 @@ Each rank records, per sharded key, the elements, float64 sum and float64 sum of
 main replicas) in ``fingerprint_rank<r>.json`` beside the shards. Both sums add up over shards, so a load in any
 layout checks them: each rank sums the main replicas it loaded, the ranks gather their sums, and every key's totals
 must equal the recorded ones (to float64 rounding). Cost: one reduction pass over the state (on the GPU for GPU
-tensors, no copy to the host), none of the bytes hashed. Trade-off: a permutation of values inside one tensor, or a
-change that keeps both sums, goes unnoticed; a byte hash would see those but costs a host copy and a CPU hash of the
-whole state (about 100 GB at 7B with the optimizer), which is what a save must not add.
+tensors, no copy to the host), none of the bytes hashed. With ``--async-save`` the host tensors' pass runs in the
+forked writer, on its copy-on-write image of the values it writes, off the step's path; a tensor on an accelerator
+(which the fork cannot reach) is summed on the device before the fork. Trade-off: a permutation of values inside
+one tensor, or a change that keeps both sums, goes unnoticed; a byte hash would see those but costs a host copy and a
+CPU hash of the whole state (about 100 GB at 7B with the optimizer), which is what a save must not add.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
+
+from megatron_pacs.utils.os_errors import os_error_of
 
 __all__ = [
     "FINGERPRINT_PREFIX",
@@ -63,6 +70,15 @@ def _pairs(sharded: Any, loaded: Any) -> Iterator[tuple[ShardedTensor, Any]]:
         yield sharded, sharded.data if loaded is None else loaded
 
 
+def _main(sharded: Any, loaded: Any = None) -> list[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` of every main replica in ``sharded`` (valued from ``loaded`` when given)."""
+    return [
+        (sh.key, value)
+        for sh, value in _pairs(sharded, loaded)
+        if is_main_replica(sh.replica_id) and isinstance(value, torch.Tensor)
+    ]
+
+
 def fingerprint(sharded: Any, loaded: Any = None) -> Sums:
     """Per sharded key, the elements, sum and sum of squares (float64) of the main replicas in ``sharded``.
 
@@ -73,12 +89,15 @@ def fingerprint(sharded: Any, loaded: Any = None) -> Sums:
     Returns:
         key -> [elements, sum, sum of squares], over this rank's main replicas only.
     """
-    sums: Sums = {}
-    for sh, value in _pairs(sharded, loaded):
-        if not is_main_replica(sh.replica_id) or not isinstance(value, torch.Tensor):
-            continue
+    return _sums(_main(sharded, loaded))
+
+
+def _sums(tensors: list[tuple[str, torch.Tensor]], sums: Sums | None = None) -> Sums:
+    """Add each ``(key, tensor)``'s elements, sum and sum of squares to ``sums`` (a new dict when None)."""
+    sums = {} if sums is None else sums
+    for key, value in tensors:
         t = value.detach()
-        entry = sums.setdefault(sh.key, [0.0, 0.0, 0.0])
+        entry = sums.setdefault(key, [0.0, 0.0, 0.0])
         entry[0] += t.numel()
         if t.numel():
             entry[1] += float(torch.sum(t, dtype=torch.float64))
@@ -172,15 +191,52 @@ def check(ckpt_dir: str | os.PathLike, sharded: Any, loaded: Any) -> None:
 
 
 class FingerprintedSave(TorchDistSaveShardedStrategy):
-    """Megatron's torch_dist save that first records this rank's fingerprint of the values it is handed."""
+    """Megatron's torch_dist save that records this rank's fingerprint of the values it is handed, where the shards
+    are written: in the same process for a synchronous save, in the forked writer for an asynchronous one (a tensor
+    on an accelerator summed before, on the device)."""
 
     def __init__(self) -> None:
         super().__init__("torch_dist", 1)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         path = Path(checkpoint_dir) / f"{FINGERPRINT_PREFIX}{_rank():05d}.json"
-        path.write_text(json.dumps(fingerprint(sharded_state_dict)))
-        return super().async_save(sharded_state_dict, Path(checkpoint_dir))
+        tensors = _main(sharded_state_dict)
+        on_device = _sums([(k, t) for k, t in tensors if t.device.type != "cpu"])
+        record = partial(_record, path, on_device, [(k, t) for k, t in tensors if t.device.type == "cpu"])
+        request = super().async_save(sharded_state_dict, Path(checkpoint_dir))
+        if request.async_fn is None:  # nothing for this rank's writer: recorded now
+            record()
+            return request
+        write = partial(_record_then_write, record, request.async_fn, os.getpid())
+        return request._replace(async_fn=write, finalize_fns=[*request.finalize_fns, partial(_recorded, path)])
+
+
+def _record(path: Path, sums: Sums, on_host: list[tuple[str, torch.Tensor]]) -> None:
+    path.write_text(json.dumps(_sums(on_host, sums)))
+
+
+def _record_then_write(record: Callable[[], None], write: Callable[..., Any], saver: int, *args: Any, **kw: Any) -> Any:
+    """The writer's call: the fingerprint, then Megatron's shard writes. In a forked writer a failed record is left
+    to :func:`_recorded` to report (an exception here would end the fork before it reports its writes, and Megatron's
+    finalize would wait for them)."""
+    if os.getpid() == saver:
+        record()
+    else:
+        with contextlib.suppress(Exception):
+            record()
+    return write(*args, **kw)
+
+
+def _recorded(path: Path) -> None:
+    """A save's finalize step (after every rank's writes): this rank's fingerprint is in place.
+
+    Raises:
+        OSError: the error a write into the folder meets now (a full disk), else EIO naming the file.
+    """
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise os_error_of(exc, path.parent) or OSError(errno.EIO, f"{path} was not written ({exc})") from exc
 
 
 class FingerprintedLoad(TorchDistLoadShardedStrategy):

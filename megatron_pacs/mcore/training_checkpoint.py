@@ -50,6 +50,7 @@ from megatron_pacs.utils.checkpoint_dirs import (
 )
 from megatron_pacs.utils.exit_signal import ignore_stop_signals
 from megatron_pacs.utils.logging import get_logger
+from megatron_pacs.utils.os_errors import os_error_of
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
@@ -302,51 +303,6 @@ def _start_write_results_queue() -> None:
     manager.start(ignore_stop_signals, (os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _write_results_manager = manager  # the queue's server lives as long as the manager object
-
-
-def os_error_of(exc: BaseException, directory: Path) -> OSError | None:
-    """The OS error behind a failed write into ``directory`` (:func:`_os_error`, else a probe write there), or None
-    when the failure is not one of the device."""
-    return _os_error(exc) or _probe_write(directory)
-
-
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OS error behind a failed write: ``exc`` itself, its causes, or the per-rank failures that
-    torch.distributed.checkpoint collects (Megatron's ``Worker failure: [Errno 28] ...``); None when there is none."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo.extend(f for f in failures.values() if isinstance(f, BaseException))
-        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-    return None
-
-
-def _probe_write(directory: Path) -> OSError | None:
-    """The OS error a 1 MiB write into ``directory`` meets now, or None: torch's zip writer reports a full disk as
-    ``RuntimeError: basic_ios::clear: iostream error`` or ``unexpected pos``, without the OS error."""
-    try:
-        fd, path = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
-    except OSError as exc:
-        return exc
-    try:
-        data = memoryview(b"\0" * (1 << 20))
-        while data:  # a nearly full disk takes part of a write; the next one meets ENOSPC
-            data = data[os.write(fd, data) :]
-        os.fsync(fd)
-    except OSError as exc:
-        return exc
-    finally:
-        os.close(fd)
-        os.unlink(path)
-    return None
 
 
 def _write_failure(save: str | os.PathLike, step: int, error: OSError) -> str:
