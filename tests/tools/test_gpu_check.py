@@ -227,6 +227,22 @@ def test_the_trainer_tier_reports_resume_against_continuous_and_the_time_split(r
     assert "stopped after 120 s" in missing["RL synthetic (no fleet): resume == continuous"]["note"]
 
 
+def test_the_trainer_tier_reports_the_async_save_hold_against_the_synchronous_one(report):
+    """The synchronous run's saves (rows after the first) against the ``--async-save`` resumed run's: both medians
+    and their ratio, checked against the 10% target; a run without save holds is a line with the reason."""
+
+    def run(*holds):
+        return {"status": "ok", "metrics": [{"train/loss": 0.5, "perf/time/save": h} for h in (9.0, *holds)]}
+
+    figures = _by_name(report.save_hold_figures("X", run(3.0, 5.0, 4.0), run(0.3)))
+    assert figures["X: sync save hold (median)"]["value"] == 4.0
+    assert figures["X: async / sync save hold"]["value"] == pytest.approx(0.075)
+    assert figures["X: async / sync save hold"]["ok"] is True
+    assert _by_name(report.save_hold_figures("X", run(3.0), run(0.6)))["X: async / sync save hold"]["ok"] is False
+    missing = _by_name(report.save_hold_figures("X", run(3.0), run()))["X: async / sync save hold"]
+    assert missing["value"] is None and "no save hold" in missing["note"]
+
+
 def test_the_trainer_tier_needs_no_te_vllm_ray_or_math_verify_and_fits_its_budget(tmp_path):
     """``--tier trainer``: 6.5 minutes by default (a short GPU loan's quick check leaves it ~7.5), and its synthetic
     runs are valid runs without a fleet."""

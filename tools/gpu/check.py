@@ -187,7 +187,9 @@ class Check:
 
     def rl_synthetic(self) -> None:
         """Three PACS steps through the CLI without the fleet (``--rollout-source synthetic``), with the reference
-        and a reset, a checkpoint every step, and a resume from step 2 that must equal the continuous run."""
+        and a reset, a checkpoint every step, and a resume from step 1 with ``--async-save`` that must equal the
+        continuous run; the saves' holds of the step, synchronous (the continuous run) and asynchronous (the
+        resumed run's save of step 2), go into the report."""
         setup = self.out / "work" / "rl"
         if not (setup / "model" / "config.json").exists():
             prep = self.run(
@@ -203,7 +205,7 @@ class Check:
         save = ["--save", str(ckpt), "--save-interval", "1", "--keep-last", "3", "--save-hf"]
         self._rl("rl_synthetic", [*base, *save], LIMITS["rl_synthetic"])
         resumed = self.out / "work" / "rl_synthetic_resumed_ckpt"
-        load = ["--load", str(ckpt / "iter_0000002"), "--save", str(resumed), "--save-hf"]
+        load = ["--load", str(ckpt / "iter_0000001"), "--save", str(resumed), "--save-hf", "--async-save"]
         step = self._rl("rl_synthetic_resumed", [*base, *load], LIMITS["rl_synthetic_resumed"])
         if step and step.get("status") == "ok":
             comparison = _resume_comparison(

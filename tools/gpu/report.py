@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -244,7 +245,28 @@ def synthetic_figures(continuous: dict | None, resumed: dict | None) -> list[dic
         for key in sorted(k for k in last if k.startswith("perf/time/")):
             out.append(_figure(f"{name}: {key} (last step)", last[key], "info", None, "s"))
         out.append(_figure(f"{name}: ref/resets (last step)", last.get("ref/resets"), "info", None))
+    out += save_hold_figures(name, continuous, resumed)
     return out
+
+
+def _holds(step: dict | None) -> list[float]:
+    """A run's save holds: ``perf/time/save`` in the rows after the first (each row holds the previous save's)."""
+    rows = [m for m in (step or {}).get("metrics", []) if "train/loss" in m]
+    return [m["perf/time/save"] for m in rows[1:] if isinstance(m.get("perf/time/save"), (int, float))]
+
+
+def save_hold_figures(name: str, sync: dict | None, background: dict | None) -> list[dict]:
+    """How long a checkpoint holds the step: the synchronous run's saves against the ``--async-save`` run's
+    (issue target: at most 10% of a synchronous save's hold)."""
+    a, b = _holds(sync), _holds(background)
+    if not a or not b:
+        return [_missing(f"{name}: async / sync save hold", "<= 0.1", "no save hold in a run's metrics")]
+    median_a, median_b = statistics.median(a), statistics.median(b)
+    return [
+        _figure(f"{name}: sync save hold (median)", median_a, "info", None, "s"),
+        _figure(f"{name}: async save hold (median)", median_b, "info", None, "s"),
+        _figure(f"{name}: async / sync save hold", median_b / median_a, "<= 0.1", median_b <= 0.1 * median_a),
+    ]
 
 
 def _worst(metrics: list[dict], key: str) -> float | None:
