@@ -48,7 +48,7 @@ from megatron_pacs.utils.checkpoint_dirs import (
     read_parents,
     set_aside,
 )
-from megatron_pacs.utils.exit_signal import ignore_stop_signals
+from megatron_pacs.utils.exit_signal import ignore_stop_signals, stop_signals_blocked
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.os_errors import os_error_of
 
@@ -300,7 +300,8 @@ def _start_write_results_queue() -> None:
     if _write_results_manager is not None or getattr(filesystem_async, "_results_queue", True) is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))  # spawn, as Megatron's: this process has threads
-    manager.start(ignore_stop_signals, (os.getpid(),))
+    with stop_signals_blocked():  # a SIGTERM during its start-up must not end it
+        manager.start(ignore_stop_signals, (os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _write_results_manager = manager  # the queue's server lives as long as the manager object
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_pacs.config.reward_fn import load_reward_fn
 from megatron_pacs.rewards.math_verify import ERROR, OK, TIMEOUT, TOO_LONG, VERIFY_TIMEOUT, score_with_status
-from megatron_pacs.utils.exit_signal import ignore_stop_signals
+from megatron_pacs.utils.exit_signal import ignore_stop_signals, stop_signals_blocked
 from megatron_pacs.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -103,7 +103,8 @@ class _Worker:
     def __init__(self, ctx, fn: RewardFn | str) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True, name="megatron_pacs-reward")
-        self.proc.start()
+        with stop_signals_blocked():  # a SIGTERM to the process group while it imports must not end it
+            self.proc.start()
         child.close()
         self.ready = False
         self.started = time.monotonic()

@@ -12,10 +12,12 @@ torch elastic's agent, which gets the same SIGTERM, exits 1 whatever its ranks d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +26,7 @@ from megatron_pacs.utils.logging import get_logger
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["STOPS_ENV", "ExitSignal", "ignore_stop_signals", "report_clean_stop"]
+__all__ = ["STOPS_ENV", "ExitSignal", "ignore_stop_signals", "report_clean_stop", "stop_signals_blocked"]
 
 log = get_logger("exit_signal")
 
@@ -53,6 +55,8 @@ def ignore_stop_signals(parent_pid: int | None = None) -> None:
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # started under stop_signals_blocked: a signal held back meanwhile is dropped now that it is ignored
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     if parent_pid is not None:
 
         def watch() -> None:
@@ -61,6 +65,32 @@ def ignore_stop_signals(parent_pid: int | None = None) -> None:
             os._exit(0)
 
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Start a helper process that calls :func:`ignore_stop_signals` inside this block: SIGTERM and SIGINT are held
+    back from the calling thread meanwhile, and the helper inherits that mask (through fork and exec).
+
+    A spawned helper needs seconds of imports before it can ignore the signals, and a signal in that window ended
+    it: torch elastic's agent passes the scheduler's SIGTERM on to each rank's whole process group, and when that
+    came while a rank started Megatron's checkpoint-writer results server for the save of its clean stop, the server
+    died and the save failed in ``SyncManager.start`` (``EOFError`` in ``connection.recv``). Held back, the signal
+    stays pending in the helper until it ignores it. The calling process still gets its own signals (another thread
+    takes them, or this one once the block ends). multiprocessing's resource tracker is started first: starting it
+    unblocks both signals in the calling thread.
+    """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class ExitSignal:

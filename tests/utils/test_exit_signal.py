@@ -37,3 +37,34 @@ def test_sigterm_is_latched_and_the_grace_period_ends_a_step_that_does_not_finis
         assert out.returncode == 1 and "not reached" not in out.stdout
         assert "grace period of 1s ran out" in out.stderr
         assert time.monotonic() - started < 30
+
+
+HELPER_SCRIPT = """
+import multiprocessing as mp, os, signal, sys, threading
+from multiprocessing.managers import SyncManager
+from megatron_pacs.utils.exit_signal import ignore_stop_signals, stop_signals_blocked
+if __name__ == "__main__":
+    os.setpgrp()
+    signal.signal(signal.SIGTERM, lambda s, f: print("latched", flush=True))
+    # the scheduler's SIGTERM to the whole process group while the helper is still importing
+    threading.Timer(0.3, lambda: os.killpg(os.getpgrp(), signal.SIGTERM)).start()
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    with stop_signals_blocked():
+        manager.start(ignore_stop_signals, (os.getpid(),))
+    queue = manager.Queue()
+    queue.put(1)
+    print("served", queue.get(), manager._process.is_alive(), flush=True)
+    manager.shutdown()
+"""
+
+
+def test_a_helper_started_with_stop_signals_blocked_survives_a_sigterm_during_its_start(tmp_path):
+    """The checkpoint writer's results server (a spawned SyncManager) started while SIGTERM reaches the process
+    group: started inside ``stop_signals_blocked`` it ignores the signal once it can, and serves the queue; the
+    caller still latches its own SIGTERM. (Without the block the server died during its imports and the clean
+    stop's save failed with ``EOFError``.)"""
+    script = tmp_path / "helper.py"
+    script.write_text(HELPER_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "served 1 True" in out.stdout and "latched" in out.stdout, (out.stdout, out.stderr[-3000:])
