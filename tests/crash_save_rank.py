@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing import ShardedTensor
 
-POINTS = ("writes", "rename", "tracker", "pruning")
+POINTS = ("writes", "background", "rename", "tracker", "pruning")
 
 
 def weights_at(step: int) -> dict[str, torch.Tensor]:
@@ -70,6 +70,7 @@ def _arm(point: str) -> None:
 
 
 def main(root: str, last: int, point: str) -> None:
+    from megatron_pacs.mcore.async_checkpoint import start_training_checkpoint
     from megatron_pacs.mcore.cpu_support import apply_cpu_support
     from megatron_pacs.mcore.training_checkpoint import save_training_checkpoint
 
@@ -80,6 +81,9 @@ def main(root: str, last: int, point: str) -> None:
     apply_cpu_support()
     parent = None
     for step in range(1, last + 1):
+        if step == last and point == "background":  # --async-save: killed while its forked writer writes
+            start_training_checkpoint(root, step, [TwoTensors(step)], None, {"step": step}, parent=parent)
+            _die(point)
         if step == last:
             _arm(point)
         parent = save_training_checkpoint(root, step, [TwoTensors(step)], None, {"step": step}, parent=parent)

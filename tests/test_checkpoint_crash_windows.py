@@ -1,8 +1,9 @@
 """Every crash window of a save closed: a real process saves checkpoints of a tiny two-tensor
 model through Megatron's distributed checkpointing and is SIGKILLed at one point of its third save (during the
-writes, after the rename into place, before the tracker's write, half-way through pruning). The next start resumes
-the newest complete checkpoint, says which, warns about a complete one the tracker does not name, loads exactly the
-weights of that step (their recorded fingerprint checked), and the next save goes on from there."""
+writes, while an ``--async-save`` writer forked for it writes, after the rename into place, before the tracker's
+write, half-way through pruning). The next start resumes the newest complete checkpoint, says which, warns about a
+complete one the tracker does not name, loads exactly the weights of that step (their recorded fingerprint checked),
+and the next save goes on from there."""
 
 import logging
 import subprocess
@@ -28,7 +29,13 @@ pytestmark = pytest.mark.usefixtures("single_rank_gloo")
 
 
 # point -> (the step resumed, a warning that names a complete checkpoint without a tracker entry)
-EXPECTED = {"writes": (2, False), "rename": (3, True), "tracker": (3, True), "pruning": (3, False)}
+EXPECTED = {
+    "writes": (2, False),
+    "background": (2, False),
+    "rename": (3, True),
+    "tracker": (3, True),
+    "pruning": (3, False),
+}
 
 
 @pytest.fixture(scope="module")
