@@ -16,6 +16,7 @@
 #   RAY_START_ARGS              more `ray start` flags for the rollout cluster's nodes (e.g. --temp-dir DIR)
 
 REPO_ROOT="${REPO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"
+RAY_STEP_PIDS=() # the Ray cluster's background steps (start_ray_cluster), for stop_ray_cluster
 EXIT_SIGNAL_GRACE_SECONDS="${EXIT_SIGNAL_GRACE_SECONDS:-60}"
 SIGNAL_MARGIN_SECONDS="${SIGNAL_MARGIN_SECONDS:-30}"
 STOP_DIR="${STOP_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/slurm-stops/${SLURM_JOB_ID:-nojob}}"
@@ -120,10 +121,12 @@ run_training() {
 # start_ray_cluster NODELIST [SRUN_FLAGS...]: the rollout fleet's Ray cluster on NODELIST (examples/lib/ray_cluster.sh:
 # the head on its first node, a worker on each other node), as background job steps. Waits (up to RAY_WAIT_SECONDS,
 # 300) until the head's Ray Client port answers, then sets RAY_ADDRESS=ray://HEAD:RAY_CLIENT_PORT and RAY_STEP_PIDS.
+# A head whose `ray start` gives up (Ray waits a fixed 30 s for its raylet to register, too short on a loaded node)
+# is started again, up to RAY_START_ATTEMPTS (3) times in all.
 # RAY_AUTH_TOKEN_PATH must name a file on the shared filesystem: the head writes the token there, the workers and
 # the trainer read it. Extra SRUN_FLAGS (e.g. --het-group=1) go to both steps.
 start_ray_cluster() {
-    local nodelist="$1" head count waited=0 extra=() ray_args=()
+    local nodelist="$1" head count waited attempt up extra=() ray_args=()
     shift
     read -r -a extra <<<"${SRUN_EXTRA_ARGS:-}"
     set -- "$@" "${extra[@]}"
@@ -136,17 +139,27 @@ start_ray_cluster() {
     export RAY_AUTH_TOKEN_PATH
     RAY_STEP_PIDS=()
     slurm_log "rollout cluster: Ray head on $head, $((count - 1)) worker(s)"
-    # --overlap: Ray's steps share their nodes with nothing else of this job, but must not block later steps there
-    srun "$@" --overlap --nodes 1 --ntasks 1 --nodelist "$head" \
-        bash "$REPO_ROOT/examples/lib/ray_cluster.sh" head --block "${ray_args[@]}" &
-    RAY_STEP_PIDS+=($!)
-    until timeout 2 bash -c "exec 3<>/dev/tcp/$head/${RAY_CLIENT_PORT:-10001}" 2>/dev/null; do
-        if ((waited >= ${RAY_WAIT_SECONDS:-300})) || ! kill -0 "${RAY_STEP_PIDS[0]}" 2>/dev/null; then
-            slurm_log "error: the Ray head on $head did not open port ${RAY_CLIENT_PORT:-10001} in ${waited}s"
+    for ((attempt = 1; ; attempt++)); do
+        # --overlap: Ray's steps share their nodes with nothing else of this job, but must not block later steps there
+        srun "$@" --overlap --nodes 1 --ntasks 1 --nodelist "$head" \
+            bash "$REPO_ROOT/examples/lib/ray_cluster.sh" head --block "${ray_args[@]}" &
+        RAY_STEP_PIDS=($!)
+        waited=0 up=0
+        while ((waited < ${RAY_WAIT_SECONDS:-300})) && kill -0 "${RAY_STEP_PIDS[0]}" 2>/dev/null; do
+            if timeout 2 bash -c "exec 3<>/dev/tcp/$head/${RAY_CLIENT_PORT:-10001}" 2>/dev/null; then
+                up=1
+                break
+            fi
+            sleep 2
+            waited=$((waited + 2))
+        done
+        ((up)) && break
+        if kill -0 "${RAY_STEP_PIDS[0]}" 2>/dev/null || ((attempt >= ${RAY_START_ATTEMPTS:-3})); then
+            slurm_log "error: the Ray head on $head did not open port ${RAY_CLIENT_PORT:-10001}" \
+                "(attempt $attempt, ${waited}s)"
             exit 1
         fi
-        sleep 2
-        waited=$((waited + 2))
+        slurm_log "warning: the Ray head's start on $head failed (attempt $attempt): starting it again"
     done
     if ((count > 1)); then
         srun "$@" --overlap --nodes $((count - 1)) --ntasks $((count - 1)) --ntasks-per-node 1 --exclude "$head" \
@@ -159,8 +172,10 @@ start_ray_cluster() {
 
 # stop_ray_cluster: end the Ray steps started by start_ray_cluster (srun passes the TERM on as a SIGKILL of the step:
 # right for Ray at the end of the job, never for the trainer, which must get its SIGTERM to save).
+# Does nothing when the batch script exits before start_ray_cluster started a step.
 stop_ray_cluster() {
     local pid
+    ((${#RAY_STEP_PIDS[@]})) || return 0
     for pid in "${RAY_STEP_PIDS[@]}"; do
         kill "$pid" 2>/dev/null || true
     done

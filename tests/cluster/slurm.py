@@ -235,12 +235,13 @@ class SlurmCluster:
         )
         if proc.returncode:
             raise RuntimeError(f"sbatch {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-        return int(proc.stdout.strip().split(";")[0])
+        return int(proc.stdout.strip().split(";")[0].split("+")[0])
 
     def job(self, job_id: int) -> dict[str, str]:
-        """``scontrol show job``'s fields (empty once the controller forgot the job)."""
+        """``scontrol show job``'s fields (empty once the controller forgot the job); of a heterogeneous job, its
+        leader's (het-group 0, the first line: the later groups' lines would overwrite its fields)."""
         out = self.run("scontrol", "-o", "show", "job", str(job_id), check=False).stdout
-        return dict(re.findall(r"(\w+)=(\S*)", out))
+        return dict(re.findall(r"(\w+)=(\S*)", out.split("\n", 1)[0]))
 
     def wait_state(self, job_id: int, states: set[str], timeout: float, restarts: int | None = None) -> dict:
         """Poll until the job is in one of ``states`` (with at least ``restarts`` restarts); returns its fields."""

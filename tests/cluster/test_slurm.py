@@ -2,18 +2,24 @@
 (gloo), trained on synthetic rollouts (``ROLLOUT_SOURCE=synthetic``: no Ray cluster). A plain run equals the same
 run launched directly; a run preempted with ``scancel --signal=TERM`` saves, requeues itself, resumes and completes
 equal to it; one signalled by ``--signal=TERM@N`` before its time limit saves and requeues itself; a too-short
-``--signal`` margin is refused before any node works. The three runs are submitted at once and run side by side
-(Slurm schedules them on 5 nodes), each followed by a thread, which saves about a minute of suite time over one
-after the other. Each fault's times are printed (``-s`` shows them).
+``--signal`` margin is refused before any node works. The heterogeneous job, ``examples/slurm/hetjob.sbatch`` with
+the tiny recipe on one node per group (het-group 0 trains, het-group 1 runs the Ray cluster with one vLLM engine on
+CPU), runs twice: uninterrupted, and preempted with ``scancel --signal=TERM`` (its Ray cluster stops with the
+ranks' signal), saving, requeueing itself, resuming on a new Ray cluster and completing equal to the uninterrupted
+one. The five runs are submitted at once and run side by side (Slurm schedules them on 9 nodes), each followed by a
+thread, which saves minutes of suite time over one after the other. Each fault's times are printed (``-s`` shows
+them).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,17 +40,20 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "slurm" / "tiny.sbatch"
+HETJOB = ROOT / "examples" / "slurm" / "hetjob.sbatch"
+#: sbatch's command line for the hetjob: one node per group and no GPUs, over its #SBATCH lines' 8 x 8 GPUs
+HET_GROUPS = ("--nodes=1", "--gpus-per-node=0", ":", "--nodes=1", "--gpus-per-node=0")
 VENV_BIN = Path(sys.executable).parent
 KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm")
 STEPS = "6"  # the plain and preempted runs: room to signal one mid-run (a tiny step takes ~0.4 s)
-NODES = [f"node{i}" for i in range(5)]
+NODES = [f"node{i}" for i in range(9)]
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
 @pytest.fixture(scope="module")
 def slurm(netns_ok, tmp_path_factory) -> Iterator[SlurmCluster]:  # noqa: F811
-    """Slurm on a controller and 5 node hosts (the plain, preempted and time-limited jobs at once: 2 + 2 + 1);
-    skipped where it cannot run (a failure under ``CI=true``)."""
+    """Slurm on a controller and 9 node hosts (the plain, preempted and time-limited jobs and the two hetjobs at
+    once: 2 + 2 + 1 + 2 + 2); skipped where it cannot run (a failure under ``CI=true``)."""
     why = slurm_unavailable()
     if why is not None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -232,9 +241,59 @@ def _time_limited(slurm: SlurmCluster, setup: Path, run: Path) -> dict:
     return {"job": job, "elapsed": elapsed, "limit": limit, "requeued": requeued - shortened}
 
 
+def _het_env(setup: Path, run: Path, ray_tmp: Path) -> dict[str, str]:
+    """The hetjob's environment: the tiny recipe against the Ray cluster of het-group 1 (one vLLM engine on CPU,
+    its Ray node in a short temporary folder of its own: Ray's socket paths are limited to 107 bytes), as in
+    docs/cluster.md's hand run. Ray Client's reconnect grace is cut to 5 s: a generation in flight when the signal
+    stops the Ray cluster fails after it, and the trainer then saves the last update (docs/cluster.md, "Slurm")."""
+    ray_args = f"--num-cpus 2 --include-dashboard=false --temp-dir {ray_tmp} --object-store-memory {2**28}"
+    return _env(
+        setup,
+        run,
+        ROLLOUT_SOURCE="fleet",
+        RECIPE="examples/tiny_cluster.sh",
+        NUM_ENGINES="1",
+        NUM_GPUS="0",
+        RAY_START_ARGS=ray_args,
+        RAY_AUTH_TOKEN_PATH=str(run / "ray_auth_token"),
+        RAY_CLIENT_RECONNECT_GRACE_PERIOD="5",
+    )
+
+
+def _het_submit(slurm: SlurmCluster, setup: Path, run: Path, ray_tmp: Path) -> int:
+    run.mkdir(parents=True, exist_ok=True)
+    out = ("-o", str(run / "job.out"))
+    env = _het_env(setup, run, ray_tmp)
+    return slurm.sbatch(*out, *HET_GROUPS, str(HETJOB), "--save-hf", cwd=ROOT, **env)
+
+
+def _het_plain(slurm: SlurmCluster, setup: Path, run: Path, ray_tmp: Path) -> float:
+    """``sbatch hetjob.sbatch`` to completion, uninterrupted (the preempted hetjob's twin); its seconds."""
+    started = time.monotonic()
+    job = _het_submit(slurm, setup, run, ray_tmp)
+    fields = slurm.wait_state(job, FINISHED, timeout=540)
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", (fields, _job_out(run))
+    return time.monotonic() - started
+
+
+def _het_preempted(slurm: SlurmCluster, setup: Path, run: Path, ray_tmp: Path) -> dict:
+    """The hetjob, ``scancel --signal=TERM`` to the whole job (both groups' steps: the ranks and the Ray cluster)
+    once step 1 is logged; what :func:`_follow` saw from then on."""
+    job = _het_submit(slurm, setup, run, ray_tmp)
+
+    def step_1_logged() -> bool:
+        assert slurm.job(job).get("JobState") not in FINISHED, _job_out(run)
+        return bool(_metrics(run))
+
+    _poll(step_1_logged, 420, "step 1 of the hetjob to preempt", every=0.1)
+    slurm.run("scancel", "--signal=TERM", str(job))
+    return _follow(slurm, job, run, timeout=480)
+
+
 @dataclass
 class Jobs:
-    """The scenarios' folders (``root / "plain"``, ``"pre"``, ``"limit"``) and their threads' results."""
+    """The scenarios' folders (``root / "plain"``, ``"pre"``, ``"limit"``, ``"het"``, ``"het-pre"``) and their
+    threads' results."""
 
     root: Path
     futures: dict[str, Future]
@@ -245,13 +304,18 @@ class Jobs:
 
 @pytest.fixture(scope="module")
 def jobs(slurm, cluster_setup, tmp_path_factory) -> Iterator[Jobs]:  # noqa: F811
-    """The plain run (and its direct launch), the preempted run and the time-limited run, submitted at once: Slurm
-    runs them side by side on the 5 nodes (2 + 2 + 1), each followed by its own thread; the tests check them."""
+    """The plain run (and its direct launch), the preempted run, the time-limited run and the two hetjobs, submitted
+    at once: Slurm runs them side by side on the 9 nodes (2 + 2 + 1 + 2 + 2), each followed by its own thread; the
+    tests check them. The hetjobs' Ray nodes keep their sockets in short temporary folders, removed at the end."""
     root = tmp_path_factory.mktemp("jobs")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="mph", dir="/tmp"))
     _STOP.clear()
-    pool = ThreadPoolExecutor(3, thread_name_prefix="slurm-job")
+    pool = ThreadPoolExecutor(5, thread_name_prefix="slurm-job")
     try:
         futures = {
+            # the hetjobs first: their Ray cluster and engine start take longest
+            "het_preempted": pool.submit(_het_preempted, slurm, cluster_setup, root / "het-pre", ray_tmp / "p"),
+            "het_plain": pool.submit(_het_plain, slurm, cluster_setup, root / "het", ray_tmp / "u"),
             "time_limited": pool.submit(_time_limited, slurm, cluster_setup, root / "limit"),
             "preempted": pool.submit(_preempted, slurm, cluster_setup, root / "pre"),
             "plain": pool.submit(_plain, slurm, cluster_setup, root / "plain"),
@@ -260,6 +324,7 @@ def jobs(slurm, cluster_setup, tmp_path_factory) -> Iterator[Jobs]:  # noqa: F81
     finally:
         _STOP.set()
         pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_sbatch_runs_the_tiny_job_to_completion_equal_to_the_direct_launch(jobs):
@@ -334,3 +399,47 @@ def test_a_signal_margin_shorter_than_the_grace_period_is_refused_before_any_nod
     assert "--signal=TERM@45 sends SIGTERM 45s before the time limit" in out, out
     assert "--exit-signal-grace-seconds 60s plus a margin of 30s" in out and "at least 90" in out, out
     assert "training on" not in out and not (run / "logs").exists()
+
+
+def test_hetjob_runs_the_tiny_recipe_against_its_own_ray_cluster_to_completion(jobs):
+    """The uninterrupted hetjob: het-group 1's Ray head came up, the trainer on het-group 0 reached it through
+    ``RAY_ADDRESS=ray://<head>:10001``, its engine generated every step, and the job ended COMPLETED."""
+    seconds, run = jobs.result("het_plain"), jobs.root / "het"
+    out = _job_out(run)
+    print(f"\nhetjob: sbatch to COMPLETED in {seconds:.1f}s")
+    assert out.count("rollout cluster up: RAY_ADDRESS=ray://node") == 1, out
+    assert "training finished" in out and "requeueing" not in out, out
+    assert "fleet: 1 engine(s) ready" in out, out
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1)), out
+    assert all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows), rows
+
+
+def test_hetjob_scancel_signal_term_saves_requeues_resumes_on_a_new_ray_cluster_and_equals_the_uninterrupted_run(
+    jobs,
+):
+    """``scancel --signal=TERM`` reaches both groups' steps: the ranks latch it, and the Ray cluster stops under
+    them. The rank saves the last step whose update its weights hold (the step in progress when it could finish it,
+    else the one before: a generation in flight fails once Ray Client's grace has passed) and stops cleanly; the job
+    requeues itself, starts a new Ray cluster and engine, resumes from SAVE_DIR and completes with every step's
+    metrics and the final weights bit-equal to the uninterrupted hetjob's (vLLM's sampling is seeded per request, and
+    the engine gets the trainer's weights at every step, so a new engine generates the same rollouts)."""
+    seen, run = jobs.result("het_preempted"), jobs.root / "het-pre"
+    jobs.result("het_plain")
+    out = _job_out(run)
+    assert seen.get("state") == "COMPLETED", (seen, out)
+    stopped = _stopped_step(run)
+    assert 1 <= stopped < int(STEPS), stopped
+    assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, out
+    whole = (run / "job.out").read_text(errors="replace")  # both starts (out is its tail)
+    assert whole.count("rollout cluster up: RAY_ADDRESS=ray://node") == 2, out  # one Ray cluster per start
+    assert whole.count("training finished") == 1 and "restart 1): training finished" in out, out
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1)), rows
+    assert [r for r in rows if r["step"] <= stopped] == [r for r in seen["first_rows"] if r["step"] <= stopped]
+    assert rows == _metrics(jobs.root / "het")
+    a, b = _weights(run, int(STEPS)), _weights(jobs.root / "het", int(STEPS))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    how = "the rollout side failed" if "exit signal: the rollout side failed after it" in out else "a step boundary"
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in seen.items() if isinstance(v, float))
+    print(f"\nhetjob preemption (scancel --signal=TERM): stopped after step {stopped} ({how}); since: {times}")
