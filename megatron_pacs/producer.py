@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from megatron_pacs.data.prompts import PromptRow
 from megatron_pacs.sources import StepRollouts
+from megatron_pacs.sources.filtering import GroupFilter, Refill
 
 __all__ = ["Generated", "RolloutProducer", "overlap_metrics"]
 
@@ -49,16 +50,23 @@ class RolloutProducer:
             there is the job's stop).
         engines: The source generates with engines: :meth:`step_metrics` reports how long they and the trainer
             waited for each other.
+        group_filter: ``--filter-groups``: drops groups and refills the batch around ``collect``
+            (:class:`~megatron_pacs.sources.filtering.GroupFilter`), drawing the refill prompts from the ``refill``
+            stream each call passes; None: ``collect`` alone.
+
+    The refill prompts are drawn in the thread that generates (the background one, one step off), while the main
+    thread leaves the stream alone until :meth:`drain`: the stream's position after a drain covers them.
     """
 
     def __init__(
         self,
-        collect: Callable[[list[PromptRow], int], StepRollouts] | None,
+        collect: Callable[..., StepRollouts] | None,
         *,
         guard: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         engines: bool = True,
+        group_filter: GroupFilter | None = None,
     ) -> None:
-        self._collect, self._guard, self._engines = collect, guard, engines
+        self._collect, self._guard, self._engines, self._filter = collect, guard, engines, group_filter
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
         self._future: Future[Generated] | None = None
         self.done: Generated | None = None
@@ -71,9 +79,12 @@ class RolloutProducer:
         """This rank runs the source."""
         return self._collect is not None
 
-    def rollouts(self, rows: list[PromptRow] | None, step: int, version: int) -> Generated | None:
-        """Step ``step``'s rollouts: generated now from ``rows`` with weights ``version``, or, with ``rows`` None,
-        the ones generated ahead (one step off, or restored from a checkpoint). None off the driver."""
+    def rollouts(
+        self, rows: list[PromptRow] | None, step: int, version: int, *, refill: Refill | None = None
+    ) -> Generated | None:
+        """Step ``step``'s rollouts: generated now from ``rows`` (and ``refill``'s prompts, filtering) with weights
+        ``version``, or, with ``rows`` None, the ones generated ahead (one step off, or restored from a checkpoint).
+        None off the driver."""
         if not self.driver:
             return None
         started = time.perf_counter()
@@ -81,15 +92,15 @@ class RolloutProducer:
             if rows is None:
                 gen = self.take(step)
             else:
-                gen = self.run(rows, step, version)
+                gen = self.run(rows, step, version, refill=refill)
                 self._ran.append(gen)
         self._waited += time.perf_counter() - started
         return gen
 
-    def ahead(self, rows: list[PromptRow], step: int, version: int) -> None:
+    def ahead(self, rows: list[PromptRow], step: int, version: int, *, refill: Refill | None = None) -> None:
         """Start generating step ``step``'s rollouts in the background (the driver; no-op elsewhere)."""
         if self.driver:
-            self.submit(rows, step, version)
+            self.submit(rows, step, version, refill=refill)
 
     def drain(self) -> None:
         """Wait for the generation in flight (before the weights change under it); it stays :attr:`done`."""
@@ -114,22 +125,27 @@ class RolloutProducer:
         self._ran, self._waited = [], 0.0
         return metrics
 
-    def _timed(self, rows: list[PromptRow], step: int, version: int) -> Generated:
+    def _timed(self, rows: list[PromptRow], step: int, version: int, refill: Refill | None) -> Generated:
         if self._collect is None:
             raise RuntimeError("only the driver's producer has a rollout source to run")
         started = time.perf_counter()
-        rollouts = self._collect(rows, step)
+        if self._filter is None:
+            rollouts = self._collect(rows, step)
+        else:
+            rollouts = self._filter(self._collect, rows, step, refill)
         return Generated(rollouts, step, version, started, time.perf_counter())
 
-    def run(self, rows: list[PromptRow], step: int, version: int) -> Generated:
-        """Generate step ``step``'s rollouts from ``rows`` now, in this thread, with weights ``version``."""
-        return self._timed(rows, step, version)
+    def run(self, rows: list[PromptRow], step: int, version: int, *, refill: Refill | None = None) -> Generated:
+        """Generate step ``step``'s rollouts from ``rows`` (and ``refill``'s prompts, filtering) now, in this
+        thread, with weights ``version``."""
+        return self._timed(rows, step, version, refill)
 
-    def submit(self, rows: list[PromptRow], step: int, version: int) -> None:
-        """Start generating step ``step``'s rollouts in the background."""
+    def submit(self, rows: list[PromptRow], step: int, version: int, *, refill: Refill | None = None) -> None:
+        """Start generating step ``step``'s rollouts in the background (filtering, ``refill`` is then called from
+        that thread)."""
         if self._future is not None or self.done is not None:
             raise RuntimeError("a generation is already in flight or not yet consumed")
-        self._future = self._pool.submit(self._timed, rows, step, version)
+        self._future = self._pool.submit(self._timed, rows, step, version, refill)
 
     @property
     def in_flight(self) -> bool:

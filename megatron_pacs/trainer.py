@@ -40,6 +40,7 @@ from megatron_pacs.rollout.colocate import Colocation
 from megatron_pacs.rollout.lost import RolloutClusterLost, stopped_with_the_job
 from megatron_pacs.sources.base import RolloutSource
 from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, tokenizer_fingerprint
+from megatron_pacs.sources.filtering import GroupFilter
 from megatron_pacs.update import update_policy
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.heartbeat import Heartbeat
@@ -148,7 +149,12 @@ class Trainer:
         if self.source is None:
             self.source = self._open_source()
         self.fleet, self.scorer = self.source.fleet, self.source.scorer
-        return RolloutProducer(self.source.collect, guard=self._rollout_side, engines=self.source_spec.engines)
+        return RolloutProducer(
+            self.source.collect,
+            guard=self._rollout_side,
+            engines=self.source_spec.engines,
+            group_filter=GroupFilter.from_config(self.cfg),
+        )
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -285,13 +291,13 @@ class Trainer:
         started = time.perf_counter()
         ahead = self.pending_step == step  # generated during the previous step (or restored): older weights
         rows = None if ahead else loader.next_batch()
-        position = loader.state_dict()  # right after this step's prompts: a checkpoint of this step resumes here
         self.pending_step = None
-        gen = self.producer.rollouts(rows, step, self.engine_version)
+        gen = self.producer.rollouts(rows, step, self.engine_version, refill=loader.next_batch)
+        position = loader.state_dict()  # after this step's prompts and refills: a checkpoint of this step resumes here
         self._dump(step, gen)
         if self.cfg.rollout.off_policy_steps and step < self.cfg.run.train_iters:
             self.pending_step = step + 1
-            self.producer.ahead(loader.next_batch(), step + 1, self.engine_version)
+            self.producer.ahead(loader.next_batch(), step + 1, self.engine_version, refill=loader.next_batch)
         batch = self._distribute(gen)
         metrics, train = self._update(batch, step, same_weights=not ahead)
         self.updated = (step, position)  # the weights now hold this step (its sync to the engines may still fail)
@@ -318,7 +324,9 @@ class Trainer:
             self.timer,
             temperature=cfg.rollout.temperature,
             reference=self.reference,
-            tis_cap=cfg.loss.tis_cap,
+            tis_mode=cfg.loss.tis_mode,
+            tis_low=cfg.loss.tis_low,
+            tis_high=cfg.loss.tis_high,
             same_weights=same_weights,
             score_fp8=cfg.score_fp8,
         )

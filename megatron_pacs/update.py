@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_pacs.algo.importance import bound_ratios
 from megatron_pacs.algo.metrics import reduce_metrics
 from megatron_pacs.algo.objectives import Logprobs, MiniBatch, Objective
 from megatron_pacs.algo.pacs import warn_degenerate_std
@@ -62,7 +63,9 @@ def update_policy(
     *,
     temperature: float,
     reference: ReferencePolicy | None = None,
-    tis_cap: float = 2.0,
+    tis_mode: str = "truncate",
+    tis_low: float = 0.0,
+    tis_high: float = 2.0,
     same_weights: bool = True,
     score_fp8: bool = False,
 ) -> dict[str, float]:
@@ -75,6 +78,10 @@ def update_policy(
     measures train/rollout consistency against the engines' log-probs (§7.1).
 
     Args:
+        tis_mode: ``--tis-mode``: truncate or mask the importance ratios to ``[tis_low, tis_high]``
+            (:func:`~megatron_pacs.algo.importance.bound_ratios`).
+        tis_low: ``--tis-low``.
+        tis_high: ``--tis-high``.
         same_weights: The rollouts were generated with the weights the step starts from (not one step off), so
             the consistency check compares like with like; every rank must pass the same value.
         score_fp8: With an FP8 model, run the forward-only passes whose log-probs enter scores and ratios (old,
@@ -114,7 +121,9 @@ def update_policy(
     parts: list[dict[str, torch.Tensor]] = []
     if correct:
         assert old is not None and objective.correction is not None
-        importance, report = truncated_importance(old, batch, objective.correction, cap=tis_cap)
+        importance, report = truncated_importance(
+            old, batch, objective.correction, mode=tis_mode, low=tis_low, high=tis_high
+        )
         # token ratios exist on the last pipeline stage only (elsewhere the store is all zeros: 1 / p_engine)
         if objective.correction != "token" or groups.is_last_stage:
             parts.append(report)
@@ -175,9 +184,10 @@ def update_policy(
 
 
 def truncated_importance(
-    anchor: Logprobs, batch: RolloutBatch, level: str, *, cap: float
+    anchor: Logprobs, batch: RolloutBatch, level: str, *, high: float, low: float = 0.0, mode: str = "truncate"
 ) -> tuple[Logprobs, dict[str, torch.Tensor]]:
-    """``min(pi_anchor / pi_behaviour, cap)`` for this rank's responses (docs/algorithm.md §5.1).
+    """The importance weights of this rank's responses: ``pi_anchor / pi_behaviour`` truncated into ``[low, high]``
+    (``min(ratio, high)`` with ``low = 0``) or, with ``mode="mask"``, 0 outside it (docs/algorithm.md §5.1).
 
     The behaviour policy is the engines' (their log-probs of the sampled tokens); the anchor is the policy at the
     start of the step. Sequence level (a PACS score and loss are per response): the ratio of the responses'
@@ -187,8 +197,10 @@ def truncated_importance(
     the response levels.
 
     Returns:
-        ``Logprobs`` holding the ratios (``seq`` ``[S]`` or ``tokens``; 1 where this rank holds no response), and
-        the metrics ``offpolicy/is_ratio_mean`` (before truncation) and ``offpolicy/is_truncated``.
+        ``Logprobs`` holding the weights (``seq`` ``[S]`` or ``tokens``; 1 where this rank holds no response), and
+        the metrics ``offpolicy/is_ratio_mean`` (before truncation) and the share of ratios outside the bounds:
+        ``offpolicy/is_truncated`` or, masking, ``offpolicy/is_masked`` (of the tokens at token level, of the
+        responses at the response levels).
     """
     assert batch.engine_logprobs is not None
     held = batch.held.nonzero().flatten().tolist()
@@ -204,7 +216,8 @@ def truncated_importance(
             log_ratio = log_ratio / per_response.clamp(min=1).double()
         raw = torch.where(missing, 1.0, torch.exp(log_ratio))[held]
         ratios = torch.ones(batch.num_responses, dtype=torch.float64, device=device)
-        ratios[held] = raw.clamp(max=cap)
+        weights, outside = bound_ratios(raw, mode=mode, low=low, high=high)
+        ratios[held] = weights
         out = Logprobs(ratios)
     else:
         assert anchor.tokens is not None, "token-level ratios need the anchor's token log-probs"
@@ -216,12 +229,14 @@ def truncated_importance(
         engine = engine.to(device)
         raw = torch.where(torch.isfinite(engine), torch.exp(store.values[pos].double() - engine), 1.0)
         values = torch.ones_like(store.values)
-        values[pos] = raw.clamp(max=cap).to(values.dtype)
+        weights, outside = bound_ratios(raw, mode=mode, low=low, high=high)
+        values[pos] = weights.to(values.dtype)
         out = Logprobs(torch.ones(batch.num_responses, dtype=torch.float64), TokenStore(values, store.offsets))
     n = torch.tensor(float(raw.numel()))
+    bounded = "offpolicy/is_masked" if mode == "mask" else "offpolicy/is_truncated"
     report = {
         "offpolicy/is_ratio_mean": torch.stack([raw.sum().float().cpu(), n]),
-        "offpolicy/is_truncated": torch.stack([(raw > cap).sum().float().cpu(), n]),
+        bounded: torch.stack([outside.sum().float().cpu(), n]),
     }
     return out, report
 

@@ -17,6 +17,7 @@ CHOICES = {
     "kl_estimator": ("k1", "k2", "k3", "k3+"),
     "off_policy_correction": ("none", "tis"),
     "tis_level": ("auto", "token", "geometric", "sequence"),
+    "tis_mode": ("truncate", "mask"),
     "pacs_advantage": ("rloo", "grpo", "grpo_no_std", "naive"),
     "pacs_weights": ("balanced", "none", "only_positive", "only_negative"),
 }
@@ -49,10 +50,18 @@ class LossConfig:
     of the reverse KL) or k3+ (k3's value, k2's gradient); docs/algorithm.md §2.7."""
 
     off_policy_correction: str = option("none", choices=CHOICES["off_policy_correction"])
-    """none, or tis: weight each response (PACS) or token (GRPO) by min(pi_anchor / pi_behaviour, --tis-cap), the
-    behaviour being the engines' log-probs (docs/algorithm.md §5.1)."""
-    tis_cap: float = 2.0
-    """Truncation of the importance ratio with --off-policy-correction tis."""
+    """none, or tis: weight each response (PACS) or token (GRPO) by its importance ratio pi_anchor / pi_behaviour,
+    truncated or masked to [--tis-low, --tis-high] (--tis-mode), the behaviour being the engines' log-probs
+    (docs/algorithm.md §5.1)."""
+    tis_mode: str = option("truncate", choices=CHOICES["tis_mode"])
+    """With --off-policy-correction tis: truncate (clip the ratio into [--tis-low, --tis-high]) or mask (0 outside
+    it: no gradient of its own, still in the normaliser); docs/training.md."""
+    tis_high: float = 2.0
+    """With --off-policy-correction tis: the upper bound of the importance ratio (> 1)."""
+    tis_low: float = 0.0
+    """With --off-policy-correction tis: the lower bound of the importance ratio, in [0, 1) (0: none from below)."""
+    tis_cap: float | None = None
+    """The older name of --tis-high, still accepted (give one of the two)."""
     tis_level: str = option("auto", choices=CHOICES["tis_level"])
     """What one --off-policy-correction tis ratio covers: token (GRPO), geometric (PACS: the per-token geometric
     mean, whose bias does not grow with the length) or sequence (PACS: the exact product); auto: the objective's
@@ -86,12 +95,7 @@ class LossConfig:
             raise bad("clip_ratio", f"{self.clip_ratio} must lie in (0, 1); PPO's usual value is 0.2")
         if self.kl_coef < 0:
             raise bad("kl_coef", "must be >= 0")
-        if not self.tis_cap > 1:
-            raise bad("tis_cap", f"{self.tis_cap} must be > 1 (the ratio is truncated from above at this value)")
-        if is_set(self, "tis_cap") and self.off_policy_correction != "tis":
-            raise bad("tis_cap", "only means something with --off-policy-correction tis; add that or drop the flag")
-        if is_set(self, "tis_level") and self.off_policy_correction != "tis":
-            raise bad("tis_level", "only means something with --off-policy-correction tis; add that or drop the flag")
+        self._check_tis_bounds()
         if self.tis_level != "auto" and self.tis_level not in spec.tis_levels:
             levels = " or ".join(spec.tis_levels)
             raise bad("tis_level", f"{self.tis_level}: {spec.tis_levels_why}; use {levels}")
@@ -103,3 +107,24 @@ class LossConfig:
                     raise bad(name, problem.format(loss=self.loss, title=spec.title))
         if self.pacs_score_reference == "ref" and self.pacs_score != "log_ratio":
             raise bad("pacs_score_reference", "needs --pacs-score log_ratio (mean_logp has no anchor)")
+
+    def _check_tis_bounds(self) -> None:
+        """The importance-ratio flags: only with tis, --tis-cap as --tis-high, 0 <= --tis-low < 1 < --tis-high."""
+        for name in ("tis_mode", "tis_high", "tis_low", "tis_cap", "tis_level"):
+            if is_set(self, name) and self.off_policy_correction != "tis":
+                raise bad(name, "only means something with --off-policy-correction tis; add that or drop the flag")
+        if self.tis_cap is not None:
+            if is_set(self, "tis_high") and self.tis_high != self.tis_cap:
+                raise bad(
+                    "tis_cap",
+                    f"{self.tis_cap} contradicts --tis-high {self.tis_high}: --tis-cap is the older name of "
+                    "--tis-high; give one of the two",
+                )
+            self.tis_high = self.tis_cap
+        if not self.tis_high > 1:
+            name = "tis_cap" if self.tis_cap is not None else "tis_high"
+            raise bad(name, f"{self.tis_high} must be > 1 (an on-policy ratio of 1 must stay within the bounds)")
+        if not 0 <= self.tis_low < 1:
+            raise bad(
+                "tis_low", f"{self.tis_low} must lie in [0, 1) (an on-policy ratio of 1 must stay within the bounds)"
+            )

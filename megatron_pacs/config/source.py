@@ -8,7 +8,10 @@ from typing import Any
 from megatron_pacs.config.base import bad, flag, is_set, option
 from megatron_pacs.config.sources import SOURCES
 
-__all__ = ["SourceConfig", "check_source_flags"]
+__all__ = ["FILTER_GROUPS", "SourceConfig", "check_source_flags"]
+
+FILTER_GROUPS = ("none", "zero-variance")
+"""The ``--filter-groups`` values."""
 
 
 @dataclass(kw_only=True)
@@ -23,6 +26,13 @@ class SourceConfig:
     """With --rollout-source replay: the --log-dir of the run whose rollouts/step_*.safetensors to replay."""
     synthetic_reward_rate: float = 0.5
     """With --rollout-source synthetic: the probability that a response's reward is 1 (else 0)."""
+    filter_groups: str = option("none", choices=FILTER_GROUPS)
+    """none, or zero-variance (DAPO's dynamic sampling): a group whose rewards are all equal is dropped after scoring
+    and the batch is refilled with the next prompts of the stream until it holds --global-batch-size groups; the
+    dropped groups' prompts count as used (docs/algorithm.md §2.8)."""
+    max_filter_rounds: int = 8
+    """With --filter-groups zero-variance: refill rounds a step may run after its first generation (0: no limit);
+    a step that still lacks groups after them fails, naming this flag (verl's max_num_gen_batches)."""
 
     def __post_init__(self) -> None:
         if self.rollout_source not in SOURCES:
@@ -37,6 +47,20 @@ class SourceConfig:
             raise bad("synthetic_reward_rate", f"{self.synthetic_reward_rate} must lie in [0, 1]")
         if is_set(self, "synthetic_reward_rate") and self.rollout_source != "synthetic":
             raise bad("synthetic_reward_rate", "only applies with --rollout-source synthetic; drop it")
+        if self.filter_groups not in FILTER_GROUPS:
+            raise bad("filter_groups", f"{self.filter_groups!r} is not one of {list(FILTER_GROUPS)}")
+        if self.filter_groups != "none" and self.rollout_source == "replay":
+            raise bad(
+                "filter_groups",
+                "--rollout-source replay trains on the dumped batches as they are (a filtered run's dumps hold its "
+                "filtered batches): there is nothing to refill from; drop it",
+            )
+        if self.max_filter_rounds < 0:
+            raise bad("max_filter_rounds", f"{self.max_filter_rounds} must be >= 0 (0: no limit)")
+        if is_set(self, "max_filter_rounds") and self.filter_groups == "none":
+            raise bad(
+                "max_filter_rounds", "only means something with --filter-groups zero-variance; add it or drop this"
+            )
 
 
 # What only a fleet (engines, sampling, the weight-sync transports, colocation, overlap) or the reward pool and

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
@@ -18,7 +19,9 @@ T = TypeVar("T")
 
 
 class PromptLoader(Generic[T]):
-    """Yields lists of ``batch_size`` items, a new permutation per epoch (seeded), dropping the last partial batch.
+    """Yields lists of ``batch_size`` items (or of a given size: a step's refill prompts with ``--filter-groups``), a
+    new permutation per epoch (seeded), dropping what is left of an epoch when it cannot fill a list. Thread-safe:
+    one step off, the background generation draws refill prompts.
 
     Args:
         items: The dataset.
@@ -37,6 +40,7 @@ class PromptLoader(Generic[T]):
         self.items, self.batch_size, self.seed, self.dropped = items, batch_size, seed, dropped
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
+        self._lock = threading.Lock()
         self.fingerprint = _fingerprint(items)
         self.content_fingerprint = _content_fingerprint(items)
 
@@ -44,19 +48,26 @@ class PromptLoader(Generic[T]):
         rng = np.random.default_rng(seed_sequence(self.seed, LOADER_STREAM, epoch))
         return [int(i) for i in rng.permutation(len(self.items))]
 
-    def next_batch(self) -> list[T]:
-        if self.position + self.batch_size > len(self.items):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._permutation(self.epoch)
-        idx = self._order[self.position : self.position + self.batch_size]
-        self.position += self.batch_size
+    def next_batch(self, size: int | None = None) -> list[T]:
+        """The next ``size`` items (default ``batch_size``; at most ``batch_size``)."""
+        size = self.batch_size if size is None else size
+        if not 0 < size <= self.batch_size:
+            raise ValueError(f"a draw of {size} prompts: draws take 1 to --global-batch-size {self.batch_size}")
+        with self._lock:
+            if self.position + size > len(self.items):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            idx = self._order[self.position : self.position + size]
+            self.position += size
         return [self.items[i] for i in idx]
 
     def state_dict(self) -> dict[str, Any]:
         """The position, with the data set's size and fingerprints (a position only means something for them)."""
+        with self._lock:
+            epoch, position = self.epoch, self.position
         return {
-            "epoch": self.epoch,
-            "position": self.position,
+            "epoch": epoch,
+            "position": position,
             "num_items": len(self.items),
             "fingerprint": self.fingerprint,
             "content_fingerprint": self.content_fingerprint,
@@ -104,8 +115,9 @@ class PromptLoader(Generic[T]):
             ValueError: naming --train-data, when the saved position belongs to other data.
         """
         self.check_state_dict(state, allow_changed_rows=allow_changed_rows)
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = self._permutation(self.epoch)
+        with self._lock:
+            self.epoch, self.position = int(state["epoch"]), int(state["position"])
+            self._order = self._permutation(self.epoch)
 
 
 def _fingerprint(items: Sequence[Any]) -> str:

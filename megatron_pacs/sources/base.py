@@ -54,8 +54,10 @@ class RolloutSource(Protocol):
         """Refuse, before the steps run, input that cannot give steps ``steps``' rollouts (naming the file/flag)."""
         ...
 
-    def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
-        """Step ``step``'s rollouts for the loader's ``rows`` (``global_batch_size`` prompts)."""
+    def collect(self, rows: Sequence[PromptRow], step: int, *, refill: int = 0) -> StepRollouts:
+        """Step ``step``'s rollouts for the loader's ``rows`` (``global_batch_size`` prompts), or with ``refill`` r > 0
+        those of refill round r (``--filter-groups``: more prompts for the same step), whose random draws (sampling
+        seeds, synthetic rollouts) must not repeat round 0's."""
         ...
 
     def close(self) -> None:

@@ -20,9 +20,18 @@ __all__ = ["FleetSource", "collect_rollouts"]
 
 
 def collect_rollouts(
-    fleet: Any, scorer: Any, tokenizer: Any, rows: Sequence[PromptRow], cfg: TrainConfig, step: int, timer: PhaseTimer
+    fleet: Any,
+    scorer: Any,
+    tokenizer: Any,
+    rows: Sequence[PromptRow],
+    cfg: TrainConfig,
+    step: int,
+    timer: PhaseTimer,
+    *,
+    refill: int = 0,
 ) -> StepRollouts:
-    """Driver only: sample ``group_size`` responses per prompt, score them, and pack the batch."""
+    """Driver only: sample ``group_size`` responses per prompt, score them, and pack the batch; ``refill`` r > 0
+    samples refill round r's prompts (``--filter-groups``) from a stream of its own."""
     from megatron_pacs.rollout.types import SamplingConfig
 
     r, b = cfg.rollout, cfg.batch
@@ -36,7 +45,7 @@ def collect_rollouts(
         max_tokens=b.max_response_length,
         # an independent stream per (seed, step): ``seed * a + step * b`` let seed s at a late step reuse seed s+1's
         # early per-prompt seeds (``base + i * n + j`` covers a window of the integers)
-        seed=derive_seed(cfg.run.seed, SAMPLING_STREAM, step),
+        seed=derive_seed(cfg.run.seed, SAMPLING_STREAM, step, *((refill,) if refill else ())),
         stop_token_ids=eos,
         logprobs=True,  # the sampled tokens' log-probs at temperature 1: the train/rollout consistency check
     )
@@ -128,15 +137,15 @@ class FleetSource:
     def check(self, steps: Sequence[int]) -> None:
         """Nothing to check ahead: the engines generate every step."""
 
-    def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
-        """Generate, score and pack step ``step``'s rollouts, with their ``perf/time/generate`` and
-        ``perf/time/reward`` (the fleet's fault counters are read when the step is logged).
+    def collect(self, rows: Sequence[PromptRow], step: int, *, refill: int = 0) -> StepRollouts:
+        """Generate, score and pack step ``step``'s rollouts (or its refill round ``refill``'s), with their
+        ``perf/time/generate`` and ``perf/time/reward`` (the fleet's fault counters are read when the step is logged).
 
         Raises:
             RolloutClusterLost: The head was lost and did not come back within --rollout-cluster-reconnect-seconds.
         """
         timer = PhaseTimer()
-        rollouts = collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, timer)
+        rollouts = collect_rollouts(self.fleet, self.scorer, self.tokenizer, rows, self.cfg, step, timer, refill=refill)
         rollouts.metrics.update(timer.collect())
         return rollouts
 

@@ -101,8 +101,11 @@ class ReplaySource:
                 )
             _check_lengths(path, b.max_prompt_length, b.max_response_length)
 
-    def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
-        """Step ``step``'s dumped rollouts (``rows`` only keep the loader's position; a different order is logged)."""
+    def collect(self, rows: Sequence[PromptRow], step: int, *, refill: int = 0) -> StepRollouts:
+        """Step ``step``'s dumped rollouts (``rows`` only keep the loader's position; a different order is logged).
+        There are no refill rounds to replay (``--filter-groups`` is refused with this source)."""
+        if refill:
+            raise ValueError("--filter-groups: --rollout-source replay replays the dumped batches and cannot refill")
         started = time.perf_counter()
         path = dump_path(self.run_dir, step)
         text = dump_path(self.run_dir, step, ".jsonl")

@@ -6,7 +6,8 @@ gathers, checkpoints), with no engine, reward pool, Ray, vLLM or math-verify. Th
 ``benchmarks/bench_train_step.py``: prompts of about 200 tokens (normal, sd 40, within ``--max-prompt-length``),
 responses log-normal (sigma 0.8, median 1,500 / 8,192 of ``--max-response-length``) with a long tail up to
 ``--max-response-length``, token ids uniform over the vocabulary above the first three, and each response's reward 1
-with probability ``--synthetic-reward-rate``. A step's rollouts depend only on ``--seed`` and the step.
+with probability ``--synthetic-reward-rate``. A step's rollouts depend only on ``--seed``, the step and, with
+``--filter-groups``, the refill round.
 
 Legend: P prompts, n group size, S = P * n responses.
 """
@@ -73,11 +74,12 @@ class SyntheticSource:
     def check(self, steps: Sequence[int]) -> None:
         """Nothing to check ahead: every step's rollouts are drawn from the seed."""
 
-    def collect(self, rows: Sequence[PromptRow], step: int) -> StepRollouts:
-        """Step ``step``'s rollouts (``rows`` give only the prompts' ids; their texts are not used)."""
+    def collect(self, rows: Sequence[PromptRow], step: int, *, refill: int = 0) -> StepRollouts:
+        """Step ``step``'s rollouts, or its refill round ``refill``'s (``rows`` give only the prompts' ids; their
+        texts are not used)."""
         started = time.perf_counter()
         b = self.cfg.batch
-        rng = np.random.default_rng(seed_sequence(self.cfg.run.seed, SYNTHETIC_STREAM, step))
+        rng = np.random.default_rng(seed_sequence(self.cfg.run.seed, SYNTHETIC_STREAM, step, *_round(refill)))
         mix = synthetic_lengths(
             rng, len(rows), b.group_size, max_prompt=b.max_prompt_length, max_response=b.max_response_length
         )
@@ -102,3 +104,8 @@ class SyntheticSource:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _round(refill: int) -> tuple[int, ...]:
+    """The stream key of a refill round: none for round 0 (the stream of a run without --filter-groups)."""
+    return (refill,) if refill else ()

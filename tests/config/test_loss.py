@@ -33,3 +33,26 @@ def test_a_name_outside_the_choices_is_refused_naming_the_flag(field):
     flag = "--" + field.replace("_", "-")
     with pytest.raises(ValueError, match=flag):
         LossConfig(**{field: "no-such-choice"})
+
+
+def test_tis_bounds_and_mode_are_refused_naming_the_flag():
+    """--tis-mode/--tis-low/--tis-high/--tis-cap need --off-policy-correction tis; --tis-cap is --tis-high's older
+    name (the same value is accepted, another one refused); the bounds keep an on-policy ratio of 1 inside."""
+    from megatron_pacs.config.loss import LossConfig
+
+    tis = {"off_policy_correction": "tis"}
+    for name, value in (("tis_mode", "mask"), ("tis_low", 0.5), ("tis_high", 3.0), ("tis_cap", 3.0)):
+        with pytest.raises(ValueError, match=rf"^--{name.replace('_', '-')}: only means something with --off-policy"):
+            LossConfig(**{name: value})
+    assert LossConfig(**tis, tis_cap=3.0).tis_high == 3.0
+    assert LossConfig(**tis, tis_cap=3.0, tis_high=3.0).tis_high == 3.0
+    with pytest.raises(ValueError, match=r"^--tis-cap: 3.0 contradicts --tis-high 4.0"):
+        LossConfig(**tis, tis_cap=3.0, tis_high=4.0)
+    for bad, flag in (({"tis_high": 1.0}, "--tis-high"), ({"tis_cap": 0.5}, "--tis-cap")):
+        with pytest.raises(ValueError, match=rf"^{flag}: .* must be > 1"):
+            LossConfig(**tis, **bad)
+    for low in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"^--tis-low: .* must lie in \[0, 1\)"):
+            LossConfig(**tis, tis_low=low)
+    cfg = LossConfig(**tis, tis_mode="mask", tis_low=0.5, tis_high=2.0)
+    assert (cfg.tis_mode, cfg.tis_low, cfg.tis_high) == ("mask", 0.5, 2.0)

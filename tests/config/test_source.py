@@ -63,3 +63,20 @@ def test_router_replay_needs_routed_experts_which_synthetic_rollouts_lack():
         _validate("--rollout-source", "synthetic", "--router-replay", "r3")
     _validate("--rollout-source", "synthetic", "--router-replay", "off")
     _validate("--rollout-source", "replay", "--replay-from", "r", "--router-replay", "r3")
+
+
+def test_group_filtering_flags():
+    """--filter-groups zero-variance works with the sources that generate; replay (whose dumps are the trained
+    batches) and --max-filter-rounds without filtering are refused, naming the flag."""
+    cfg = _cfg("--rollout-source", "synthetic", "--filter-groups", "zero-variance", "--max-filter-rounds", "0")
+    assert (cfg.source.filter_groups, cfg.source.max_filter_rounds) == ("zero-variance", 0)
+    from megatron_pacs.config.source import SourceConfig
+
+    with pytest.raises(ValueError, match=r"^--filter-groups: --rollout-source replay"):
+        SourceConfig(rollout_source="replay", replay_from="r", filter_groups="zero-variance")
+    with pytest.raises(ValueError, match=r"^--max-filter-rounds: only means something with --filter-groups"):
+        SourceConfig(max_filter_rounds=2)
+    with pytest.raises(ValueError, match=r"^--max-filter-rounds: -1 must be >= 0"):
+        SourceConfig(filter_groups="zero-variance", max_filter_rounds=-1)
+    with pytest.raises(SystemExit):  # the command line exits 2, naming the flag
+        _cfg("--filter-groups", "all-equal")
