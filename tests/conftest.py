@@ -2,6 +2,7 @@
 session's launch queue and the test order it needs. Helpers the test modules import live in tests/helpers/."""
 
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,12 @@ def launch_queue(request, tmp_path_factory):
         queue.plan(module.__name__, module.prepare, module.LAUNCHES, root)
     yield queue
     queue.close()
+
+
+@pytest.fixture(scope="module")
+def launched(launch_queue, request) -> dict[str, Future]:
+    """The test module's launches (its ``LAUNCHES``) by name, queued for the session; a test reads its own."""
+    return launch_queue.futures(request.module.__name__)
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

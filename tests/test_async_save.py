@@ -5,7 +5,6 @@ bit for bit the uninterrupted run, and the time a save holds the step is recorde
 benchmarks/bench_checkpoint.py, not asserted here)."""
 
 import json
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -40,11 +39,6 @@ def _async_then_resumed(root: Path) -> tuple[list[dict], list[dict], Path]:
 
 
 LAUNCHES = {"sync": _sync, "async": _async_then_resumed}  # queued for the session (tests/launch_queue.py)
-
-
-@pytest.fixture(scope="module")
-def launched(launch_queue) -> dict[str, Future]:
-    return launch_queue.futures(__name__)
 
 
 def _tensors(folder: Path, out: Path) -> dict[str, torch.Tensor]:

@@ -3,7 +3,6 @@ rollouts with a checkpoint every step and a reference reset at step 2. Consecuti
 values for every trained tensor, each records the live weights of its step (the --save-hf export of that step), and
 the reference saved after its reset records the actor's weights of that step."""
 
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -29,11 +28,6 @@ def _three_steps(root: Path) -> Path:
 
 
 LAUNCHES = {"saved": _three_steps}  # queued for the session (tests/launch_queue.py)
-
-
-@pytest.fixture(scope="module")
-def launched(launch_queue) -> dict[str, Future]:
-    return launch_queue.futures(__name__)
 
 
 def _sums(t: torch.Tensor) -> list[float]:

@@ -15,7 +15,6 @@ import json
 import shutil
 import subprocess
 import sys
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -29,13 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def prepare(root: Path) -> Path:
     return make_rl_setup(root, tied=False, num_problems=32)
-
-
-@pytest.fixture(scope="module")
-def launched(launch_queue) -> dict[str, Future]:
-    """Each test's chain of launches (the continuous run, then the resume from its own checkpoint), queued for the
-    session (tests/launch_queue.py); a test reads its own chain's result."""
-    return launch_queue.futures(__name__)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ run without the fleet (``--rollout-source synthetic``) saves a checkpoint; resum
 is refused before anything is built, naming ``--load`` and the fields (it failed only after Ray and the engines had
 started, with raw tracebacks), and resuming it at its own step ends at once with ``nothing to train`` (exit 0)."""
 
-from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,11 +29,6 @@ def _one_step(root: Path) -> Path:
 
 
 LAUNCHES = {"saved": _one_step}  # queued for the session (tests/launch_queue.py)
-
-
-@pytest.fixture(scope="module")
-def launched(launch_queue) -> dict[str, Future]:
-    return launch_queue.futures(__name__)
 
 
 @pytest.fixture(scope="module")

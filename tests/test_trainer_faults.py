@@ -15,7 +15,6 @@ import json
 import os
 import sys
 from collections import Counter
-from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 
@@ -31,12 +30,6 @@ GROUP = 4  # trainer_checks._config: 4 prompts x 4 responses per step
 
 def prepare(root: Path) -> Path:
     return make_rl_setup(root, tied=True, num_problems=8)
-
-
-@pytest.fixture(scope="module")
-def launched(launch_queue) -> dict[str, Future]:
-    """Both launches, queued for the session (tests/launch_queue.py); a test reads its own."""
-    return launch_queue.futures(__name__)
 
 
 def _launch(root: Path, mode: str) -> dict:

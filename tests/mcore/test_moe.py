@@ -13,7 +13,6 @@ import json
 import math
 import os
 import sys
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -135,11 +134,6 @@ LAUNCHES = {
     "rl_ep1": _fleet_run_and_r3_replay,
     "rl_ep2": lambda root: _fleet_run(root, 2),
 }
-
-
-@pytest.fixture(scope="module")
-def launched(launch_queue) -> dict[str, Future]:
-    return launch_queue.futures(__name__)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 absent from the process, the reference policy with a reset, a save and a resume (resume == continuous, bit for
 bit), and the step's time split with the weight export's time."""
 
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -38,11 +37,6 @@ def _continuous_then_resumed(root: Path) -> tuple[list[dict], list[dict]]:
 
 
 LAUNCHES = {"chain": _continuous_then_resumed}  # queued for the session (tests/launch_queue.py)
-
-
-@pytest.fixture(scope="module")
-def launched(launch_queue) -> dict[str, Future]:
-    return launch_queue.futures(__name__)
 
 
 def test_synthetic_rollouts_train_without_the_fleet_stack(launched):
