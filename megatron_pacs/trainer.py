@@ -421,6 +421,8 @@ class Trainer:
         with ``background`` and ``--async-save``, its shards are still being written on return."""
         # One step off: the next step's rollouts are done (the sync waited for them); they are kept with it.
         pending = self.producer.done if self.pending_step else None
+        with self.timer.phase("save_wait"):  # --async-save: the save still in flight first (at most one)
+            self.checkpoints.wait()
         with self.timer.phase("save"):
             path = self.checkpoints.save(
                 step, loader, pending_step=self.pending_step, pending_rollouts=pending, background=background

@@ -250,9 +250,14 @@ def synthetic_figures(continuous: dict | None, resumed: dict | None) -> list[dic
 
 
 def _holds(step: dict | None) -> list[float]:
-    """A run's save holds: ``perf/time/save`` in the rows after the first (each row holds the previous save's)."""
+    """A run's save holds: ``perf/time/save`` plus ``perf/time/save_wait`` (the wait for a save still in flight) in
+    the rows after the first (each row holds the previous save's)."""
     rows = [m for m in (step or {}).get("metrics", []) if "train/loss" in m]
-    return [m["perf/time/save"] for m in rows[1:] if isinstance(m.get("perf/time/save"), (int, float))]
+    return [
+        m["perf/time/save"] + m.get("perf/time/save_wait", 0.0)
+        for m in rows[1:]
+        if isinstance(m.get("perf/time/save"), (int, float))
+    ]
 
 
 def save_hold_figures(name: str, sync: dict | None, background: dict | None) -> list[dict]:
