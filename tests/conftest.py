@@ -47,6 +47,7 @@ _LONGEST_FIRST = {
             "test_golden_trace",
             "test_resume",
             "test_moe",
+            "test_convert_checkpoint",
             "test_reference",
             "test_trainer",
             "test_producer",

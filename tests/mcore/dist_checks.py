@@ -1,8 +1,9 @@
-"""Distributed Megatron checks, run under torchrun by test_distributed.py (one launch per layout runs them all).
+"""Distributed Megatron checks, run by test_distributed.py (one launch runs them all at each of its layouts).
 
-Usage: torchrun --nproc-per-node N tests/mcore/dist_checks.py --workdir W --tp T --pp P [--vpp V]
-Reads the tiny HF models in W/models/*, writes W/results_tp{T}_pp{P}.json (global rank 0) with one entry per
-check: parity errors as floats, exactness as booleans.
+Usage: torchrun --nproc-per-node N tests/mcore/dist_checks.py --workdir W --layout T,P[,V] [--layout ...] (N=1: python)
+Reads the tiny HF models in W/models/*; for each layout in turn (TP x PP [x VPP] = N: no data parallelism), in the
+same processes (their start-up is most of a launch), writes W/results_tp{T}_pp{P}[_vpp{V}].json (global rank 0)
+with one entry per check: parity errors as floats, exactness as booleans.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def check_vocab_logprobs(groups, results):
     ref_lp = ref.gather(1, labels[:, None]).squeeze(1)
     ref_ent = -(ref.exp() * ref).sum(-1)
     (ref_lp * w_lp + ref_ent * w_h).sum().backward()
+    assert ref_in.grad is not None and shard.grad is not None
     ref_grad = ref_in.grad[:, groups.tp_rank * vp : (groups.tp_rank + 1) * vp]
     results["vocab_logprobs/value"] = (lp - ref_lp).abs().max().item()
     results["vocab_logprobs/entropy"] = (ent - ref_ent).abs().max().item()
@@ -219,50 +221,58 @@ def check_together(model_dir, groups, results, spec):
             results[f"together_{spec}_{layout}/models_differ"] = max(abs(alone[0][k] - alone[1][k]) for k in alone[0])
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", type=Path, required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--vpp", type=int, default=None)
-    args = ap.parse_args()
-    interleaved = {"overlap_p2p_comm": True, "batch_p2p_comm": False} if args.vpp else {}
+def run_layout(workdir: Path, tp: int, pp: int, vpp: int | None) -> None:
+    """Every check at one layout; the groups of the layout before it (same world) are replaced."""
     layout = ParallelConfig(
-        tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        virtual_pipeline_model_parallel_size=args.vpp,
-        **interleaved,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        overlap_p2p_comm=vpp is not None,  # interleaved: overlapped, not batched (the defaults otherwise)
+        batch_p2p_comm=vpp is None,
     )
     groups = init_parallel(layout)
+    assert groups.dp_size == 1, f"--layout {tp},{pp} on {dist.get_world_size()} ranks: data parallelism is not checked"
     torch.manual_seed(0)
     tokens = torch.randint(0, 512, (3, 24))
     results: dict[str, object] = {}
-    for model_dir in sorted((args.workdir / "models").iterdir()):
+    for model_dir in sorted((workdir / "models").iterdir()):
         models, cfg = check_model(model_dir.name, model_dir, groups, tokens, results)
-        if model_dir.name == "qwen2_tied" and args.tp == 2 and args.pp == 1:
-            save_model_checkpoint(models, args.workdir / "ckpt_tp2", {"hf_config": cfg.to_dict()})
-    check_model("qwen2_untied", args.workdir / "models" / "qwen2_untied", groups, tokens, results, spec="sdpa")
+        if model_dir.name == "qwen2_tied" and tp == 2 and pp == 1:
+            save_model_checkpoint(models, workdir / "ckpt_tp2", {"hf_config": cfg.to_dict()})
+    check_model("qwen2_untied", workdir / "models" / "qwen2_untied", groups, tokens, results, spec="sdpa")
     check_vocab_logprobs(groups, results)
     for spec in ("local", "sdpa"):
-        check_packing(args.workdir / "models" / "qwen2_untied", groups, results, spec)
-        check_together(args.workdir / "models" / "qwen2_untied", groups, results, spec)
-    ckpt = args.workdir / "ckpt_tp2"
-    if args.tp == 1 and args.pp == 1 and ckpt.is_dir():
-        cfg = AutoConfig.from_pretrained(args.workdir / "models" / "qwen2_tied")
+        check_packing(workdir / "models" / "qwen2_untied", groups, results, spec)
+        check_together(workdir / "models" / "qwen2_untied", groups, results, spec)
+    ckpt = workdir / "ckpt_tp2"
+    if tp == 1 and pp == 1 and ckpt.is_dir():
+        cfg = AutoConfig.from_pretrained(workdir / "models" / "qwen2_tied")
         models = build_gpt_model(cfg, groups)
         load_model_checkpoint(models, ckpt)
-        ref_logits, _ = hf_reference(args.workdir / "models" / "qwen2_tied", tokens)
-        results["ckpt_tp2_to_tp1/logits"] = (
-            (gathered_logits(models, groups, tokens).double() - ref_logits).abs().max().item()
-        )
+        ref_logits, _ = hf_reference(workdir / "models" / "qwen2_tied", tokens)
+        logits = gathered_logits(models, groups, tokens)
+        assert logits is not None  # one stage: the last
+        results["ckpt_tp2_to_tp1/logits"] = (logits.double() - ref_logits).abs().max().item()
     merged: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(merged, results)
     if dist.get_rank() == 0:
         combined: dict[str, object] = {}
         for r in merged:
             combined.update(r)
-        suffix = f"_vpp{args.vpp}" if args.vpp else ""
-        (args.workdir / f"results_tp{args.tp}_pp{args.pp}{suffix}.json").write_text(json.dumps(combined, indent=2))
+        suffix = f"_vpp{vpp}" if vpp else ""
+        (workdir / f"results_tp{tp}_pp{pp}{suffix}.json").write_text(json.dumps(combined, indent=2))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workdir", type=Path, required=True)
+    ap.add_argument(
+        "--layout", action="append", required=True, help="T,P[,V]: TP, PP[, VPP]; repeated: run one after another"
+    )
+    args = ap.parse_args()
+    for spec in args.layout:
+        tp, pp, *vpp = (int(x) for x in spec.split(","))
+        run_layout(args.workdir, tp, pp, vpp[0] if vpp else None)
     destroy_parallel()
 
 

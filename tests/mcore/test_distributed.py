@@ -6,14 +6,18 @@ export; vocab-parallel log-probs and their gradient; packed vs padded micro-batc
 independence of packed neighbours) on the local and SDPA specs; two models in one forward-only schedule; a TP=2
 checkpoint loaded at TP=1.
 
-Each layout is one torchrun launch running every check (start-up dominates); see dist_checks.py.
+Start-up dominates a launch, so layouts of the same world size share one torchrun launch (dist_checks.py runs
+them one after another): four launches, not five, all at once.
 """
 
 import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,8 +28,13 @@ from megatron_pacs.utils.launch import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 HERE = Path(__file__).parent
-# (TP, PP, VPP). TP=2 runs first: it writes the checkpoint the TP=1 run reshards.
-LAYOUTS = [(2, 1, None), (1, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
+Layout = tuple[int, int, int | None]  # (TP, PP, VPP)
+LAYOUTS: list[Layout] = [(2, 1, None), (1, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
+#: The launches, each a world of its own size running its layouts in order (the pipelines' two: one start-up, and
+#: their ranks wait on each other, so that together they take no longer than TP=2, which writes the checkpoint that
+#: the TP=1 launch reshards, then TP=1).
+TORCHRUNS: list[list[Layout]] = [[(2, 1, None)], [(1, 2, None), (1, 2, 2)], [(2, 2, None)], [(1, 1, None)]]
+assert sorted((layout for launch in TORCHRUNS for layout in launch), key=str) == sorted(LAYOUTS, key=str)
 MODELS = {
     "qwen2_tied": ("qwen2", True),
     "qwen2_untied": ("qwen2", False),
@@ -36,39 +45,46 @@ MODELS = {
 FP32_TOL = 1e-5
 
 
-def _launch(work: Path, tp: int, pp: int, vpp: int | None) -> dict:
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}"]
-    cmd = [
-        *launcher,
-        f"--master-port={free_port()}",
-        str(HERE / "dist_checks.py"),
-        "--workdir",
-        str(work),
-        "--tp",
-        str(tp),
-        "--pp",
-        str(pp),
-        *(["--vpp", str(vpp)] if vpp else []),
-    ]
+def _launch(work: Path, layouts: list[Layout]) -> dict[Layout, dict]:
+    """One launch of TP x PP ranks running every check at each of ``layouts`` (all of one world size)."""
+    (tp, pp, _), *_ = layouts
+    # a world of one is a plain process (init_parallel's private store): no launcher to start
+    launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={tp * pp}", f"--master-port={free_port()}"]
+    specs = [f"--layout={tp},{pp}" + (f",{vpp}" if vpp else "") for tp, pp, vpp in layouts]
+    script = [str(HERE / "dist_checks.py"), "--workdir", str(work), *specs]
+    cmd = [sys.executable, *(launcher if tp * pp > 1 else []), *script]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, f"TP={tp} PP={pp} VPP={vpp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    suffix = f"_vpp{vpp}" if vpp else ""
-    return json.loads((work / f"results_tp{tp}_pp{pp}{suffix}.json").read_text())
+    assert proc.returncode == 0, f"{specs} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return {
+        (tp, pp, vpp): json.loads((work / f"results_tp{tp}_pp{pp}{f'_vpp{vpp}' if vpp else ''}.json").read_text())
+        for tp, pp, vpp in layouts
+    }
+
+
+def _after(path: Path, writer: Future, launch: Callable[[], dict]) -> dict:
+    """``launch()`` once ``path`` exists (``writer``'s failure raised instead)."""
+    while not path.exists() and not writer.done():
+        time.sleep(0.5)
+    if not path.exists():
+        writer.result()
+    return launch()
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Every layout's checks, two launches at a time; TP=1 waits for TP=2, whose checkpoint it reshards."""
+def results(tmp_path_factory) -> dict[Layout, dict]:
+    """Every layout's checks, every launch at once; TP=1 starts once the TP=2 layout's results are written (after
+    the checkpoint it reshards)."""
     work = tmp_path_factory.mktemp("mcore_dist")
     for name, (family, tied) in MODELS.items():
         build_tiny_model(str(work / "models" / name), tiny_hf_config(family, tied=tied, layers=4), seed=1, scale=3.0)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {layout: pool.submit(_launch, work, *layout) for layout in LAYOUTS if layout != (1, 1, None)}
-        first = futures[(2, 1, None)]
-        # TP=1 reshards TP=2's checkpoint: queued last, it starts long after TP=2 (the first launch) has finished
-        futures[(1, 1, None)] = pool.submit(lambda: (first.result(), _launch(work, 1, 1, None))[1])
-        return {layout: futures[layout].result() for layout in LAYOUTS}
+    first, *others, reshard = TORCHRUNS
+    assert first[0] == (2, 1, None) and reshard == [(1, 1, None)]
+    with ThreadPoolExecutor(max_workers=len(TORCHRUNS)) as pool:
+        writes_ckpt = pool.submit(_launch, work, first)
+        futures = [writes_ckpt, *(pool.submit(_launch, work, launch) for launch in others)]
+        futures.append(pool.submit(_after, work / "results_tp2_pp1.json", writes_ckpt, partial(_launch, work, reshard)))
+        return {layout: r for f in futures for layout, r in f.result().items()}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)

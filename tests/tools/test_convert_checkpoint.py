@@ -1,13 +1,19 @@
 """tools/convert_checkpoint.py end to end: HF -> Megatron (TP=2; a Qwen3-MoE at TP=2 x EP=2) -> HF bitwise, and
-clear errors."""
+clear errors; tools/compare_logprobs.py at TP=2.
+
+The tools' runs that start ranks (processes of their own, mostly start-up) are launches of the session's queue
+(tests/launch_queue.py): they run two at a time beside the other modules' tests, and the tests here check what they
+left. The refusals, which come before any rank starts, call the tool's ``main`` in this process."""
 
 import json
-import subprocess
 import sys
+from functools import partial
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 import torch
+from launch_queue import run_launch
 from safetensors.torch import load_file, save_file
 
 from megatron_pacs.demo.tiny import build_tiny_model, build_tokenizer, tiny_hf_config
@@ -17,22 +23,14 @@ pytestmark = pytest.mark.slow
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
 
 
-def convert(*args, check=True):
-    proc = subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+def convert(*args) -> CompletedProcess[str]:
+    return run_launch([sys.executable, str(TOOL), *map(str, args)], timeout=600)
 
 
 def _tiny(path: Path, family: str) -> Path:
     config = tiny_hf_config(family, tied=False, layers=2)
     build_tiny_model(str(path), config, seed=3, scale=2.0, tokenizer=build_tokenizer(vocab_size=400))
     return path
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return _tiny(tmp_path_factory.mktemp("convert") / "hf", "qwen2")
 
 
 #: (TP, EP) there and back. qwen2 at TP=2, back at TP=1 (resharded); a Qwen3-MoE (qk-norm weights and untied like
@@ -42,35 +40,93 @@ def hf_dir(tmp_path_factory):
 LAYOUTS = {"qwen2": ((2, 1), (1, 1)), "qwen3_moe": ((2, 2), (1, 1))}
 
 
-@pytest.mark.parametrize("family", list(LAYOUTS))
-def test_round_trip_is_bitwise(family, hf_dir, tmp_path):
-    if family != "qwen2":
-        hf_dir = _tiny(tmp_path / "hf", family)
+def _hf_dir(root: Path, family: str) -> Path:
+    return root / ("hf" if family == "qwen2" else f"hf_{family}")
+
+
+def prepare(root: Path) -> Path:
+    """The tiny HF models, one per family (the qwen2 one, ``root/hf``, for compare_logprobs.py too)."""
+    for family in LAYOUTS:
+        _tiny(_hf_dir(root, family), family)
+    return root
+
+
+def _round_trip(root: Path, family: str) -> dict[str, CompletedProcess[str]]:
+    """hf-to-mcore, then mcore-to-hf if it succeeded: the runs by name."""
+    hf_dir, work = _hf_dir(root, family), root / family
     (tp, ep), (back_tp, back_ep) = LAYOUTS[family]
     layout = ["--tensor-model-parallel-size", tp, "--expert-model-parallel-size", ep]
-    convert("hf-to-mcore", "--hf-dir", hf_dir, "--out", tmp_path / "mc", *layout)
-    assert (tmp_path / "mc" / "megatron_pacs.json").is_file()
+    runs = {"there": convert("hf-to-mcore", "--hf-dir", hf_dir, "--out", work / "mc", *layout)}
+    if runs["there"].returncode != 0:
+        return runs
     back = ["--tensor-model-parallel-size", back_tp, "--expert-model-parallel-size", back_ep]
-    convert("mcore-to-hf", "--load", tmp_path / "mc", "--hf-config", hf_dir, "--out", tmp_path / "hf2", *back)
-    a, b = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
+    runs["back"] = convert("mcore-to-hf", "--load", work / "mc", "--hf-config", hf_dir, "--out", work / "hf2", *back)
+    return runs
+
+
+def _compare_logprobs(root: Path) -> CompletedProcess[str]:
+    data = root / "rows.jsonl"
+    data.write_text('{"problem": "What is 2+3?", "answer": "5"}\n{"text": "12 * 7 = 84. The answer is 84."}\n')
+    tool = TOOL.parent / "compare_logprobs.py"
+    cmd = [sys.executable, str(tool), "--hf-dir", str(root / "hf"), "--data", str(data)]
+    return run_launch([*cmd, "--tensor-model-parallel-size", "2"], timeout=600)
+
+
+#: queued for the session (tests/launch_queue.py)
+LAUNCHES = {
+    **{family: partial(_round_trip, family=family) for family in LAYOUTS},
+    "compare_logprobs": _compare_logprobs,
+}
+
+
+@pytest.fixture(scope="module")
+def root(launch_queue) -> Path:
+    return launch_queue.root(__name__)
+
+
+def _ok(proc: CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("family", list(LAYOUTS))
+def test_round_trip_is_bitwise(family, launched, root, capfd):
+    runs = launched[family].result()
+    hf_dir, work = _hf_dir(root, family), root / family
+    _ok(runs["there"])
+    assert (work / "mc" / "megatron_pacs.json").is_file()
+    _ok(runs["back"])
+    a, b = load_file(hf_dir / "model.safetensors"), load_file(work / "hf2" / "model.safetensors")
     assert set(a) == set(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
     for side in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (tmp_path / "hf2" / side).is_file(), side
+        assert (work / "hf2" / side).is_file(), side
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
-    AutoTokenizer.from_pretrained(tmp_path / "hf2")
+    AutoModelForCausalLM.from_pretrained(work / "hf2")
+    AutoTokenizer.from_pretrained(work / "hf2")
     if family != "qwen2":
-        return  # the refusal below is the same for every family (a process of its own: asked once)
-    refused = convert(
-        "mcore-to-hf", "--load", tmp_path / "mc", "--hf-config", hf_dir, "--out", tmp_path / "hf2", check=False
-    )
-    assert refused.returncode == 2 and "--force" in refused.stderr
+        return  # the refusal below is the same for every family (asked once)
+    again = ["--load", str(work / "mc"), "--hf-config", str(hf_dir), "--out", str(work / "hf2")]
+    assert _tool().main(["mcore-to-hf", *again]) == 2  # the launcher refuses it: in this process
+    assert "--force" in capfd.readouterr().err
 
 
-def test_truncated_and_misshaped_checkpoints_are_named(hf_dir, tmp_path):
+def _tool():
+    """tools/convert_checkpoint.py as a module, to call its ``main`` in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_truncated_and_misshaped_checkpoints_are_named(tmp_path, capfd):
+    """Refused by the launcher before any rank starts (in this process: ``main`` returns before its ranks would be
+    started; capfd would show their errors too), each naming the tensor, the file or the folder."""
+    tool, hf_dir = _tool(), _tiny(tmp_path / "hf", "qwen2")
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in hf_dir.iterdir():
@@ -79,23 +135,22 @@ def test_truncated_and_misshaped_checkpoints_are_named(hf_dir, tmp_path):
     weights["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"][:, :-1].clone()
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
     # refused by the launcher, before its two ranks start (the error comes once)
-    proc = convert(
-        "hf-to-mcore", "--hf-dir", bad, "--out", tmp_path / "o1", "--tensor-model-parallel-size", 2, check=False
+    code = tool.main(
+        ["hf-to-mcore", "--hf-dir", str(bad), "--out", str(tmp_path / "o1"), "--tensor-model-parallel-size", "2"]
     )
-    assert proc.returncode == 2 and proc.stderr.count("model.layers.1.mlp.down_proj.weight has shape") == 1
+    assert code == 2 and capfd.readouterr().err.count("model.layers.1.mlp.down_proj.weight has shape") == 1
     del weights["model.layers.0.self_attn.q_proj.bias"]
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
-    proc = convert("hf-to-mcore", "--hf-dir", bad, "--out", tmp_path / "o2", check=False)
-    assert proc.returncode == 2 and "model.layers.0.self_attn.q_proj.bias" in proc.stderr
+    code = tool.main(["hf-to-mcore", "--hf-dir", str(bad), "--out", str(tmp_path / "o2")])
+    assert code == 2 and "model.layers.0.self_attn.q_proj.bias" in capfd.readouterr().err
     data = (hf_dir / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-    proc = convert("hf-to-mcore", "--hf-dir", bad, "--out", tmp_path / "o3", check=False)
-    assert proc.returncode == 2 and "not a readable safetensors file" in proc.stderr
+    code = tool.main(["hf-to-mcore", "--hf-dir", str(bad), "--out", str(tmp_path / "o3")])
+    assert code == 2 and "not a readable safetensors file" in capfd.readouterr().err
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
-    proc = convert(
-        "mcore-to-hf", "--load", tmp_path / "nothing", "--hf-config", hf_dir, "--out", tmp_path / "o4", check=False
-    )
-    assert proc.returncode == 2 and "holds no complete checkpoint" in proc.stderr
+    args = ["--load", str(tmp_path / "nothing"), "--hf-config", str(hf_dir), "--out", str(tmp_path / "o4")]
+    assert tool.main(["mcore-to-hf", *args]) == 2
+    assert "holds no complete checkpoint" in capfd.readouterr().err
 
 
 def test_load_takes_a_save_directory_like_the_trainers_load(tmp_path, capsys):
@@ -104,12 +159,7 @@ def test_load_takes_a_save_directory_like_the_trainers_load(tmp_path, capsys):
     directory of damaged checkpoints is refused, before any rank starts, naming what is there. The conversion of a
     trainer's --save directory itself, generating with transformers: tests/test_resume.py
     (test_save_hf_loads_in_transformers_with_the_checkpoint_weights)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _tool()
     root = tmp_path / "run"
     for step in (2, 4):
         (root / f"iter_{step:07d}").mkdir(parents=True)
@@ -128,13 +178,9 @@ def test_load_takes_a_save_directory_like_the_trainers_load(tmp_path, capsys):
     assert "iter_0000002/megatron_pacs.json is empty" in err and "iter_0000004/megatron_pacs.json is empty" in err
 
 
-def test_compare_logprobs_tool_at_tp2(hf_dir, tmp_path):
-    data = tmp_path / "rows.jsonl"
-    data.write_text('{"problem": "What is 2+3?", "answer": "5"}\n{"text": "12 * 7 = 84. The answer is 84."}\n')
-    tool = TOOL.parent / "compare_logprobs.py"
-    cmd = [sys.executable, str(tool), "--hf-dir", str(hf_dir), "--data", str(data), "--tensor-model-parallel-size", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def test_compare_logprobs_tool_at_tp2(launched):
+    proc = launched["compare_logprobs"].result()
+    _ok(proc)
     overall = [line for line in proc.stdout.splitlines() if line.startswith("overall max abs diff")]
     assert overall and float(overall[0].split()[-1]) < 1e-5, proc.stdout
     assert proc.stdout.count("|    ") >= 2  # one row per sequence
