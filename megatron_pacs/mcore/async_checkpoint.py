@@ -16,6 +16,8 @@ temporary folder is removed and the checkpoints already in place stay.
 from __future__ import annotations
 
 import os
+import shutil
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -31,7 +33,7 @@ from megatron_pacs.utils.checkpoint_dirs import checkpoint_dir
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["PendingCheckpoint", "start_training_checkpoint"]
+__all__ = ["PendingCheckpoint", "start_training_checkpoint", "wait_for_removals"]
 
 
 class PendingCheckpoint:
@@ -86,12 +88,22 @@ class PendingCheckpoint:
             _abort(self.queue)
             error = exc
         self._commit(error)
+        if blocking:  # the run's last save, a stop or the shutdown: nothing is left behind
+            wait_for_removals()
         return True
 
     def _commit(self, error: BaseException | None) -> None:
-        """:func:`~megatron_pacs.mcore.training_checkpoint._finish` of this save."""
+        """:func:`~megatron_pacs.mcore.training_checkpoint._finish` of this save; the folders ``--keep-last``
+        prunes are deleted in a background thread (renamed first, they are out of every resume's way)."""
         _finish(
-            self.save, self.step, self.tmp, self.metadata, parent=self.parent, keep_last=self.keep_last, error=error
+            self.save,
+            self.step,
+            self.tmp,
+            self.metadata,
+            parent=self.parent,
+            keep_last=self.keep_last,
+            error=error,
+            remove=_remove_in_background,
         )
 
     def fail(self, error: BaseException) -> NoReturn:
@@ -104,6 +116,26 @@ class PendingCheckpoint:
         _abort(self.queue)
         self._commit(error)
         raise error
+
+
+_removals: list[threading.Thread] = []
+
+
+def _remove_in_background(folder: Path) -> None:
+    """Delete a pruned checkpoint's folder off the step's path (its files can be gigabytes a rank). A process that
+    ends first leaves it to the next start, which removes ``.tmp-*`` folders under the run lock."""
+    _removals[:] = [t for t in _removals if t.is_alive()]
+    thread = threading.Thread(
+        target=shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True}, name="checkpoint-prune", daemon=True
+    )
+    thread.start()
+    _removals.append(thread)
+
+
+def wait_for_removals() -> None:
+    """Wait until every pruned folder handed to the background is deleted."""
+    while _removals:
+        _removals.pop().join()
 
 
 def _in_order(requests: list[AsyncRequest]) -> AsyncRequest:

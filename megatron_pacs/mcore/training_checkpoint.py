@@ -23,7 +23,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,6 +185,7 @@ def _finish(
     parent: str | os.PathLike | None,
     keep_last: int,
     error: BaseException | None,
+    remove: Callable[[Path], None] | None = None,
 ) -> Path:
     """After every rank's writes into ``tmp`` (``error``: this rank's failure, None when they went through): rank 0
     commits (:func:`_commit`), and its outcome reaches every rank (collective).
@@ -201,7 +202,7 @@ def _finish(
         if _rank() == 0:
             world = dist.get_world_size() if dist.is_initialized() else 1
             meta = {**metadata, "step": step, "world_size": world, "written_at": time.time(), "parent": parent_ref}
-            _commit(tmp, final, meta, parent_ref, keep_last)
+            _commit(tmp, final, meta, parent_ref, keep_last, remove)
     except WRITE_ERRORS as exc:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename went through
@@ -218,9 +219,17 @@ def _finish(
     return final
 
 
-def _commit(tmp: str, final: Path, meta: dict[str, Any], parent_ref: str | None, keep_last: int) -> None:
+def _commit(
+    tmp: str,
+    final: Path,
+    meta: dict[str, Any],
+    parent_ref: str | None,
+    keep_last: int,
+    remove: Callable[[Path], None] | None = None,
+) -> None:
     """Rank 0: the metadata, the rename into place, the lineage, the tracker, then ``--keep-last`` pruning (each
-    durable before the next; a stop between any two leaves a directory :func:`find_latest_checkpoint` resumes)."""
+    durable before the next; a stop between any two leaves a directory :func:`find_latest_checkpoint` resumes).
+    ``remove`` deletes a pruned checkpoint's renamed folder (default: now)."""
     with open(os.path.join(tmp, META_FILE), "w") as f:
         json.dump(meta, f, indent=2, default=str)
         f.flush()
@@ -231,7 +240,7 @@ def _commit(tmp: str, final: Path, meta: dict[str, Any], parent_ref: str | None,
     _fsync_dir(final.parent)
     _record_lineage(final, parent_ref)
     _write_durably(final.parent / TRACKER, f"{meta['step']}\n")
-    _prune(final, keep_last)
+    _prune(final, keep_last, remove or _remove_now)
 
 
 def _outcome(failure: str | None) -> str | None:
@@ -336,8 +345,13 @@ def _record_lineage(final: Path, parent: str | None) -> None:
     _write_durably(root / LINEAGE_FILE, json.dumps(dict(sorted(parents.items())), indent=1) + "\n")
 
 
-def _prune(final: Path, keep_last: int) -> None:
-    """Keep ``keep_last`` complete checkpoints of ``final``'s lineage; set aside the complete ones off it."""
+def _remove_now(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _prune(final: Path, keep_last: int, remove: Callable[[Path], None]) -> None:
+    """Keep ``keep_last`` complete checkpoints of ``final``'s lineage (the others renamed to a name no resume reads,
+    then handed to ``remove``); set aside the complete ones off it."""
     chain = lineage(final.parent, final)
     complete = set(complete_checkpoints(final.parent))
     for old in [p for p in chain if p in complete][keep_last:]:
@@ -347,7 +361,7 @@ def _prune(final: Path, keep_last: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)  # one an earlier stop left
         os.replace(old, doomed)
         _fsync_dir(old.parent)
-        shutil.rmtree(doomed, ignore_errors=True)
+        remove(doomed)
     for other in sorted(complete - set(chain)):
         moved = set_aside(other)
         log.warning(

@@ -57,6 +57,20 @@ def test_a_background_save_holds_the_values_at_the_save_and_appears_only_when_co
     assert torch.equal(fresh.weight.detach(), saved)
 
 
+def test_pruned_checkpoints_are_deleted_off_the_step_and_gone_after_a_waited_save(tmp_path):
+    """``--keep-last 1`` with background saves, whose commits delete the pruned checkpoints in a background thread:
+    the newest checkpoint is always the one resumed, and a save waited for (the run's last) leaves nothing of the
+    pruned ones behind."""
+    root = tmp_path / "ckpt"
+    model, parent = _Weights(1 << 12), None
+    for step in (1, 2, 3):
+        pending = start_training_checkpoint(root, step, [model], None, {"s": step}, parent=parent, keep_last=1)
+        assert pending.finish(blocking=step == 3) or pending.finish(blocking=True)
+        parent = pending.path
+        assert find_latest_checkpoint(root) == root / f"iter_{step:07d}"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["iter_0000003"]
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs (tests run as root in CI; elsewhere mounting may not be permitted)."""
