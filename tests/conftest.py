@@ -2,6 +2,7 @@
 session's launch queue and the test order it needs. Helpers the test modules import live in tests/helpers/."""
 
 import os
+import subprocess
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -172,3 +173,20 @@ def single_rank_gloo():
     apply_cpu_support()
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs, for a disk that fills during a write (tests run as root in CI; elsewhere mounting may not be
+    permitted)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI runs as root and must mount a tmpfs: {proc.stderr.strip()}")
+        pytest.skip(f"a full disk needs a small tmpfs, and mounting one is not permitted here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

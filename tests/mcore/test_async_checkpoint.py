@@ -4,9 +4,7 @@ change while it is written, it appears only once committed, and a full disk duri
 line naming the step, the directory and the OS error, with the previous checkpoint kept and the temporary folder
 removed."""
 
-import os
 import shutil
-import subprocess
 from typing import Any, cast
 
 import pytest
@@ -69,22 +67,6 @@ def test_pruned_checkpoints_are_deleted_off_the_step_and_gone_after_a_waited_sav
         parent = pending.path
         assert find_latest_checkpoint(root) == root / f"iter_{step:07d}"
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["iter_0000003"]
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (tests run as root in CI; elsewhere mounting may not be permitted)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI runs as root and must mount a tmpfs: {proc.stderr.strip()}")
-        pytest.skip(f"a full disk needs a small tmpfs, and mounting one is not permitted here: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_a_full_disk_during_background_writes_says_why_and_keeps_the_previous_checkpoint(small_disk):

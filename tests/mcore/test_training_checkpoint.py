@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import subprocess
 import time
 
 import psutil
@@ -129,22 +128,6 @@ def test_corrupt_tracker_falls_back_to_the_checkpoint_written_last(tmp_path, cap
         assert find_latest_checkpoint(tmp_path).name == "iter_0000003"
     assert TRACKER in caplog.text
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary file left behind
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (tests run as root in CI; elsewhere mounting may not be permitted)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI runs as root and must mount a tmpfs: {proc.stderr.strip()}")
-        pytest.skip(f"a full disk needs a small tmpfs, and mounting one is not permitted here: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 @pytest.mark.parametrize("room", [8192, 0])  # an OSError from Python's writes; torch's zip writer's iostream error
