@@ -122,9 +122,9 @@ def _kill(trainer, loader) -> dict:
     threads: list[threading.Thread] = []
     submit, take = producer.submit, producer.take
 
-    def submit_and_arm(rows, step, version):
+    def submit_and_arm(rows, step, version, **kwargs):
         submitted[step] = list(rows)
-        submit(rows, step, version)
+        submit(rows, step, version, **kwargs)
         if step == 2:  # step 1 is training now; its own generation is over
             threads.append(threading.Thread(target=killer))
             threads[-1].start()

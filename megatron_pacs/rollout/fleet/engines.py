@@ -391,6 +391,9 @@ class EngineSet:
             node = _local_ray_processes(self._temp_dir)
             ray.shutdown()
             _reap(node)
+            # a daemon the raylet was still starting (its agents, when a SIGTERM cut the start short) is not in
+            # that first look, and is orphaned now: it would notice its raylet's death only seconds later
+            _reap(_local_ray_processes(self._temp_dir))
             self._own_ray = False
         if self._temp_dir:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
@@ -403,17 +406,18 @@ class EngineSet:
 
 
 def _local_ray_processes(temp_dir: str | None) -> list[psutil.Process]:
-    """The processes of the Ray node this process started: its daemons (their command lines name ``temp_dir``)
-    and every descendant of those (the workers and the engine actors the raylet forked)."""
+    """The processes of the Ray node this process started: its daemons (their command lines name ``temp_dir``, a
+    folder of this run's own, so an orphaned one is found too) and every descendant of those (the workers and the
+    engine actors the raylet forked)."""
     if not temp_dir:
         return []
     found: dict[int, psutil.Process] = {}
-    for child in psutil.Process().children(recursive=True):
+    for child in psutil.process_iter():
         try:
-            if temp_dir in " ".join(child.cmdline()):
+            if child.pid != os.getpid() and temp_dir in " ".join(child.cmdline()):
                 found[child.pid] = child
                 found.update((p.pid, p) for p in child.children(recursive=True))
-        except psutil.Error:  # exited meanwhile
+        except psutil.Error:  # exited meanwhile, or another user's
             continue
     return list(found.values())
 
