@@ -105,7 +105,8 @@ class Resumed:
     Attributes:
         step: The last completed step.
         pending_step: A step whose rollouts were generated ahead (one step off), or None.
-        pending_rollouts: The driver's rollouts for ``pending_step`` (None elsewhere, or when there are none).
+        pending_rollouts: The driver's rollouts for ``pending_step`` (None elsewhere, or when there are none), or
+            the asynchronous stream's snapshot (``--max-staleness``).
     """
 
     step: int
@@ -216,7 +217,15 @@ class RunCheckpoints:
         return self.actor.trainable
 
     def save(
-        self, step: int, loader: PromptLoader, *, pending_step: int | None, pending_rollouts: Any, background: bool
+        self,
+        step: int,
+        loader: PromptLoader,
+        *,
+        pending_step: int | None,
+        pending_rollouts: Any,
+        background: bool,
+        position: dict[str, Any] | None = None,
+        stream: bool = False,
     ) -> Path:
         """Model + optimizer + RNG + step + data position (+ a HF directory with ``--save-hf``).
 
@@ -228,8 +237,11 @@ class RunCheckpoints:
             step: The step just completed.
             loader: The prompt loader (its position is saved).
             pending_step: A step whose rollouts were generated ahead, or None.
-            pending_rollouts: The driver's rollouts for it (kept: the weights that generated them are gone).
+            pending_rollouts: The driver's rollouts for it (kept: the weights that generated them are gone), or with
+                ``stream`` the asynchronous stream's snapshot.
             background: Leave this save in flight (with ``--async-save``; else it is complete on return).
+            position: The loader's position to save (default: where it stands).
+            stream: ``--max-staleness``: ``pending_rollouts`` is the stream's snapshot.
 
         Returns:
             The checkpoint's folder (``iter_NNNNNNN``; with a save left in flight, where it will be).
@@ -240,10 +252,11 @@ class RunCheckpoints:
 
         ck, trainable = self.cfg.checkpoint, self._trainable
         meta: dict[str, Any] = {
-            "loader": loader.state_dict(),
+            "loader": position if position is not None else loader.state_dict(),
             "lr_schedule": trainable.schedule.state_dict(),
             "optimizer_reset_pending": trainable.reset_pending,
             "pending_step": pending_step,
+            "rollout_stream": stream,
             "config": self.cfg.to_dict(),
             MODEL_SHAPE_KEY: model_shape(self.cfg.model.hf_model),
             "resumed_from": str(self.resumed_from.resolve()) if self.resumed_from is not None else None,
@@ -322,7 +335,8 @@ class RunCheckpoints:
         trainable.reset_pending = bool(meta.get("optimizer_reset_pending", False))
         pending_step = meta.get("pending_step")
         rollouts = None
-        if self.driver and pending_step is not None:
+        kept = meta.get("rollout_stream") and (ckpt / "pending_rollouts.pt").is_file()
+        if self.driver and (pending_step is not None or kept):
             rollouts = torch.load(ckpt / "pending_rollouts.pt", weights_only=False)
         if self.reference is not None:
             self.reference.resets = resets

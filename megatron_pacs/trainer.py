@@ -41,6 +41,7 @@ from megatron_pacs.rollout.lost import RolloutClusterLost, stopped_with_the_job
 from megatron_pacs.sources.base import RolloutSource
 from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, tokenizer_fingerprint
 from megatron_pacs.sources.filtering import GroupFilter
+from megatron_pacs.streaming import StreamProducer
 from megatron_pacs.update import update_policy
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.heartbeat import Heartbeat
@@ -141,14 +142,18 @@ class Trainer:
     def _open_source(self) -> RolloutSource:
         return open_source(self.cfg, tokenizer=self.tokenizer, log_dir=str(self.log_dir), context=self.dump_context)
 
-    def _start_source(self) -> RolloutProducer:
-        """The producer that runs the rollout source now or, one step off, in the background; the source (opened
-        here unless already open) and its engines and reward pool on the driver only."""
+    def _start_source(self) -> RolloutProducer | StreamProducer:
+        """The producer that runs the rollout source now or, one step off, in the background, or the asynchronous
+        stream (``--max-staleness``); the source (opened here unless already open) and its engines and reward pool
+        on the driver only."""
         if not self.driver:
             return RolloutProducer(None)
         if self.source is None:
             self.source = self._open_source()
         self.fleet, self.scorer = self.source.fleet, self.source.scorer
+        if self.cfg.rollout.max_staleness is not None:
+            fleet, scorer = self.source.fleet, self.source.scorer
+            return StreamProducer(self.cfg, self.tokenizer, fleet.generate, scorer.score, guard=self._rollout_side)
         return RolloutProducer(
             self.source.collect,
             guard=self._rollout_side,
@@ -166,6 +171,8 @@ class Trainer:
         """
         cfg = self.cfg
         start_step = self._resume_and_sync(loader) if cfg.checkpoint.load else 0
+        if isinstance(self.producer, StreamProducer):
+            self.producer.start(loader)
         if self.source is not None and cfg.checkpoint.load:  # the steps left after the resume (every rank alike)
             self.source.check(range(start_step + 1, cfg.run.train_iters + 1))
         self.writer = self._metrics_writer(start_step)
@@ -280,7 +287,7 @@ class Trainer:
         if self.cfg.checkpoint.save and done > self.saved_step:
             loader.load_state_dict(position)
             self.pending_step = None  # rollouts generated ahead are lost with the step; a resume generates them
-            self.save(done, loader)
+            self.save(done, loader, position=position)
             self.saved_step = done
         return done
 
@@ -289,7 +296,8 @@ class Trainer:
         ``--off-policy-steps 1``), the next step's generation started in the background, the update, a reference
         reset when due, then the weight sync once no generation is in flight."""
         started = time.perf_counter()
-        ahead = self.pending_step == step  # generated during the previous step (or restored): older weights
+        # generated during the previous step (or restored), or taken from the asynchronous stream: older weights
+        ahead = self.pending_step == step or self.cfg.rollout.max_staleness is not None
         rows = None if ahead else loader.next_batch()
         self.pending_step = None
         gen = self.producer.rollouts(rows, step, self.engine_version, refill=loader.next_batch)
@@ -416,16 +424,27 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
-    def save(self, step: int, loader: PromptLoader, *, background: bool = False) -> Path:
+    def save(self, step: int, loader: PromptLoader, *, background: bool = False, position: dict | None = None) -> Path:
         """This run's checkpoint after ``step`` (collective; :class:`~megatron_pacs.checkpointing.RunCheckpoints`);
-        with ``background`` and ``--async-save``, its shards are still being written on return."""
+        with ``background`` and ``--async-save``, its shards are still being written on return. ``position``: the
+        loader's (default: where it stands)."""
         # One step off: the next step's rollouts are done (the sync waited for them); they are kept with it.
+        # Asynchronous: the stream and the loader's position that go with this step's update (the stream runs on).
         pending = self.producer.done if self.pending_step else None
+        if isinstance(self.producer, StreamProducer):
+            pending = self.producer.kept(step)
+            position = pending["loader"] if pending is not None else position
         with self.timer.phase("save_wait"):  # --async-save: the save still in flight first (at most one)
             self.checkpoints.wait()
         with self.timer.phase("save"):
             path = self.checkpoints.save(
-                step, loader, pending_step=self.pending_step, pending_rollouts=pending, background=background
+                step,
+                loader,
+                pending_step=self.pending_step,
+                pending_rollouts=pending,
+                background=background,
+                position=position,
+                stream=self.cfg.rollout.max_staleness is not None,
             )
         if self.driver and self.checkpoints.in_flight is None:
             log.info("saved step %d to %s", step, path)
@@ -451,7 +470,9 @@ class Trainer:
         resumed = self.checkpoints.resume(loader)
         if resumed.step:
             self.pending_step = resumed.pending_step
-            if self.driver and resumed.pending_rollouts is not None:
+            if isinstance(self.producer, StreamProducer):
+                self.producer.restore(resumed.pending_rollouts, resumed.step)
+            elif self.driver and resumed.pending_rollouts is not None:
                 self.producer.done = resumed.pending_rollouts
             self.engine_version = resumed.step
         return resumed.step

@@ -46,6 +46,7 @@ _LONGEST_FIRST = {
     for rank, name in enumerate(
         (
             "test_golden_trace",
+            "test_streaming",
             "test_resume",
             "test_moe",
             "test_convert_checkpoint",

@@ -25,6 +25,7 @@ ENGINE_ARG_CHECKS = {"vllm": "megatron_pacs.rollout.vllm_backend.engine_args:che
 flag), imported by name when the flag is given: its module imports neither torch nor the backend's library."""
 
 WEIGHT_SYNC = ("auto", "object_store", "broadcast", "ipc")
+STALENESS_POLICIES = ("wait", "drop")
 
 # --help groups (flags and fields keep their names)
 _ENGINES, _SAMPLING, _SYNC = "engines", "sampling", "weight sync"
@@ -91,6 +92,19 @@ class RolloutConfig:
     """0: generate, then train, every step (synchronous). 1: the engines generate step k+1's rollouts while the
     actor trains on step k's, so every step after the first trains on rollouts one update old (docs/algorithm.md
     §5.1)."""
+    max_staleness: int | None = option(None, group=_SCHEDULING)
+    """Asynchronous rollouts: the engines generate continuously across steps, and prompts are admitted so that every
+    group is trained within this many weight updates of the weights that began it (pacing admission; 0: on-policy).
+    None: --off-policy-steps decides (docs/algorithm.md §5.2)."""
+    staleness_policy: str = option("wait", choices=STALENESS_POLICIES, group=_SCHEDULING)
+    """With --max-staleness: a group still generating when it is due (it would exceed the budget) is waited for
+    (wait) or dropped and counted in rollout/dropped_groups (drop)."""
+    partial_rollouts: bool = option(False, group=_SCHEDULING)
+    """With --max-staleness: a weight update does not wait for the responses being generated; they stop at a round's
+    token boundary and continue under the new weights (every token records its weights' version)."""
+    rollout_round_tokens: int = option(32, group=_SCHEDULING)
+    """With --partial-rollouts: the tokens each response may grow by between two points where new prompts are
+    admitted and weight updates land (smaller: updates land sooner, more engine calls)."""
     offload_optimizer_during_rollout: bool = option(False, group=_ENGINES)
     """With --colocate: move the optimizer state and gradient buffers to host memory while the engines generate
     (GPU only)."""
@@ -146,6 +160,7 @@ class RolloutConfig:
                 f"{self.rollout_tensor_parallel_size}): colocated weights arrive by CUDA IPC from trainer rank 0's "
                 "GPU, which only an engine on that GPU can map; drop --colocate to run more or larger engines",
             )
+        self._check_async()
         if self.offload_optimizer_during_rollout and not self.colocate:
             raise bad("offload_optimizer_during_rollout", "only frees memory for colocated engines; add --colocate")
         if self.max_logprob_diff is not None and not self.max_logprob_diff > 0:
@@ -172,6 +187,40 @@ class RolloutConfig:
             # the backend's own check module (standard library only: neither torch nor vLLM is imported)
             module, _, function = ENGINE_ARG_CHECKS[self.rollout_backend].partition(":")
             getattr(importlib.import_module(module), function)(self.rollout_engine_kwargs)
+
+    def _check_async(self) -> None:
+        """--max-staleness and the flags that only mean something with it, or cannot work beside it."""
+        k = self.max_staleness
+        if k is None:
+            for name in ("staleness_policy", "partial_rollouts", "rollout_round_tokens"):
+                if is_set(self, name):
+                    raise bad(name, "only means something with --max-staleness K; add it or drop this")
+            return
+        if k < 0:
+            raise bad("max_staleness", f"{k}: use 0 (on-policy) or a number of weight updates >= 1")
+        if self.staleness_policy not in STALENESS_POLICIES:
+            raise bad("staleness_policy", f"{self.staleness_policy!r}: use one of {list(STALENESS_POLICIES)}")
+        if self.rollout_round_tokens < 1:
+            raise bad("rollout_round_tokens", f"{self.rollout_round_tokens} must be >= 1")
+        if is_set(self, "rollout_round_tokens") and not self.partial_rollouts:
+            raise bad("rollout_round_tokens", "sizes the rounds of --partial-rollouts; add it or drop this")
+        if self.off_policy_steps:
+            raise bad(
+                "off_policy_steps",
+                f"--max-staleness {k} already schedules the rollouts (--max-staleness 1 is one step off); drop one",
+            )
+        if self.colocate:
+            raise bad(
+                "max_staleness",
+                "asynchronous rollouts generate while the actor trains, and colocated engines sleep then "
+                "(--colocate); drop one",
+            )
+        if self.rollout_cluster_reconnect_seconds:
+            raise bad(
+                "rollout_cluster_reconnect_seconds",
+                "cannot stop every rank alike yet when the head stays lost while the stream generates in the "
+                "background; drop it with --max-staleness",
+            )
 
     @property
     def engine_extra_kwargs(self) -> dict[str, Any]:

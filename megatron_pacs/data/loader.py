@@ -61,6 +61,13 @@ class PromptLoader(Generic[T]):
             self.position += size
         return [self.items[i] for i in idx]
 
+    def next_rows(self, size: int) -> list[T]:
+        """The next ``size`` items at most, never past the epoch's end: the asynchronous stream's draws, which come
+        in any size and must skip none (:meth:`next_batch` starts a new epoch when the rest does not fit)."""
+        with self._lock:
+            left = len(self.items) - self.position
+        return self.next_batch(min(size, self.batch_size, left) if left > 0 else min(size, self.batch_size))
+
     def state_dict(self) -> dict[str, Any]:
         """The position, with the data set's size and fingerprints (a position only means something for them)."""
         with self._lock:

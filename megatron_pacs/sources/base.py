@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.prompts import PromptRow
 
@@ -26,6 +28,8 @@ class StepRollouts:
         metrics: The step's rollout metrics (``rollout/*``, ``reward/*``, and the source's own ``perf/time/*``).
         prompt_ids: ``[P]`` the prompts' data-set ids, in group order.
         finish_reasons: ``[S]`` why each response ended (``stop``, ``length``, ...), when the source knows.
+        token_versions: ``[sum R_i]`` int32, the weights' version that sampled each response token
+            (``--max-staleness``; the engine log-probs' layout), or None.
     """
 
     batch: RolloutBatch
@@ -33,6 +37,7 @@ class StepRollouts:
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_ids: list[str] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
+    token_versions: torch.Tensor | None = None
 
 
 class RolloutSource(Protocol):

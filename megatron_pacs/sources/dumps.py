@@ -9,7 +9,8 @@ Per step, under ``<--log-dir>/rollouts/`` (``--no-dump-rollouts`` turns both off
   the tokenizer's fingerprint and the model's vocabulary size, the step's rollout metrics, and a SHA-256 of the
   tensors. With ``--router-replay r3`` also the experts the engines routed every token to (int16, ``[sum L_i,
   layers, k]``, -1 where none), so that a replay of the dump replays that routing too (format 2; a dump without
-  routing stays format 1, which older versions read). No pickle: loading a dump runs no code.
+  routing stays format 1, which older versions read). With ``--max-staleness`` also the weights' version that sampled
+  every response token (int32, ``[sum R_i]``; format 3). No pickle: loading a dump runs no code.
 
 Legend: S responses of the step, P prompts, L_i sequence i's length (prompt + response), R_i its response length.
 """
@@ -36,6 +37,7 @@ from megatron_pacs.utils.log_writes import log_write
 __all__ = [
     "DUMP_FORMAT",
     "ROUTED_DUMP_FORMAT",
+    "VERSIONED_DUMP_FORMAT",
     "DumpContext",
     "dump_path",
     "dump_rollouts",
@@ -48,6 +50,9 @@ DUMP_FORMAT = "megatron_pacs.rollouts/1"
 """A dump without routed experts."""
 ROUTED_DUMP_FORMAT = "megatron_pacs.rollouts/2"
 """A dump with the engines' routed experts (``--router-replay r3``)."""
+VERSIONED_DUMP_FORMAT = "megatron_pacs.rollouts/3"
+"""A dump with the weights' version of every response token (``--max-staleness``)."""
+_FORMATS = (DUMP_FORMAT, ROUTED_DUMP_FORMAT, VERSIONED_DUMP_FORMAT)
 _TENSORS = ("token_ids", "offsets", "prompt_lens", "response_lens", "rewards", "engine_logprobs")
 
 
@@ -131,12 +136,16 @@ def dump_rollouts(run: RunConfig, step: int, rollouts: StepRollouts, context: Du
 
     tensors = _tensors(rollouts.batch)
     routed = rollouts.batch.routed_experts is not None
+    versioned = rollouts.token_versions is not None
+    if rollouts.token_versions is not None:
+        tensors["token_versions"] = rollouts.token_versions.to(torch.int32).contiguous()
     meta = {
-        "format": ROUTED_DUMP_FORMAT if routed else DUMP_FORMAT,
+        "format": VERSIONED_DUMP_FORMAT if versioned else ROUTED_DUMP_FORMAT if routed else DUMP_FORMAT,
         "step": step,
         "group_size": rollouts.batch.group_size,
         "has_engine_logprobs": rollouts.batch.engine_logprobs is not None,
         "has_routed_experts": routed,
+        "has_token_versions": versioned,
         "prompt_ids": rollouts.prompt_ids,
         "finish_reasons": rollouts.finish_reasons,
         "metrics": {k: v for k, v in rollouts.metrics.items() if not k.startswith("perf/")},
@@ -189,12 +198,12 @@ def read_dump_metadata(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: no such rollout dump") from None
     except (ValueError, KeyError, TypeError, struct.error, OSError) as exc:
         raise ValueError(f"{path}: not a readable rollout dump ({exc}); dump the step again") from exc
-    if meta.get("format") not in (DUMP_FORMAT, ROUTED_DUMP_FORMAT):
+    if meta.get("format") not in _FORMATS:
         raise ValueError(
-            f"{path}: a rollout dump of format {meta.get('format')!r}; this version reads {DUMP_FORMAT} and "
-            f"{ROUTED_DUMP_FORMAT}"
+            f"{path}: a rollout dump of format {meta.get('format')!r}; this version reads {', '.join(_FORMATS)}"
         )
     meta.setdefault("has_routed_experts", False)
+    meta.setdefault("has_token_versions", False)
     return meta
 
 
@@ -215,7 +224,11 @@ def load_dump(path: str | Path, records: Iterable[dict[str, Any]] = ()) -> StepR
         tensors = load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types for damaged files
         raise ValueError(f"{path}: not a readable rollout dump ({exc}); dump the step again") from exc
-    expected = (*_TENSORS, "routed_experts") if meta["has_routed_experts"] else _TENSORS
+    expected = (
+        *_TENSORS,
+        *(("routed_experts",) if meta["has_routed_experts"] else ()),
+        *(("token_versions",) if meta["has_token_versions"] else ()),
+    )
     if sorted(tensors) != sorted(expected) or _digest(tensors) != meta["sha256"]:
         raise ValueError(f"{path}: the tensors do not match the SHA-256 recorded with them (corrupt); dump it again")
     batch = RolloutBatch(
@@ -234,4 +247,5 @@ def load_dump(path: str | Path, records: Iterable[dict[str, Any]] = ()) -> StepR
         metrics=dict(meta["metrics"]),
         prompt_ids=list(meta["prompt_ids"]),
         finish_reasons=list(meta["finish_reasons"]),
+        token_versions=tensors.get("token_versions"),
     )

@@ -16,6 +16,7 @@ __all__ = [
     "DETERMINISTIC_ENV",
     "LOADER_STREAM",
     "SAMPLING_STREAM",
+    "STREAM_SAMPLING_STREAM",
     "SYNTHETIC_STREAM",
     "derive_seed",
     "seed_sequence",
@@ -28,6 +29,8 @@ SAMPLING_STREAM = 1
 """Domain of the rollout sampling seeds: keys ``(step,)``."""
 SYNTHETIC_STREAM = 2
 """Domain of the synthetic rollout source's lengths, tokens and rewards: keys ``(step,)``."""
+STREAM_SAMPLING_STREAM = 3
+"""Domain of the asynchronous stream's sampling seeds (``--max-staleness``): keys ``(round,)``."""
 
 _SEED_BITS = 62
 """Derived seeds stay below 2**62, so ``seed + prompt * n + sample`` (vLLM adds the sample index) fits vLLM's int64

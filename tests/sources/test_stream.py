@@ -1,0 +1,176 @@
+"""The asynchronous stream's rules (``--max-staleness``, ``--partial-rollouts``, ``--staleness-policy``), driven
+round by round as :mod:`megatron_pacs.streaming` drives them, with a scripted engine.
+
+The scripted engine stands in for the fleet only to pin the scheduling exactly: it emits token 5 and stops where a
+hash of the sequence so far says so (memoryless lengths, a long tail), so every round's outcome is known without
+sampling. The real fleet runs the same stream in tests/test_streaming.py. What is guarded: admission never exceeds
+the budget, no trained token is more than K updates old, a response spans versions only with partial rollouts and
+records each token's, a due group is waited for or dropped and counted, zero-variance groups are released and
+refilled, and a snapshot taken mid-run continues exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_pacs.config import parse_config
+from megatron_pacs.data.loader import PromptLoader
+from megatron_pacs.data.prompts import PromptRow
+from megatron_pacs.sources.stream import RolloutStream, stream_rollouts
+
+ROWS = [
+    PromptRow(
+        id=f"p{i}", data_source="t", prompt=[{"role": "user", "content": f"q{i}"}], ground_truth="0", question="q"
+    )
+    for i in range(300)
+]
+B, N, LIMIT = 4, 2, 16
+
+
+class Tokenizer:
+    """The chat template is the prompt's digits as ids; id 2 ends a sequence."""
+
+    eos_token_id = 2
+
+    def apply_chat_template(self, messages, **_):
+        return [10 + int(c) for c in messages[0]["content"][1:]]
+
+    def decode(self, ids, **_):
+        return "x" * len([i for i in ids if i != 2])
+
+
+def scripted_generate(prompts, sampling):
+    """One response per prompt: token 5 until a hash of the request's seed and the sequence so far stops it (then
+    the end token)."""
+    out = []
+    for i, p in enumerate(prompts):
+        ids, finish = [], "length"
+        for _ in range(sampling.max_tokens):
+            digest = hashlib.sha256(repr([sampling.seed + i, *p, *ids]).encode()).digest()
+            if digest[0] % 6 == 0:
+                ids.append(2)
+                finish = "stop"
+                break
+            ids.append(5)
+        resp = SimpleNamespace(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=finish)
+        out.append(SimpleNamespace(responses=[resp]))
+    return out
+
+
+def _score(texts):
+    return [float(len(t) % 2) for t in texts]
+
+
+def _stream(k: int, *flags: str) -> tuple[RolloutStream, PromptLoader]:
+    args = ["--max-staleness", str(k), "--global-batch-size", str(B), "--group-size", str(N)]
+    args += ["--ppo-mini-batch-size", "2", "--max-response-length", str(LIMIT), "--max-prompt-length", "64", *flags]
+    loader = PromptLoader(ROWS, B, seed=0)
+    return RolloutStream(parse_config(args), Tokenizer(), loader.next_batch), loader
+
+
+def _round(s: RolloutStream, version: int) -> None:
+    s.admit(version)
+    todo, prompts, sampling = s.round_request()
+    if todo:
+        s.apply_round(todo, scripted_generate(prompts, sampling), version)
+    finished = [g for g in s.groups if g.finished and g.rewards is None]
+    texts, _ = s.texts(finished)
+    s.scored(finished, texts, _score(texts))
+
+
+def _run(s: RolloutStream, steps: range, *, rounds_per_step: int = 1) -> list:
+    """Each step: rounds until the step's groups can be taken (a due group waited for), take them, then
+    ``rounds_per_step`` rounds under the same weights (the stream beside training), then the update."""
+    taken = []
+    for step in steps:
+        version = step - 1
+        for _ in range(200):
+            if s.takeable(step):
+                break
+            _round(s, version)
+        groups = s.take(step)
+        assert max(g.deadline for g in groups) >= step and min(g.deadline for g in groups) >= step
+        taken.append(stream_rollouts(groups, step, [2]))
+        for _ in range(rounds_per_step):
+            _round(s, version)
+        c = s.counters
+        assert c.admitted - c.released <= (version + s.k + 1) * B  # the budget is never exceeded
+    return taken
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_no_trained_token_is_older_than_the_budget(k):
+    s, _ = _stream(k, "--partial-rollouts", "--rollout-round-tokens", "3")
+    steps = _run(s, range(1, 9), rounds_per_step=2)
+    for r in steps:
+        assert r.metrics["rollout/staleness_token_max"] <= k and r.metrics["rollout/staleness_group_max"] <= k
+        assert r.batch.num_prompts == B and r.token_versions is not None
+        assert r.token_versions.numel() == int(r.batch.response_lens.sum())
+    ids = [i for r in steps for i in r.prompt_ids]
+    assert len(ids) == len(set(ids))  # none trained twice
+    if k == 0:
+        assert all(r.metrics["rollout/staleness_token_mean"] == 0 for r in steps)
+    else:  # later steps train on older weights, and partial rollouts span versions
+        assert max(r.metrics["rollout/staleness_token_max"] for r in steps) == k
+        assert any(r.metrics["rollout/spanning_responses"] > 0 for r in steps)
+
+
+def test_without_partial_rollouts_a_round_finishes_every_response():
+    s, _ = _stream(2)
+    steps = _run(s, range(1, 6), rounds_per_step=1)
+    assert all(r.metrics["rollout/spanning_responses"] == 0 for r in steps)
+    assert s.round_tokens == LIMIT
+
+
+def test_a_due_group_is_dropped_and_counted_with_the_drop_policy():
+    s, _ = _stream(0, "--partial-rollouts", "--rollout-round-tokens", "1", "--staleness-policy", "drop")
+    _round(s, 0)  # one token each: no group has finished
+    assert s.due_open(1) and not s.takeable(1)
+    dropped = s.drop_due(1)
+    assert dropped == B and s.counters.dropped == B and not s.groups
+    assert s.budget(0) == B  # their budget is free: B new prompts are admitted at once
+    _round(s, 0)
+    assert [g.uid for g in s.groups] == list(range(B, 2 * B))
+
+
+def test_zero_variance_groups_are_released_and_refilled():
+    s, loader = _stream(1, "--partial-rollouts", "--filter-groups", "zero-variance")
+    steps = _run(s, range(1, 7))
+    filtered = s.counters.filtered
+    assert filtered > 0
+    for r in steps:
+        assert not (r.batch.rewards.view(-1, N) == r.batch.rewards.view(-1, N)[:, :1]).all(dim=1).any()
+    trained = [i for r in steps for i in r.prompt_ids]
+    drawn = loader.state_dict()["position"]
+    assert drawn == len(trained) + filtered + len(s.groups)  # each drawn prompt: trained, filtered, or still live
+
+
+def test_a_snapshot_continues_exactly():
+    a, loader_a = _stream(2, "--partial-rollouts", "--rollout-round-tokens", "3")
+    _run(a, range(1, 4), rounds_per_step=1)
+    saved, position = a.state_dict(), loader_a.state_dict()
+    whole = _run(a, range(4, 8), rounds_per_step=1)
+    b, loader_b = _stream(2, "--partial-rollouts", "--rollout-round-tokens", "3")
+    loader_b.load_state_dict(position)
+    b.load_state_dict(saved)
+    tail = _run(b, range(4, 8), rounds_per_step=1)
+    for x, y in zip(whole, tail, strict=True):
+        assert x.prompt_ids == y.prompt_ids
+        assert torch.equal(x.batch.token_ids, y.batch.token_ids) and torch.equal(x.token_versions, y.token_versions)
+
+
+def test_refused_combinations_name_their_flags(capsys):
+    base = ["--global-batch-size", "4", "--group-size", "2", "--ppo-mini-batch-size", "2"]
+    for extra, message in (
+        (["--partial-rollouts"], "--partial-rollouts: only means something with --max-staleness"),
+        (["--max-staleness", "2", "--off-policy-steps", "1"], "--off-policy-steps: --max-staleness 2 already"),
+        (["--max-staleness", "-1"], "--max-staleness: -1"),
+        (["--max-staleness", "1", "--rollout-round-tokens", "8"], "--rollout-round-tokens: sizes the rounds"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config([*base, *extra])
+        assert message in capsys.readouterr().err
