@@ -154,7 +154,7 @@ def plan_resume(cfg: TrainConfig, loader: PromptLoader) -> ResumePlan:
         raise ValueError(f"--load: {exc}") from None
     _refuse_other_shape(cfg, choice.checkpoint, saved)
     if "config" in saved:  # refuses a change that breaks the saved state, reports the others
-        pending = saved.get("pending_step") is not None
+        pending = saved.get("pending_step") is not None or bool(saved.get("rollout_stream"))
         changes = resume_changes(saved["config"], cfg.to_dict(), pending_rollouts=pending)
         if changes:
             notes.append(f"resuming {choice.checkpoint} with changed settings: {'; '.join(changes)}")

@@ -19,8 +19,15 @@ REFUSED = {
 }
 """Changes that break the saved state, and why."""
 
-REFUSED_WITH_PENDING = ("batch.global_batch_size", "batch.group_size", "batch.max_response_length")
-"""Refused when the checkpoint holds rollouts generated ahead (one step off): they were laid out for these."""
+REFUSED_WITH_PENDING = (
+    "batch.global_batch_size",
+    "batch.group_size",
+    "batch.max_response_length",
+    "rollout.off_policy_steps",
+    "rollout.max_staleness",
+)
+"""Refused when the checkpoint holds rollouts generated ahead (one step off) or the asynchronous stream's groups:
+they were laid out for these, and another schedule would drop them."""
 
 FREE_SECTIONS = ("parallel", "checkpoint", "eval", "reward")
 """Sections that only place, save, validate or score the run (checkpoints reshard to any parallel layout)."""
@@ -92,7 +99,7 @@ def resume_changes(saved: dict[str, Any], current: dict[str, Any], *, pending_ro
         name = key.split(".", 1)[1]
         why = REFUSED.get(key)
         if why is None and pending_rollouts and key in REFUSED_WITH_PENDING:
-            why = "the checkpoint holds the next step's rollouts, generated for the saved value"
+            why = "the checkpoint holds the next step's rollouts (or the stream's groups), made for the saved value"
         if why is not None:
             raise ValueError(
                 f"{flag(name)}: {old[key]!r} in the checkpoint, {new[key]!r} now; {why}. Resume with the saved "
