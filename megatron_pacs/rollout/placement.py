@@ -32,12 +32,14 @@ def local_engine_gpus(
     colocate: bool,
     current_device: int,
     needed: int,
+    share: bool = False,
 ) -> list[str]:
     """The GPUs (as ``CUDA_VISIBLE_DEVICES`` entries) a Ray started by trainer rank 0 may give to engines.
 
     Local rank ``r`` trains on device ``r`` (``torch.cuda.set_device(LOCAL_RANK)``). Engines beside the trainer get
     the devices after the trainer's; colocated engines get exactly rank 0's device (the one its CUDA IPC handles
-    name), so an engine never lands on a GPU another rank is training on.
+    name), so an engine never lands on a GPU another rank is training on. With ``share``, one engine of one GPU and
+    no GPU left after the trainer's (a one-GPU machine) shares rank 0's device, both resident.
 
     Args:
         visible: This process's ``CUDA_VISIBLE_DEVICES`` (None: all devices, numbered 0..device_count-1).
@@ -46,6 +48,7 @@ def local_engine_gpus(
         colocate: ``--colocate``.
         current_device: Rank 0's device index.
         needed: GPUs the fleet needs (``--num-engines`` x ``--rollout-tensor-parallel-size``).
+        share: ``--gpu-memory-utilization`` is set: the engine's share of a GPU it would share with rank 0.
 
     Raises:
         ValueError: Too few GPUs are left, naming the flags that fix it.
@@ -56,12 +59,15 @@ def local_engine_gpus(
         free = names[current_device : current_device + 1]
     else:
         free = names[local_trainer_ranks:]
+        if not free and needed == 1 and share:
+            free = names[current_device : current_device + 1]
     if len(free) < needed:
         where = "rank 0's GPU" if colocate else f"this node's GPUs left after its {local_trainer_ranks} trainer rank(s)"
         raise ValueError(
             f"--num-engines x --rollout-tensor-parallel-size needs {needed} GPU(s), but the local Ray may only use "
             f"{where}: {len(free)} of {len(names)} visible. Start fewer trainer ranks (torchrun --nproc-per-node), "
-            "fewer or smaller engines, --colocate, or point --ray-address at a rollout cluster"
+            "fewer or smaller engines, --colocate, --gpu-memory-utilization (one engine of one GPU then shares rank "
+            "0's, its share of memory given), or point --ray-address at a rollout cluster"
         )
     return free
 

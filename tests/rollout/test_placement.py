@@ -23,7 +23,7 @@ def test_local_engines_get_the_gpus_no_trainer_rank_uses():
     GPUs after the local ranks' (local rank r trains on device r), so engine 0 never lands on trainer rank 0's GPU;
     colocated engines get exactly rank 0's device; too few is refused naming the flags."""
 
-    def gpus(ranks, needed, visible=None, count=8, colocate=False, current=0):
+    def gpus(ranks, needed, visible=None, count=8, colocate=False, current=0, share=False):
         return local_engine_gpus(
             visible=visible,
             device_count=count,
@@ -31,6 +31,7 @@ def test_local_engines_get_the_gpus_no_trainer_rank_uses():
             colocate=colocate,
             current_device=current,
             needed=needed,
+            share=share,
         )
 
     assert gpus(4, 4) == ["4", "5", "6", "7"]
@@ -42,6 +43,11 @@ def test_local_engines_get_the_gpus_no_trainer_rank_uses():
     assert gpus(4, 1, visible="4,5,6,7", count=4, colocate=True) == ["4"]  # rank 0's GPU: its IPC handles live there
     with pytest.raises(ValueError, match=r"rank 0's GPU"):
         gpus(4, 2, visible="4,5,6,7", count=4, colocate=True)
+    # a one-GPU machine: an engine shares rank 0's GPU only with its memory share given (--gpu-memory-utilization)
+    assert gpus(1, 1, count=1, share=True) == ["0"]
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization \(one engine of one GPU then shares"):
+        gpus(1, 1, count=1)
+    assert gpus(1, 1, count=2, share=True) == ["1"]  # a GPU left: not shared
 
 
 def test_visible_devices_sets_the_variable_inside_the_block_only(monkeypatch):

@@ -47,7 +47,7 @@ def _by_name(figures):
 
 def test_each_tier_has_its_plan_in_order_and_help_offers_every_tier(gpu_check):
     """Most telling first; ``--help`` shows ``--tier {full,rollout,te,trainer}`` (the GPU bundles grep for it)."""
-    assert gpu_check.PLANS["rollout"] == ("rl_setup", "rl_colocated", "rl_colocated_async", "r3_routed_experts")
+    assert gpu_check.PLANS["rollout"] == ("rl_setup", "rl_colocated", "rl_async", "r3_routed_experts")
     assert gpu_check.PLANS["te"] == (
         "train_step_1.5b_te_fp8",
         "rl_setup",
@@ -64,7 +64,10 @@ def test_each_tier_has_its_plan_in_order_and_help_offers_every_tier(gpu_check):
 @pytest.mark.parametrize("tier", ["rollout", "te"])
 def test_each_tiers_budget_and_step_limits_fit_one_short_loan(gpu_check, tier):
     """6.5 minutes after the stack is present; every step's limit fits the budget, its start threshold its limit,
-    the most telling run fits its whole limit after the setup, and every step's start threshold together fits."""
+    the most telling run fits its whole limit after the setup, and every step but the tail starts when the ones
+    before it take their estimates (``MIN_START_S``). The tail is what the budget cut drops when they do: the TE
+    tier's whole plan fits; the rollout tier's R3 (after the asynchronous run) does not at the present estimates,
+    so R3 runs only when the runs before it finish sooner than estimated."""
     from gpu.tiers import MIN_START_S, step_limit
 
     budget_s = gpu_check.TIER_BUDGET_MIN[tier] * 60
@@ -73,29 +76,27 @@ def test_each_tiers_budget_and_step_limits_fit_one_short_loan(gpu_check, tier):
         assert 0 < MIN_START_S[name] <= step_limit(name) <= budget_s, name
     most_telling = next(n for n in gpu_check.PLANS[tier] if n != "rl_setup")
     assert step_limit(most_telling) + MIN_START_S["rl_setup"] <= budget_s  # its whole limit, after the setup
-    assert sum(MIN_START_S[n] for n in gpu_check.PLANS[tier] if n != "rl_colocated_async") <= budget_s
+    *head, tail = gpu_check.PLANS[tier]
+    assert sum(MIN_START_S[n] for n in head) <= budget_s  # every step but the tail starts
+    if tier == "te":
+        assert sum(MIN_START_S[n] for n in [*head, tail]) <= budget_s  # the tail too
 
 
 @pytest.mark.parametrize("tier", ["rollout", "te"])
 def test_without_cuda_every_gpu_step_skips_with_its_reason_in_plan_order(gpu_check, tier, tmp_path):
     """On this CPU machine: each step is recorded as it is passed (results.json), in the plan's order, skipped with
-    the reason; the asynchronous-rollout step with the project's own reason while the train CLI lacks its flags."""
+    the reason."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the steps would run")
-    from gpu.machine import train_cli_has
-
     check = _check(gpu_check, tmp_path, tier)
     check.run_plan({"vllm": "0.32.0", "ray": "2.60.0", "transformer-engine": "2.20.2"})
     steps = json.loads((tmp_path / "r" / "results.json").read_text())["steps"]
     assert list(steps) == list(gpu_check.PLANS[tier])
     assert all(s["status"] == "skipped" for s in steps.values())
     for name, step in steps.items():
-        if name == "rl_colocated_async" and not train_cli_has("--max-staleness", "--partial-rollouts"):
-            assert step["reason"] == "needs asynchronous rollouts (not implemented yet)"
-        else:
-            assert "no CUDA GPU visible" in step["reason"], (name, step)
+        assert "no CUDA GPU visible" in step["reason"], (name, step)
 
 
 def test_a_budget_cut_skips_the_tail_with_the_reason(gpu_check, tmp_path):
@@ -133,6 +134,30 @@ def test_the_runs_flags_are_valid_runs_with_engine_arguments(gpu_check, tmp_path
     assert info.value.code == 2
 
 
+def test_the_async_run_is_a_valid_run_on_one_gpu_with_cuda_simulated(gpu_check, tmp_path, monkeypatch, capsys):
+    """The rollout tier's asynchronous run (rl_async) passes every check of the train CLI, the machine's included
+    (CUDA simulated: the check reads ``_cuda_available``, and this machine has none): the engine beside the trainer
+    with an object-store sync and a share of the GPU's memory. Its colocated form is refused (colocated engines
+    sleep while the actor trains), which is why the step is not colocated."""
+    from gpu.tiers import ASYNC_FLAGS, COLOCATED_FLAGS, E2E_FLAGS, SHARED_GPU_FLAGS
+
+    from megatron_pacs.config import parse_config
+    from megatron_pacs.config import train as train_config
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
+    (tmp_path / "train.jsonl").write_text("")
+    files = ["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl")]
+    monkeypatch.setattr(train_config, "_cuda_available", lambda: True)
+    cfg = parse_config([*files, *E2E_FLAGS, *SHARED_GPU_FLAGS, *ASYNC_FLAGS])
+    cfg.validate(1)
+    r = cfg.rollout
+    assert (r.max_staleness, r.partial_rollouts, r.rollout_round_tokens) == (2, True, 32)
+    assert not r.colocate and r.weight_sync == "object_store" and r.engine_memory_fraction == 0.35
+    with pytest.raises(SystemExit):
+        parse_config([*files, *E2E_FLAGS, *COLOCATED_FLAGS, *ASYNC_FLAGS])
+    assert "colocated engines sleep then (--colocate)" in capsys.readouterr().err
+
+
 def test_the_memory_timeline_keeps_the_trace_thinned(gpu_check):
     from gpu.machine import MemoryTimeline
 
@@ -158,16 +183,42 @@ def test_the_rollout_tiers_report_from_recorded_results(report, tmp_path):
     memory = figs[f"{run}: GPU memory peak"]
     assert memory["value"] == 61.4 and "95 s 61.4" in memory["note"]
     assert figs[f"{run}: GPU memory freed by drop 1"]["value"] == pytest.approx(36.2)
-    assert figs["R3: routed experts from a vLLM engine replayed by the trainer"]["ok"] is True
-    assert not any("1.5B" in name or "stale" in name for name in figs)  # this tier's figures only
+    r3 = "R3: routed experts from a vLLM engine replayed by the trainer"
+    assert figs[r3]["value"] is None and "budget leaves 35 s" in figs[r3]["note"]  # the tail the budget cut
+    assert not any("1.5B" in name for name in figs)  # this tier's figures only
     text = md_path.read_text()
-    assert "| rl_colocated_async | skipped | 0 | needs asynchronous rollouts (not implemented yet) |" in text
+    assert "| r3_routed_experts | skipped | 0 | the 6.5-minute budget leaves 35 s; the step needs about 100 s |" in text
+
+    stale = "RL async, 2 updates stale, partial rollouts"
+    assert figs[f"{stale}: engine start"]["value"] == pytest.approx(61.5)
+    assert figs[f"{stale}: sync/max_logprob_diff"]["value"] == pytest.approx(0.19)  # the probe after step 1
+    behind = figs[f"{stale}: updates behind per token, max (worst step)"]
+    assert behind["value"] == 2.0 and behind["target"] == "<= 2" and behind["ok"] is True
+    assert figs[f"{stale}: responses spanning a weight update (worst step)"]["value"] == pytest.approx(0.75)
+    assert figs[f"{stale}: perf/tokens_per_sec (last step)"]["value"] == pytest.approx(1530.0)
+    assert figs[f"{stale}: perf/time/overlap_hidden (last step)"]["value"] == pytest.approx(2.1)
+    assert figs[f"{stale}: GPU memory peak"]["value"] == pytest.approx(38.6)
+    # stale rollouts: no engine vs trainer comparison under the same weights, and no engine-only generation time
+    assert not any(name.startswith(stale) and ("d logp" in name or "generated tokens/s" in name) for name in figs)
 
     results["steps"]["rl_colocated"]["metrics"][1]["consistency/logprob_abs_diff_max"] = 1.7  # a missed sync
-    results["steps"]["r3_routed_experts"] = {"status": "skipped", "reason": "the budget is spent", "seconds": 0.0}
+    results["steps"]["rl_async"]["metrics"][2]["rollout/staleness_token_max"] = 3.0  # past --max-staleness
+    passed = {"id": "tests.mcore.test_router_replay::test_vllm", "status": "passed", "reason": ""}
+    results["steps"]["r3_routed_experts"] = {"status": "ok", "reason": "", "seconds": 95.0, "tests": [passed]}
     figs = _by_name(report.figures(results))
     assert figs[f"{run}: engine vs trainer max abs(d logp), bf16 (worst step)"]["ok"] is False
-    assert "the budget is spent" in figs["R3: routed experts from a vLLM engine replayed by the trainer"]["note"]
+    assert figs[f"{stale}: updates behind per token, max (worst step)"]["ok"] is False
+    assert figs[r3]["ok"] is True
+    results["steps"]["rl_async"] = {"status": "skipped", "reason": "vLLM is not installed", "seconds": 0.0}
+    figs = _by_name(report.figures(results))
+    assert figs[f"{stale}: sync/max_logprob_diff"]["note"] == "skipped: vLLM is not installed"  # a line, not left out
+
+
+def test_the_reports_staleness_bound_is_the_async_runs_flag(gpu_check, report):
+    """The report's target for the async run's staleness is the ``--max-staleness`` that tiers.py gives it."""
+    from gpu.tiers import ASYNC_FLAGS
+
+    assert report.ASYNC_MAX_STALENESS == int(ASYNC_FLAGS[ASYNC_FLAGS.index("--max-staleness") + 1])
 
 
 def test_the_te_tiers_report_from_recorded_results(report, tmp_path):

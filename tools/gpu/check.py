@@ -20,8 +20,9 @@ telling first (a budget cut drops the tail):
 Transformer Engine is; no vLLM or Ray) run the plans of tools/gpu/tiers.py (``PLANS``), most telling first. Rollout:
 three PACS steps with a colocated vLLM CUDA engine (sleep/wake, CUDA-IPC sync, optimizer offload) on the random
 0.5B shape, with the engine's start, the sync's time, generation tokens/s, the GPU memory timeline and engine vs
-trainer log-probs (``consistency/*``, ``sync/max_logprob_diff``); the same two steps stale with partial rollouts
-where the train CLI has those flags; R3 from a real engine on a tiny Qwen3-MoE. TE: the 1.5B packed train step on
+trainer log-probs (``consistency/*``, ``sync/max_logprob_diff``); three asynchronous PACS steps (two updates stale,
+partial rollouts) with the engine beside the trainer on its GPU (object-store sync), with their staleness and
+tokens/s; R3 from a real engine on a tiny Qwen3-MoE. TE: the 1.5B packed train step on
 the TE spec in bf16 and FP8 (MFU, peak memory); three synthetic PACS steps with an FP8 trainer and bf16 score
 passes; the same train step without TE; FP8's log-prob drift over 1k and 4k tokens against bf16.
 ``--engine-kwargs JSON`` (or ``GPU_CHECK_ENGINE_KWARGS``) reruns the engines with another engine argument.
@@ -61,12 +62,10 @@ from gpu.machine import (  # noqa: E402 - importable from any directory
     environment,
     junit_results,
     no_cuda_message,
-    train_cli_has,
 )
 from gpu.report import write_report  # noqa: E402
 from gpu.tiers import (  # noqa: E402
     ASYNC_FLAGS,
-    ASYNC_MISSING,
     COLOCATED_FLAGS,
     DRIFT_ARGS,
     E2E_FLAGS,
@@ -76,6 +75,7 @@ from gpu.tiers import (  # noqa: E402
     MIN_START_S,
     PLANS,
     R3_TEST,
+    SHARED_GPU_FLAGS,
     SYNTHETIC_FLAGS,
     TIER_BUDGET_MIN,
     TRAIN_STEP_SIZE,
@@ -312,14 +312,12 @@ class Check:
         return self.out / "work" / "rl"
 
     def missing(self, name: str, env: dict) -> str | None:
-        """What this machine lacks for step ``name`` (CUDA, vLLM and Ray, Transformer Engine, the train CLI's
-        asynchronous flags, the prepared model), or None."""
-        if name == "rl_colocated_async" and not train_cli_has(*(f for f in ASYNC_FLAGS if f.startswith("--"))):
-            return ASYNC_MISSING  # the project's reason comes first: no machine would run it
+        """What this machine lacks for step ``name`` (CUDA, vLLM and Ray, Transformer Engine, the prepared model),
+        or None."""
         why = no_cuda_message()
         if why:
             return why
-        if name in ("rl_colocated", "rl_colocated_async", "r3_routed_experts"):
+        if name in ("rl_colocated", "rl_async", "r3_routed_experts"):
             for dist, label in (("vllm", "vLLM"), ("ray", "Ray")):
                 if not env.get(dist):
                     return f"{label} is not installed"
@@ -328,7 +326,7 @@ class Check:
                 return "Transformer Engine is not installed"
         if name == "rl_setup":
             return "already prepared" if (self.setup / "model" / "config.json").exists() else None
-        if name in ("rl_colocated", "rl_colocated_async", "rl_fp8_synthetic"):
+        if name in ("rl_colocated", "rl_async", "rl_fp8_synthetic"):
             if not (self.setup / "model" / "config.json").exists():
                 return "the model and data could not be prepared (rl_setup)"
         return None
@@ -342,8 +340,8 @@ class Check:
         limit, min_s = step_limit(name), MIN_START_S[name]
         if name == "rl_colocated":
             self._rl(name, [*train, *E2E_FLAGS, *self.engine_flags(), *COLOCATED_FLAGS], limit, min_s)
-        elif name == "rl_colocated_async":
-            self._rl(name, [*train, *E2E_FLAGS, *self.engine_flags(), *COLOCATED_FLAGS, *ASYNC_FLAGS], limit, min_s)
+        elif name == "rl_async":
+            self._rl(name, [*train, *E2E_FLAGS, *self.engine_flags(), *SHARED_GPU_FLAGS, *ASYNC_FLAGS], limit, min_s)
         elif name == "r3_routed_experts":
             self.routed_experts(limit, min_s)
         elif name == "train_step_1.5b_te_fp8":

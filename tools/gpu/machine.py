@@ -66,14 +66,6 @@ def no_cuda_message() -> str | None:
     return None
 
 
-def train_cli_has(*flags: str) -> bool:
-    """Whether ``python -m megatron_pacs.train --help`` offers every one of ``flags`` (its parser, read here)."""
-    from megatron_pacs.config import build_parser
-
-    offered = {option for action in build_parser()._actions for option in action.option_strings}
-    return all(f in offered for f in flags)
-
-
 class MemoryTimeline:
     """nvidia-smi's used memory per GPU, sampled every ``period`` seconds while a run lasts."""
 

@@ -28,6 +28,7 @@ from typing import Any
 
 BF16_SYNC_BOUND = 1.0  # docs/algorithm.md §7.1: engine vs trainer, bf16 on GPU
 FP8_SYNC_BOUND = 2.0  # the same, FP8 trainer vs bf16 engine
+ASYNC_MAX_STALENESS = 2  # the rollout tier's rl_async: --max-staleness in tools/gpu/tiers.py's ASYNC_FLAGS
 
 
 def parse_tables(text: str) -> list[list[dict[str, str]]]:
@@ -279,9 +280,12 @@ def _worst(metrics: list[dict], key: str) -> float | None:
     return max(values) if values else None
 
 
-def engine_run_figures(label: str, step: dict | None) -> list[dict]:
+def engine_run_figures(label: str, step: dict | None, *, on_policy: bool = True) -> list[dict]:
     """A run with a vLLM CUDA engine (rollout tier): :func:`e2e_figures`, the engine's start, generation tokens/s,
-    the GPU memory timeline and engine vs trainer log-probs in bf16 (docs/algorithm.md §7.1), worst step."""
+    the GPU memory timeline and engine vs trainer log-probs in bf16 (docs/algorithm.md §7.1), worst step.
+
+    ``on_policy=False`` (an asynchronous run): its rollouts come from older weights, so the trainer logs no
+    ``consistency/*`` and the generation time is not the engine's own; neither is reported (the sync probe is)."""
     out = e2e_figures(label, step, BF16_SYNC_BOUND)
     if _step_problem(step) or not (step or {}).get("metrics"):
         return out
@@ -298,15 +302,16 @@ def engine_run_figures(label: str, step: dict | None) -> list[dict]:
         prompt, response = m.get("rollout/prompt_len_mean"), m.get("rollout/response_len_mean")
         if m.get("perf/time/generate") and m.get("rollout/num_tokens") and prompt is not None and response:
             rates.append(m["rollout/num_tokens"] * response / (prompt + response) / m["perf/time/generate"])
-    if rates:
+    if rates and on_policy:
         out.append(_figure(f"{name}: generated tokens/s (last step)", rates[-1], "info", None, note="responses only"))
     bound = f"<= {BF16_SYNC_BOUND}"
-    for key, what, target in (
+    comparisons = (
         ("consistency/logprob_abs_diff_max", "engine vs trainer max abs(d logp), bf16", bound),
         ("consistency/logprob_abs_diff_mean", "engine vs trainer mean abs(d logp), bf16", "info"),
         ("consistency/k3", "engine vs trainer k3, bf16", "info"),
         ("consistency/seq_logprob_abs_diff_max", "first mini-batch's abs(log ratio) per response, max", "info"),
-    ):
+    )
+    for key, what, target in comparisons if on_policy else ():
         worst = _worst(metrics, key)
         if worst is None:
             out.append(_missing(f"{name}: {what}", target, f"no {key} in the metrics"))
@@ -318,6 +323,38 @@ def engine_run_figures(label: str, step: dict | None) -> list[dict]:
         points = memory.get("timeline") or []
         trace = ", ".join(f"{t:.0f} s {gib:.1f}" for t, gib in points[:: max(1, len(points) // 12)])
         out.append(_figure(f"{name}: GPU memory peak", memory["peak_gib"], "info", None, "GiB", trace))
+    return out
+
+
+def async_figures(label: str, step: dict | None) -> list[dict]:
+    """An asynchronous run (``--max-staleness``, rollout tier): :func:`engine_run_figures` without the on-policy
+    comparisons, the worst step's token staleness against ``--max-staleness``, the largest share of responses
+    generated under more than one weight version (partial rollouts) and the last step's tokens/s end to end."""
+    out = engine_run_figures(label, step, on_policy=False)
+    if _step_problem(step) or not (step or {}).get("metrics"):
+        return out
+    assert step is not None
+    name, metrics = f"RL {label}", step["metrics"]
+    target = f"<= {ASYNC_MAX_STALENESS}"
+    stale = _worst(metrics, "rollout/staleness_token_max")
+    out.append(
+        _figure(f"{name}: updates behind per token, max (worst step)", stale, target, stale <= ASYNC_MAX_STALENESS)
+        if stale is not None
+        else _missing(f"{name}: updates behind per token, max", target, "no rollout/staleness_token_max")
+    )
+    spanning = _worst(metrics, "rollout/spanning_responses")
+    note = "rollout/spanning_responses: share of the step's responses"
+    out.append(
+        _figure(f"{name}: responses spanning a weight update (worst step)", spanning, "info", None, note=note)
+        if spanning is not None
+        else _missing(f"{name}: responses spanning a weight update", "info", "no rollout/spanning_responses")
+    )
+    rate = [m["perf/tokens_per_sec"] for m in metrics if isinstance(m.get("perf/tokens_per_sec"), (int, float))]
+    out.append(
+        _figure(f"{name}: perf/tokens_per_sec (last step)", rate[-1], "info", None, note="prompt + response tokens")
+        if rate
+        else _missing(f"{name}: perf/tokens_per_sec", "info", "no perf/tokens_per_sec in the metrics")
+    )
     return out
 
 
@@ -403,8 +440,8 @@ def figures(results: dict) -> list[dict]:
     steps = results.get("steps", {})
     if results.get("tier") == "rollout":
         out = engine_run_figures("colocated (ipc, sleep/wake, optimizer offload)", steps.get("rl_colocated"))
-        if steps.get("rl_colocated_async", {}).get("status") != "skipped":
-            out += engine_run_figures("colocated, 2 steps stale, partial rollouts", steps.get("rl_colocated_async"))
+        label = f"async, {ASYNC_MAX_STALENESS} updates stale, partial rollouts"
+        out += async_figures(label, steps.get("rl_async"))
         return out + routed_experts_figures(steps.get("r3_routed_experts"))
     if results.get("tier") == "te":
         out = te_train_step_figures(steps.get("train_step_1.5b_te_fp8"), steps.get("train_step_1.5b_no_te_packed"))

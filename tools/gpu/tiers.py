@@ -32,9 +32,13 @@ E2E_FLAGS = [
     *("--reward-workers", "2"),
 ]
 COLOCATED_FLAGS = ["--colocate", "--weight-sync", "ipc", "--offload-optimizer-during-rollout"]
-# The asynchronous-rollout flags (rollout tier); the step runs only where the train CLI has them.
-ASYNC_FLAGS = ["--max-staleness", "2", "--partial-rollouts"]
-ASYNC_MISSING = "needs asynchronous rollouts (not implemented yet)"
+# The rollout tier's asynchronous run (rl_async) on one GPU: the engine (a Ray actor of one GPU) beside the trainer
+# on GPU 0, not colocated (colocated engines sleep while the actor trains, so no stream could generate then). NCCL
+# cannot join two ranks on one GPU, so the weights go through Ray's object store; vLLM checks the free memory at its
+# start, so it takes 35% of the GPU and leaves the trainer the rest.
+SHARED_GPU_FLAGS = ["--weight-sync", "object_store", "--gpu-memory-utilization", "0.35"]
+# Two weight updates stale at most, responses continuing across updates in rounds of 32 tokens (of 128).
+ASYNC_FLAGS = ["--max-staleness", "2", "--partial-rollouts", "--rollout-round-tokens", "32"]
 # TE tier: an FP8 trainer (TE's tensorwise recipe, hybrid format) whose score passes run in bf16.
 FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 FP8_RL_FLAGS = [*(f for f in SYNTHETIC_FLAGS if f != "--deterministic-mode"), *FP8_FLAGS]
@@ -70,8 +74,9 @@ LIMITS = {
     # (full, rollout) an end-to-end run with a vLLM CUDA engine: engine start (~60-90 s: compile, CUDA graphs) +
     # the trainer's start (~30 s) + 3 steps (~10 s each with sleep/wake and the sync)
     "rl_e2e": 300,
-    # (rollout) the same, two steps stale with partial rollouts
-    "rl_colocated_async": 240,
+    # (rollout) the same, asynchronous (two updates stale, partial rollouts) with the engine beside the trainer:
+    # no sleep/wake, an object-store sync (~1 GB of bf16 weights) per step
+    "rl_async": 240,
     # (rollout) pytest's start (~20 s), a tiny Qwen3-MoE engine (~60 s) and the trainer's replay (~30 s)
     "r3_routed_experts": 180,
     # (full tier) the 7B model on the GPU (~60 s), 3 FP8 recipes + bf16 x (1 + 3) x 0.4 s, per process ~90 s
@@ -92,14 +97,14 @@ TIER_BUDGET_MIN = {"trainer": 6.5, "full": 25.0, "rollout": 6.5, "te": 6.5}
 # The rollout and TE tiers, most telling first; a step the remaining budget no longer fits (MIN_START_S) is
 # skipped with that reason, and so is every later one that does not fit either.
 PLANS = {
-    "rollout": ("rl_setup", "rl_colocated", "rl_colocated_async", "r3_routed_experts"),
+    "rollout": ("rl_setup", "rl_colocated", "rl_async", "r3_routed_experts"),
     "te": ("train_step_1.5b_te_fp8", "rl_setup", "rl_fp8_synthetic", "train_step_1.5b_no_te_packed", "fp8_drift"),
 }
 # The least time worth starting a step with (seconds): about the H100 estimate of what it needs to finish.
 MIN_START_S = {
     "rl_setup": 30,
     "rl_colocated": 150,
-    "rl_colocated_async": 150,
+    "rl_async": 150,
     "r3_routed_experts": 100,
     "train_step_1.5b_te_fp8": 80,
     "rl_fp8_synthetic": 70,

@@ -156,6 +156,7 @@ class EngineSet:
                 colocate=cfg.colocate,
                 current_device=torch.cuda.current_device(),
                 needed=cfg.num_engines * cfg.rollout_tensor_parallel_size,
+                share=cfg.gpu_memory_utilization is not None,
             )
             log.info("fleet: the local Ray gives engines GPU(s) %s", ",".join(gpus))
         with visible_devices(gpus):  # what the raylet sees at start is all it hands out
