@@ -79,6 +79,9 @@ class RolloutProducer:
         """This rank runs the source."""
         return self._collect is not None
 
+    def start(self, loader: object) -> None:
+        """Nothing to start: this producer generates when the step asks (the stream's producer starts a thread)."""
+
     def rollouts(
         self, rows: list[PromptRow] | None, step: int, version: int, *, refill: Refill | None = None
     ) -> Generated | None:

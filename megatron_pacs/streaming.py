@@ -173,6 +173,7 @@ class StreamProducer:
             self._cv.notify_all()
             while not s.takeable(step):
                 self._raise()
+                s.check_filtering(step)
                 if self.policy == "drop" and s.drop_due(step):
                     self._cv.notify_all()
                     continue

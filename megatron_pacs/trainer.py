@@ -171,8 +171,7 @@ class Trainer:
         """
         cfg = self.cfg
         start_step = self._resume_and_sync(loader) if cfg.checkpoint.load else 0
-        if isinstance(self.producer, StreamProducer):
-            self.producer.start(loader)
+        self.producer.start(loader)
         if self.source is not None and cfg.checkpoint.load:  # the steps left after the resume (every rank alike)
             self.source.check(range(start_step + 1, cfg.run.train_iters + 1))
         self.writer = self._metrics_writer(start_step)

@@ -116,6 +116,8 @@ class RolloutStream:
         self.k, self.batch_size, self.n = int(r.max_staleness), b.global_batch_size, b.group_size
         self.round_tokens = r.rollout_round_tokens if r.partial_rollouts else b.max_response_length
         self.filter = cfg.source.filter_groups == "zero-variance"
+        self.max_filter_rounds = cfg.source.max_filter_rounds
+        self._filtered_at_take = 0
         self.groups: list[StreamGroup] = []  # admitted, not yet taken or released, in admission order
         self.counters = _Counters()
         eos = tokenizer.eos_token_id
@@ -243,7 +245,24 @@ class RolloutStream:
         chosen = self.ready()[: self.batch_size]
         for g in chosen:
             self.groups.remove(g)
+        self._filtered_at_take = self.counters.filtered
         return chosen
+
+    def check_filtering(self, step: int) -> None:
+        """Raise when step ``step`` has filtered more groups than ``--max-filter-rounds`` batches while waiting for
+        its own (0: no limit): a policy that solves every prompt, or none, leaves no group to train on.
+
+        Raises:
+            RuntimeError: naming the flag.
+        """
+        filtered = self.counters.filtered - self._filtered_at_take
+        if self.filter and self.max_filter_rounds and filtered > self.max_filter_rounds * self.batch_size:
+            raise RuntimeError(
+                f"step {step}: --filter-groups zero-variance: {filtered} groups in a row had equal rewards while the "
+                f"step waited for {self.batch_size} (more than --max-filter-rounds {self.max_filter_rounds} batches); "
+                "raise it (0: no limit), or look at the rewards: a policy that solves every prompt, or none, leaves "
+                "no group to train on"
+            )
 
     def stuck(self, version: int) -> bool:
         """Nothing to generate: no open response, and the budget admits no prompt."""

@@ -174,3 +174,18 @@ def test_refused_combinations_name_their_flags(capsys):
         with pytest.raises(SystemExit):
             parse_config([*base, *extra])
         assert message in capsys.readouterr().err
+
+
+def test_a_stream_whose_every_group_is_filtered_fails_naming_the_flag():
+    """Every reward equal: each finished group is released and another admitted; past --max-filter-rounds batches
+    the step fails, naming the flag, instead of waiting for ever."""
+    s, _ = _stream(0, "--filter-groups", "zero-variance", "--max-filter-rounds", "2")
+    for _ in range(3):
+        s.admit(0)
+        todo, prompts, sampling = s.round_request()
+        s.apply_round(todo, scripted_generate(prompts, sampling), 0)
+        finished = [g for g in s.groups if g.finished and g.rewards is None]
+        s.scored(finished, ["x"] * (len(finished) * N), [1.0] * (len(finished) * N))
+    assert s.counters.filtered == 3 * B and not s.takeable(1)
+    with pytest.raises(RuntimeError, match=r"step 1: --filter-groups zero-variance: 12 groups .*--max-filter-rounds 2"):
+        s.check_filtering(1)
