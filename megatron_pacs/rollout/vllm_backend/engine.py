@@ -165,6 +165,10 @@ class VLLMEngine:
         )
         if self.on_cpu:
             kwargs["enforce_eager"] = True  # compiling adds about a minute per start on CPU
+            # A seeded request whose prefill is split across engine steps makes vLLM's CPU runner rewind its
+            # generator, which a CPU generator cannot ("CPU Generator does not use offset"); every request here is
+            # seeded, and the stream's rounds re-submit long prompts, so prompts are scheduled whole.
+            kwargs["enable_chunked_prefill"] = False
         else:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)
         if return_routed_experts:
