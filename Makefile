@@ -369,6 +369,7 @@ bench: install
 	$(PY) benchmarks/bench_distribute.py
 	$(PY) benchmarks/bench_training_phase.py
 	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_async.py
 
 # The embedded default: tiny model + SFT warm-up + PACS through the real fleet, scorer and Megatron actor.
 demo: install
