@@ -60,8 +60,8 @@ class RolloutConfig:
     """Engines share the trainer's GPUs, sleeping while it trains (GPU only; refused on a machine without CUDA)."""
     gpu_memory_utilization: float | None = option(None, group=_ENGINES)
     """GPU memory share per engine for weights and KV cache; default: 0.85 when the engines own their GPUs, 0.5 with
-    --colocate (the trainer's weights, gradients and activations stay on the GPU while the engines generate). Set on
-    a one-GPU machine without --colocate, one engine shares the trainer's GPU (both resident; e.g. 0.35)."""
+    --colocate (the trainer stays on the GPU while the engines generate). Set on one GPU without --colocate: one
+    engine shares the trainer's GPU, both resident."""
     kv_cache_gb: float = option(1.0, group=_ENGINES)
     """CPU only: KV cache per engine, GiB."""
     weight_sync: str = option("auto", choices=WEIGHT_SYNC, group=_SYNC)
