@@ -118,6 +118,7 @@ class Trainer:
         self.pending_step: int | None = None  # a step whose rollouts are generated ahead (every rank knows)
         # the last step whose update the weights hold, with the data position right after its prompts; the last saved
         self.updated: tuple[int, dict] = (0, {})
+        self.unsynced: tuple[int, dict[str, float]] = (0, {})  # the last update's metrics, until its sync is done
         self.saved_step = 0
         # Colocated, the training state leaves the GPU before the engines start (vLLM's start-up check wants
         # --gpu-memory-utilization of the GPU free); the engines own that memory until the first update.
@@ -226,11 +227,20 @@ class Trainer:
         except RolloutClusterLost:  # not back within --rollout-cluster-reconnect-seconds (§6.3)
             send_stop()  # the driver: in place of the rollouts the others wait for
             done = self._save_last_update(loader)
+            self._log_unsynced(done)
             if self.exit_signal is None or self.exit_signal.received_at is None:
                 raise
             # a scheduler stopping the job signals every step of it, the rollout cluster's too (hetjob)
             log.warning("exit signal: the rollout side failed after it; stopped after step %d; exiting 0", done)
             return None
+
+    def _log_unsynced(self, done: int) -> None:
+        """The row of step ``done`` when its update is saved but the weight sync after it failed: its update's and
+        rollouts' metrics (no sync or timing), so the record has every step the weights hold."""
+        step, metrics = self.unsynced
+        if step == done and self.writer is not None:
+            with contextlib.suppress(LogWriteError):  # the run stops on the lost rollout side either way
+                self.writer.log(step, metrics)
 
     def _log_or_stop(self, step: int, metrics: dict[str, float], loader: PromptLoader) -> bool:
         """The step's metrics into the sinks (collective where there are several ranks: whether the driver's write
@@ -308,6 +318,7 @@ class Trainer:
         batch = self._distribute(gen)
         metrics, train = self._update(batch, step, same_weights=not ahead)
         self.updated = (step, position)  # the weights now hold this step (its sync to the engines may still fail)
+        self.unsynced = (step, {**metrics, **(gen.rollouts.metrics if gen is not None else {})})
         self.producer.drain()
         metrics.update(self._sync(step, batch))
         metrics.update(self.timer.collect())
