@@ -321,6 +321,7 @@ class Trainer:
         self.unsynced = (step, {**metrics, **(gen.rollouts.metrics if gen is not None else {})})
         self.producer.drain()
         metrics.update(self._sync(step, batch))
+        self.unsynced = (0, {})  # synced: the step's row is logged with the rest
         metrics.update(self.timer.collect())
         if gen is not None:
             metrics.update(self._driver_metrics(step, gen, loader, train, (started, time.perf_counter())))
