@@ -100,6 +100,7 @@ def test_a_rollout_failure_after_the_exit_signal_saves_the_updated_step_and_stop
     result = launched["stopped"].result()
     assert result["signal"] and result["steps"] == 1, result  # step 1 completed; step 2 failed in its sync
     _assert_saved_the_updated_step(result)
+    assert result["logged"] == [1, 2], result  # step 2's row too: the record has every step the weights hold
 
 
 def test_a_rollout_cluster_lost_after_the_update_saves_that_step_not_the_one_before(launched):
@@ -108,3 +109,4 @@ def test_a_rollout_cluster_lost_after_the_update_saves_that_step_not_the_one_bef
     result = launched["lost"].result()
     assert not result["signal"] and result["raised"] == "simulated: the rollout cluster did not come back", result
     _assert_saved_the_updated_step(result)
+    assert result["logged"] == [1, 2], result

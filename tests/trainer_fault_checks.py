@@ -185,8 +185,10 @@ def _stopped(trainer, loader, stop: bool) -> dict:
     from safetensors.torch import load_file
 
     saved = load_file(save / f"iter_{step:07d}" / "hf" / "model.safetensors")
+    rows = [json.loads(line) for line in (trainer.log_dir / "metrics.jsonl").read_text().splitlines()]
     return {
         "steps": len(history),
+        "logged": [r["step"] for r in rows if "train/loss" in r],
         "raised": raised,
         "signal": trainer.exit_signal is not None and trainer.exit_signal.received_at is not None,
         "saved_step": step,
