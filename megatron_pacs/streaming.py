@@ -124,10 +124,14 @@ class StreamProducer:
         try:
             while True:
                 with self._cv:
+                    paced = False  # one count per wait, however often it wakes
                     while not self._closed and not self._work():
-                        if not self._paused and s.stuck(self._version) and not s.takeable(self._next_step):
-                            self._paced += 1  # the budget holds admission back while the trainer waits
+                        # the budget holds admission back while the trainer waits
+                        paced = paced or (
+                            not self._paused and s.stuck(self._version) and not s.takeable(self._next_step)
+                        )
                         self._cv.wait()
+                    self._paced += paced
                     if self._closed:
                         return
                     s.admit(self._version)
