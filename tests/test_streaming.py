@@ -6,6 +6,8 @@ What is guarded:
 - *repeatable asynchrony*: a run stopped after step 1 and resumed twice (steps 2 and 3, each from the previous
   checkpoint's stream: finished, partial and pending groups, counters, the prompt position) trains bit for bit as
   the uninterrupted run, and its dumps (tokens, per-token versions) are the same bytes;
+- *several trainer ranks*: the second resume runs on two data-parallel ranks (the stream on the driver, its groups
+  distributed, every rank in the drain, sync and save): the same rollouts bit for bit, the update to fp32 rounding;
 - *no prompt lost*: every prompt drawn is trained once, filtered once, or still in the last checkpoint's stream;
 - *replay*: the uninterrupted run's dumps replay bit for bit with ``--rollout-source replay``, with Ray, vLLM and
   math-verify absent;
@@ -45,23 +47,24 @@ def prepare(root: Path) -> Path:
     return root
 
 
-def _train(root: Path, name: str, *flags: str, replay: bool = False) -> list[dict]:
+def _train(root: Path, name: str, *flags: str, replay: bool = False, world: int = 1) -> list[dict]:
     base = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl")]
     base += [*(TINY_TRAIN_FLAGS if replay else TINY_RUN_FLAGS), *COMMON]
-    history = run_train([*base, *flags], log_dir=root / name, cwd=root, without_fleet_stack=replay)
+    history = run_train([*base, *flags], log_dir=root / name, cwd=root, without_fleet_stack=replay, world=world)
     return [m for m in history if "train/loss" in m]
 
 
 def _launch(root: Path) -> dict:
-    """The uninterrupted run (a checkpoint every step), the run stopped after step 1 and resumed twice, and the
-    replay of the uninterrupted run's dumps; each run's steps by its name, and ``root``."""
+    """The uninterrupted run (a checkpoint every step), the run stopped after step 1 and resumed twice (the second
+    time on two data-parallel ranks), and the replay of the uninterrupted run's dumps; each run's steps by its name,
+    and ``root``."""
     ckpt = ["--save-interval", "1", "--keep-last", "3"]
     out = {"whole": _train(root, "whole", *STREAM, "--save", str(root / "whole_ckpt"), *ckpt)}
     first = root / "whole_ckpt" / "iter_0000001"  # what a run stopped after step 1 saved
     out["second"] = _train(
         root, "second", *STREAM, "--load", str(first), "--train-iters", "2", "--save", str(root / "r")
     )
-    out["third"] = _train(root, "third", *STREAM, "--load", str(root / "r"), "--save", str(root / "r"))
+    out["third"] = _train(root, "third", *STREAM, "--load", str(root / "r"), "--save", str(root / "r"), world=2)
     out["replay"] = _train(
         root, "replay", "--rollout-source", "replay", "--replay-from", str(root / "whole"), replay=True
     )
@@ -83,11 +86,18 @@ def _dump(root: Path, run: str, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_run_resumed_twice_trains_and_samples_bit_for_bit_as_the_uninterrupted_run(runs):
+    """Step 3, on two data-parallel ranks, samples the same tokens and rewards bit for bit; its update is the same
+    arithmetic split across two ranks (the loss and gradient norm to fp32 rounding, as in tests/test_resume.py)."""
     whole = runs["whole"]
     resumed = [whole[0], *runs["second"], *runs["third"]]
     assert [m["step"] for m in resumed] == [1, 2, 3]
-    for a, b in zip(whole, resumed, strict=True):
+    for a, b in zip(whole[:2], resumed[:2], strict=True):
         assert {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}, a["step"]
+    a, b = whole[2], resumed[2]
+    for key in ("rollout/reward_mean", "rollout/staleness_token_mean", "rollout/num_tokens"):
+        assert a[key] == b[key], key
+    for key in ("train/loss", "train/grad_norm", "pacs/loss"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5), key
     for run, step in (("second", 2), ("third", 3)):
         a, b = _dump(runs["root"], "whole", step), _dump(runs["root"], run, step)
         assert sorted(a) == sorted(b) and "token_versions" in a
@@ -111,6 +121,7 @@ def test_every_prompt_drawn_is_trained_filtered_or_kept_once(runs):
     assert counters.filtered == filtered > 0 and counters.dropped == 0
     assert counters.admitted == len(trained) + counters.filtered + len(live)
     assert meta["loader"]["position"] == counters.admitted == last["loader"]["position"]
+    assert meta["world_size"] == 2  # saved by the two-rank resume
 
 
 def test_the_dumps_replay_bit_for_bit_without_the_fleet_stack(runs):

@@ -6,6 +6,10 @@ in Ray), the real scorer and Megatron, launched by tests/trainer_fault_checks.py
   real fleet (see the checks script); the order of the calls is what runs here.
 - An engine killed during an overlapped generation (one step off): the step completes, and the rollouts it trains
   on hold every prompt exactly once with its group, identical to an undisturbed generation of the same prompts.
+- The same under the asynchronous stream (``--max-staleness 2 --partial-rollouts``): an engine killed mid-round,
+  its responses half generated, is restarted and the round reruns from the same tokens (nothing lost, nothing twice);
+  the exit signal and a sync failure at step 2 then save the stream as it stood: every prompt drawn is trained or
+  kept once, the groups not yet trained with a version and a log-prob for every token.
 - The rollout side failing during a step's weight sync, after its update (simulated in the sync, on the synthetic
   source): the checkpoint is that step's, with its weights and the data position after its prompts. After the exit
   signal (a scheduler stopping the job stops its Ray cluster too) the run then stops cleanly.
@@ -29,7 +33,7 @@ GROUP = 4  # trainer_checks._config: 4 prompts x 4 responses per step
 
 
 def prepare(root: Path) -> Path:
-    return make_rl_setup(root, tied=True, num_problems=8)
+    return make_rl_setup(root, tied=True, num_problems=32)  # 3 steps of 4 and the stream's 16 in one epoch
 
 
 def _launch(root: Path, mode: str) -> dict:
@@ -82,7 +86,22 @@ def test_engine_killed_during_an_overlapped_generation_loses_and_duplicates_noth
     assert [r["output"] for r in result["records"]] == [r["output"] for r in result["again_records"]]
 
 
-LAUNCHES = {mode: partial(_launch, mode=mode) for mode in ("kill", "colocate", "stopped", "lost")}
+def test_engine_killed_mid_round_in_the_stream_and_a_stop_after_it_lose_and_duplicate_nothing(launched):
+    result = launched["stream"].result()
+    kill = result["kill"]
+    assert kill["in_flight"] > 0 and kill["round"] == 1 and result["restarts"] == 1, result
+    assert result["continuing"]  # every response of the killed round continued from the first round's tokens
+    assert result["round_tokens"] == result["again_tokens"]  # the rerun round equals an undisturbed one
+    # the stop: step 2's update saved with the stream as it stood before the failed sync, steps 1 and 2 logged
+    assert result["signal"] and result["steps"] == 1 and result["logged"] == [1, 2], result
+    assert result["saved"] == ["iter_0000002"]
+    trained, kept = result["trained"], result["kept_ids"]
+    assert len(trained) == len(set(trained)) == 2 * 4 and not set(trained) & set(kept)  # 2 steps x 4 prompts
+    assert result["admitted"] == result["position"] == len(trained) + len(kept) + result["released"]
+    assert kept and result["aligned"], result  # every kept token has its version and log-prob
+
+
+LAUNCHES = {mode: partial(_launch, mode=mode) for mode in ("kill", "stream", "colocate", "stopped", "lost")}
 
 
 def _assert_saved_the_updated_step(result: dict) -> None:

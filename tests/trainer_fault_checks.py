@@ -13,6 +13,11 @@ modes:
             is stopped here). Writes what was saved and the weights and data position at the failure.
   lost      the same without a signal, the sync raising RolloutClusterLost (a rollout cluster that did not come
             back within --rollout-cluster-reconnect-seconds, raised here in its place): fit raises it after saving.
+  stream    the asynchronous stream (``--max-staleness 2 --partial-rollouts``, rounds of 4 tokens,
+            ``--deterministic-mode``, ``--lr 0``, --exit-signal-handler): engine 0 is killed during the stream's
+            second round, whose responses all continue from the first round's tokens; step 2's weight sync then
+            fails right after a SIGTERM (as in ``stopped``). Writes each round's request and tokens, the killed
+            round asked again afterwards (the frozen weights make them comparable exactly), and what was saved.
   kill      three steps one step off (``--off-policy-steps 1``) at ``--lr 0``: an engine is killed while step 2's
             rollouts are being generated in the background during step 1's update. Writes what step 2 trained on
             and the same prompts generated again afterwards (the frozen weights make them comparable exactly).
@@ -153,6 +158,82 @@ def _kill(trainer, loader) -> dict:
     }
 
 
+def _stream(trainer, loader) -> dict:
+    import signal
+
+    import ray
+    import torch
+
+    from megatron_pacs.utils.checkpoint_dirs import META_FILE
+
+    fleet, producer = trainer.fleet, trainer.producer
+    generate, rounds, kill, threads = producer._generate, [], {}, []
+
+    def killer() -> None:
+        """Kill engine 0 as soon as the round has chunks on the engines."""
+        deadline = time.time() + 120
+        while fleet.num_in_flight == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        kill.update(in_flight=fleet.num_in_flight, round=len(rounds))
+        ray.kill(fleet.engines[0])
+
+    def recording_generate(prompts, sampling):  # the fleet's generate, recorded (not a stand-in)
+        if len(rounds) == 1:
+            threads.append(threading.Thread(target=killer))
+            threads[-1].start()
+        out = generate(prompts, sampling)
+        rounds.append(
+            {"prompts": prompts, "sampling": sampling, "tokens": [list(g.responses[0].token_ids) for g in out]}
+        )
+        return out
+
+    producer._generate = recording_generate
+    sync, calls = trainer.sync_weights, []
+
+    def failing_sync():
+        calls.append(1)
+        if len(calls) != 2:  # step 2's (no resume: no sync before step 1)
+            return sync()
+        os.kill(os.getpid(), signal.SIGTERM)  # the job's stop: the handler records it before the next line
+        raise ConnectionError("simulated: the rollout cluster stopped with the job")
+
+    trainer.sync_weights = failing_sync
+    restarts = fleet.num_restarts
+    history = trainer.fit(loader)
+    for t in threads:
+        t.join()
+    killed = rounds[1]
+    again = generate(killed["prompts"], killed["sampling"])  # the same request, seeds and (frozen) weights
+    save = Path(trainer.cfg.checkpoint.save)
+    step = int((save / "latest_checkpointed_iteration.txt").read_text())
+    meta = json.loads((save / f"iter_{step:07d}" / META_FILE).read_text())
+    kept = torch.load(save / f"iter_{step:07d}" / "pending_rollouts.pt", weights_only=False)["stream"]
+    trained = []
+    for s in (1, 2):
+        rows = (json.loads(line) for line in open(trainer.log_dir / "rollouts" / f"step_{s:06d}.jsonl"))
+        trained += list(dict.fromkeys(r["id"] for r in rows))  # one id per group, in order
+    logged = [json.loads(line) for line in (trainer.log_dir / "metrics.jsonl").read_text().splitlines()]
+    responses = [r for g in kept["groups"] for r in g.responses]
+    return {
+        "steps": len(history),
+        "logged": [r["step"] for r in logged if "train/loss" in r],
+        "signal": trainer.exit_signal is not None and trainer.exit_signal.received_at is not None,
+        "restarts": fleet.num_restarts - restarts,
+        "kill": kill,
+        "continuing": all(len(p) > len(q) for p, q in zip(killed["prompts"], rounds[0]["prompts"], strict=False)),
+        "round_tokens": killed["tokens"],
+        "again_tokens": [list(g.responses[0].token_ids) for g in again],
+        "saved": sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")),
+        "trained": trained,
+        "kept_ids": [g.row.id for g in kept["groups"]],
+        "partial": sum(bool(r.tokens) and not r.finish for r in responses),
+        "aligned": all(len(r.tokens) == len(r.versions) == len(r.logprobs) for r in responses),
+        "admitted": kept["counters"].admitted,
+        "released": kept["counters"].released,
+        "position": meta["loader"]["position"],
+    }
+
+
 def _stopped(trainer, loader, stop: bool) -> dict:
     import signal
 
@@ -205,7 +286,7 @@ def _stopped(trainer, loader, stop: bool) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["colocate", "kill", "stopped", "lost"])
+    p.add_argument("mode", choices=["colocate", "kill", "stopped", "lost", "stream"])
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)
@@ -227,6 +308,13 @@ def main() -> int:
         rollout = dataclasses.replace(cfg.rollout, off_policy_steps=1)
         optim = OptimConfig(lr=0.0)
         cfg = dataclasses.replace(cfg, run=run, rollout=rollout, optim=optim)
+    elif args.mode == "stream":
+        run = dataclasses.replace(run, exit_signal_handler=True)
+        rollout = dataclasses.replace(cfg.rollout, max_staleness=2, partial_rollouts=True, rollout_round_tokens=4)
+        model = dataclasses.replace(cfg.model, deterministic_mode=True)
+        ckpt = dataclasses.replace(cfg.checkpoint, save=str(out / "ckpt_stream"), save_interval=100)
+        optim = OptimConfig(lr=0.0)
+        cfg = dataclasses.replace(cfg, run=run, rollout=rollout, model=model, checkpoint=ckpt, optim=optim)
     elif args.mode in ("stopped", "lost"):
         run = dataclasses.replace(run, exit_signal_handler=args.mode == "stopped")
         source = dataclasses.replace(cfg.source, rollout_source="synthetic")
@@ -244,6 +332,7 @@ def main() -> int:
             "kill": _kill,
             "stopped": partial(_stopped, stop=True),
             "lost": partial(_stopped, stop=False),
+            "stream": _stream,
         }
         result = modes[args.mode](trainer, loader)
     (out / f"results_{args.mode}.json").write_text(json.dumps(result))
