@@ -168,11 +168,18 @@ def start_local(**init_kwargs: Any) -> None:
     Args:
         init_kwargs: ``ray.init``'s keywords (no ``address``).
     """
+    node: list[psutil.Process] = []
+    # Registered before ray.init, so it runs after Ray's own atexit shutdown (last in, first out): whatever of the
+    # node outlives it. Its agents, started by the raylet, lingered for a minute after a SIGTERM during the start-up.
+    atexit.register(_end_left, node)
     for attempt in range(ATTEMPTS):
         before = {p.pid for p in psutil.Process().children()}
         try:
             with _keeping_sigterm_handler():
-                ray.init(**init_kwargs)
+                try:
+                    ray.init(**init_kwargs)
+                finally:  # also when cut short: the node's processes so far
+                    node[:] = _family([p for p in psutil.Process().children() if p.pid not in before])
             return
         except Exception as exc:  # Ray raises a bare Exception for this one
             if attempt == ATTEMPTS - 1 or NODE_START_TIMEOUT not in str(exc):
@@ -188,14 +195,27 @@ def start_local(**init_kwargs: Any) -> None:
             _end(left)
 
 
-def _end(processes: list[psutil.Process], grace_s: float = 10.0) -> None:
-    """Terminate ``processes`` (this process's children) and their descendants; kill what outlives ``grace_s``."""
+def _family(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """``processes`` and their descendants."""
     family = list(processes)
     for p in processes:
         try:
             family += p.children(recursive=True)
         except psutil.Error:  # gone already
             pass
+    return family
+
+
+def _end_left(node: list[psutil.Process]) -> None:
+    """At exit: end the local node's processes still running (a pid reused since is not one of them)."""
+    left = [p for p in node if p.is_running()]
+    if left:
+        _end(left)
+
+
+def _end(processes: list[psutil.Process], grace_s: float = 10.0) -> None:
+    """Terminate ``processes`` and their descendants; kill what outlives ``grace_s``."""
+    family = _family(processes)
     for p in family:
         try:
             p.terminate()
