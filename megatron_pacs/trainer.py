@@ -5,13 +5,13 @@ its model shard. Collectives in this file run on the default (world) group, whic
 order: the rollout distribution (each data-parallel rank receives its share as tensors), the metric gather inside
 ``update_policy``, and the weight export (TP gathers and PP broadcasts inside the exporter). With
 ``--off-policy-steps 1`` the driver generates the next step's rollouts in a background thread during the update
-(:mod:`megatron_pacs.producer`); with ``--colocate`` the engines sleep around it
-(:mod:`megatron_pacs.rollout.colocate`).
+(:mod:`megatron_pacs.producer`), and with ``--max-staleness`` a stream runs across steps
+(:mod:`megatron_pacs.streaming`); with ``--colocate`` the engines sleep around it
+(:mod:`megatron_pacs.rollout.colocate`). How a run stops and what it keeps: :mod:`megatron_pacs.stops`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -31,21 +31,20 @@ from megatron_pacs.consistency import check_logprob_bound, probe_due, probe_sync
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow
-from megatron_pacs.distribute import distribute_rollouts, send_stop
+from megatron_pacs.distribute import distribute_rollouts
 from megatron_pacs.mcore.actor import Actor
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.producer import Generated, RolloutProducer
 from megatron_pacs.rollout.colocate import Colocation
-from megatron_pacs.rollout.lost import RolloutClusterLost, stopped_with_the_job
 from megatron_pacs.sources.base import RolloutSource
 from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, tokenizer_fingerprint
 from megatron_pacs.sources.filtering import GroupFilter
+from megatron_pacs.stops import RunStops
 from megatron_pacs.streaming import StreamProducer
 from megatron_pacs.update import update_policy
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.heartbeat import Heartbeat
-from megatron_pacs.utils.log_writes import LogWriteError, any_rank
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.progress import progress_bar
 from megatron_pacs.utils.seeding import use_deterministic_kernels
@@ -66,7 +65,7 @@ CLOSE_WAIT_S = 30.0
 """How long :meth:`Trainer.close` waits for a generation in flight before stopping the fleet under it."""
 
 
-class Trainer:
+class Trainer(RunStops):
     """Builds the actor, the fleet and the sinks; :meth:`fit` runs the steps. Use as a context manager."""
 
     def __init__(self, cfg: TrainConfig, val_rows: dict[str, list[PromptRow]] | None = None) -> None:
@@ -213,93 +212,6 @@ class Trainer:
             fresh=start_step == 0,
         )
 
-    def _step_unless_lost(self, loader: PromptLoader, step: int) -> dict[str, float] | None:
-        """:meth:`step`; None when the rollout side was lost after the job's exit signal (the last update saved).
-        A failed write into ``--log-dir`` (the step's dumps, before its update) saves the last update the weights
-        hold, as a lost rollout side does, and stops the run."""
-        self.checkpoints.poll()  # --async-save: the save in flight committed once every rank's writes are done
-        try:
-            return self.step(loader, step)
-        except LogWriteError as failure:
-            send_stop()  # the driver: in place of the rollouts the others wait for
-            self._kept(failure, self._save_last_update(loader))
-            raise
-        except RolloutClusterLost:  # not back within --rollout-cluster-reconnect-seconds (§6.3)
-            send_stop()  # the driver: in place of the rollouts the others wait for
-            done = self._save_last_update(loader)
-            self._log_unsynced(done)
-            if self.exit_signal is None or self.exit_signal.received_at is None:
-                raise
-            # a scheduler stopping the job signals every step of it, the rollout cluster's too (hetjob)
-            log.warning("exit signal: the rollout side failed after it; stopped after step %d; exiting 0", done)
-            return None
-
-    def _log_unsynced(self, done: int) -> None:
-        """The row of step ``done`` when its update is saved but the weight sync after it failed: its update's and
-        rollouts' metrics (no sync or timing), so the record has every step the weights hold."""
-        step, metrics = self.unsynced
-        if step == done and self.writer is not None:
-            with contextlib.suppress(LogWriteError):  # the run stops on the lost rollout side either way
-                self.writer.log(step, metrics)
-
-    def _log_or_stop(self, step: int, metrics: dict[str, float], loader: PromptLoader) -> bool:
-        """The step's metrics into the sinks (collective where there are several ranks: whether the driver's write
-        failed). A failed write (a full disk) saves this step's update when --save is set, then stops the run: the
-        driver raises the one line naming the file, the step and the OS error; the others return True."""
-        failure = None
-        try:
-            if self.writer is not None:
-                self.writer.log(step, metrics)
-                self.writer.log_samples(step, self.samples)  # --log-samples: to TensorBoard and W&B
-        except LogWriteError as exc:
-            failure = exc
-        if not any_rank(failure is not None):
-            return False
-        if self.cfg.checkpoint.save and self.saved_step < step:
-            self.save(step, loader)
-            self.saved_step = step
-        if failure is None:
-            return True
-        self._kept(failure, step)
-        raise failure
-
-    def _kept(self, failure: LogWriteError, done: int) -> None:
-        """Say in ``failure``'s line what the run kept: the update of step ``done`` (saved when --save is set)."""
-        save = self.cfg.checkpoint.save
-        if not done:
-            failure.outcome = "stopped before the first update (nothing to keep)"
-        elif save:
-            failure.outcome = f"stopped; step {done}'s update is saved: free space and resume with --load {save}"
-        else:
-            failure.outcome = f"stopped; step {done}'s update is not kept (no --save)"
-
-    def _save_or_stop(self, step: int, loader: PromptLoader) -> bool:
-        """The checkpoint when due; then True when the exit signal stops the run (saved after this step)."""
-        saved = self.checkpoints.due(step)
-        if saved:  # --async-save: written in the background, but the run's last save is waited for
-            self.save(step, loader, background=step < self.cfg.run.train_iters)
-            self.saved_step = step
-        if self.exit_signal is None or step == self.cfg.run.train_iters or not self.exit_signal.should_stop():
-            return False
-        log.warning("exit signal: every rank stops after step %d", step)
-        if self.cfg.checkpoint.save and not saved:
-            self.save(step, loader)
-        self.checkpoints.wait()
-        log.warning("exit signal: stopped after step %d (checkpoint: %s); exiting 0", step, self.cfg.checkpoint.save)
-        return True
-
-    def _save_last_update(self, loader: PromptLoader) -> int:
-        """After the rollout side failed in the middle of a step: save the last step whose update the weights hold
-        (this one when the failure came after its update, during the weight sync; else the one before), at the data
-        position right after that step's own prompts (prompts drawn ahead for the next step go back). Returns it."""
-        done, position = self.updated
-        if self.cfg.checkpoint.save and done > self.saved_step:
-            loader.load_state_dict(position)
-            self.pending_step = None  # rollouts generated ahead are lost with the step; a resume generates them
-            self.save(done, loader, position=position)
-            self.saved_step = done
-        return done
-
     def step(self, loader: PromptLoader, step: int) -> dict[str, float]:
         """One training step (collective): this step's rollouts (generated now, or during the previous step with
         ``--off-policy-steps 1``), the next step's generation started in the background, the update, a reference
@@ -392,11 +304,6 @@ class Trainer:
         run with the weights of the step before (:meth:`_step_unless_lost` saves them)."""
         if gen is not None:
             dump_rollouts(self.cfg.run, step, gen.rollouts, self.dump_context)
-
-    def _rollout_side(self) -> contextlib.AbstractContextManager[None]:
-        """The driver's calls to the rollout side: after the exit signal, their failure is the job's stop."""
-        signal = self.exit_signal if self.driver else None
-        return stopped_with_the_job(lambda: signal is not None and signal.received_at is not None)
 
     def _distribute(self, gen: Generated | None) -> RolloutBatch:
         """Every rank's data-parallel share of the driver's rollouts (collective; tensors, not pickles)."""
