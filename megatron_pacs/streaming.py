@@ -63,7 +63,7 @@ class StreamProducer:
         self._restored: dict[str, Any] | None = None
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._closed = self._running = False
+        self._closed = self._running = self._started = False
         self._paused = True
         self._error: BaseException | None = None
         self._version, self._next_step = 0, 1
@@ -92,8 +92,8 @@ class StreamProducer:
             self._kept[step] = state
 
     def start(self, loader: PromptLoader) -> None:
-        """Build the stream on ``loader`` (already at the resumed position) and start its thread (paused until the
-        first step takes its groups)."""
+        """Build the stream on ``loader`` (already at the resumed position) and start its thread, which generates
+        nothing until the first step takes its groups (the run's first validation has the fleet to itself)."""
         self.loader = loader
         self.stream = RolloutStream(self.cfg, self.tokenizer, loader.next_rows)
         if self._restored is not None:
@@ -108,7 +108,8 @@ class StreamProducer:
         """Whether the stream has something to do now (call with the lock held)."""
         s = self.stream
         assert s is not None
-        if self._closed or self._error is not None:
+        if self._closed or self._error is not None or not self._started:
+            # nothing before the first step takes its groups: the fleet is the start's validation's until then
             return False
         if self.deterministic:
             if s.takeable(self._next_step):
@@ -173,7 +174,7 @@ class StreamProducer:
         assert s is not None, "start() the stream first"
         started = time.perf_counter()
         with self._guard(), self._cv:
-            self._version, self._next_step, self._paused = version, step, False
+            self._version, self._next_step, self._paused, self._started = version, step, False, True
             self._cv.notify_all()
             while not s.takeable(step):
                 self._raise()

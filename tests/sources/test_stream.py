@@ -189,3 +189,33 @@ def test_a_stream_whose_every_group_is_filtered_fails_naming_the_flag():
     assert s.counters.filtered == 3 * B and not s.takeable(1)
     with pytest.raises(RuntimeError, match=r"step 1: --filter-groups zero-variance: 12 groups .*--max-filter-rounds 2"):
         s.check_filtering(1)
+
+
+def test_the_stream_thread_generates_nothing_before_the_first_step_takes_its_groups():
+    """megatron_pacs.streaming, with this module's scripted engine: under --deterministic-mode the thread runs rounds
+    until the next step can take its groups, whatever the trainer's timing, but none before the first step takes
+    its own. Until then the fleet is the start's validation's: a round beside it made the chunks, and so the samples,
+    depend on which call the engines served first."""
+    import threading
+    import time
+
+    from megatron_pacs.streaming import StreamProducer
+
+    calls = []
+
+    def generate(prompts, sampling):
+        calls.append(threading.current_thread().name)
+        return scripted_generate(prompts, sampling)
+
+    args = ["--max-staleness", "1", "--global-batch-size", str(B), "--group-size", str(N), "--deterministic-mode"]
+    args += ["--ppo-mini-batch-size", "2", "--max-response-length", str(LIMIT), "--max-prompt-length", "64"]
+    score = lambda texts, truths: SimpleNamespace(scores=_score(texts))  # noqa: E731
+    producer = StreamProducer(parse_config(args), Tokenizer(), generate, score)
+    producer.start(PromptLoader(ROWS, B, seed=0))
+    try:
+        time.sleep(0.3)
+        assert calls == []
+        gen = producer.rollouts(None, 1, 0)
+        assert gen.rollouts.batch.num_prompts == B and set(calls) == {"rollout-stream"}
+    finally:
+        assert producer.close(timeout=10)
