@@ -14,7 +14,8 @@ modes:
   lost      the same without a signal, the sync raising RolloutClusterLost (a rollout cluster that did not come
             back within --rollout-cluster-reconnect-seconds, raised here in its place): fit raises it after saving.
   stream    the asynchronous stream (``--max-staleness 2 --partial-rollouts``, rounds of 4 tokens,
-            ``--deterministic-mode``, ``--lr 0``, --exit-signal-handler): engine 0 is killed during the stream's
+            ``--deterministic-mode``, ``--lr 0``, --exit-signal-handler, ``--weight-sync broadcast``: the separate
+            rollout cluster's transport, on gloo here): engine 0 is killed during the stream's
             second round, whose responses all continue from the first round's tokens; step 2's weight sync then
             fails right after a SIGTERM (as in ``stopped``). Writes each round's request and tokens, the killed
             round asked again afterwards (the frozen weights make them comparable exactly), and what was saved.
@@ -310,7 +311,9 @@ def main() -> int:
         cfg = dataclasses.replace(cfg, run=run, rollout=rollout, optim=optim)
     elif args.mode == "stream":
         run = dataclasses.replace(run, exit_signal_handler=True)
-        rollout = dataclasses.replace(cfg.rollout, max_staleness=2, partial_rollouts=True, rollout_round_tokens=4)
+        rollout = dataclasses.replace(
+            cfg.rollout, max_staleness=2, partial_rollouts=True, rollout_round_tokens=4, weight_sync="broadcast"
+        )
         model = dataclasses.replace(cfg.model, deterministic_mode=True)
         ckpt = dataclasses.replace(cfg.checkpoint, save=str(out / "ckpt_stream"), save_interval=100)
         optim = OptimConfig(lr=0.0)
