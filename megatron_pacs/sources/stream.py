@@ -224,25 +224,60 @@ class RolloutStream:
         done = (g for g in self.groups if g.rewards is not None)
         return sorted(done, key=lambda g: (g.deadline, g.done_round, g.uid))
 
+    def _late(self, step: int, chosen: Sequence[StreamGroup]) -> int | None:
+        """The earliest deadline d that the groups left after step ``step`` takes ``chosen`` would miss: more of
+        them due by d than steps ``step + 1 .. d`` take (B each). None when every group can still make its own.
+
+        Taking the finished groups first is not enough by itself: a step that takes groups due later, because
+        those finished while earlier ones still generate, leaves more groups due at one step than it can take, and
+        the rest would be trained past their deadline (K + 1 updates old).
+        """
+        taken = {id(g) for g in chosen}
+        left = sorted(g.deadline for g in self.groups if id(g) not in taken)
+        for i, d in enumerate(left):
+            if (i + 1 == len(left) or left[i + 1] != d) and i + 1 > (d - step) * self.batch_size:
+                return d
+        return None
+
+    def _choice(self, step: int) -> list[StreamGroup]:
+        """Step ``step``'s B groups (the earliest deadlines among the finished), or none while it must wait."""
+        chosen = self.ready()[: self.batch_size]
+        if len(chosen) < self.batch_size or self.due_open(step):
+            return []
+        return chosen
+
     def due_open(self, step: int) -> list[StreamGroup]:
-        """Groups due by ``step`` that are not finished and scored."""
-        return [g for g in self.groups if g.deadline <= step and g.rewards is None]
+        """The groups not finished and scored that step ``step`` waits for: those due by the earliest deadline the
+        remaining groups would miss if it took the finished ones now (at the least, those due by ``step``)."""
+        late = self._late(step, self.ready()[: self.batch_size])
+        if late is None:  # (with every group due by then finished, there is nothing to wait for: it takes them)
+            return []
+        return [g for g in self.groups if g.deadline <= late and g.rewards is None]
 
     def takeable(self, step: int) -> bool:
-        """Step ``step`` can take its B groups now (a group due by then is still open: not yet)."""
-        return not self.due_open(step) and len(self.ready()) >= self.batch_size
+        """Step ``step`` can take its B groups now, leaving every other group able to make its deadline."""
+        return bool(self._choice(step))
 
     def drop_due(self, step: int) -> int:
-        """``--staleness-policy drop``: release the groups due by ``step`` that are still open; returns how many."""
-        due = self.due_open(step)
-        for g in due:
+        """``--staleness-policy drop``: release the groups that step ``step`` would wait for and that could not all
+        make their deadline (the excess of :meth:`due_open`, latest admitted first); returns how many."""
+        chosen = self.ready()[: self.batch_size]
+        late = self._late(step, chosen)
+        if late is None:
+            return 0
+        taken = {id(g) for g in chosen}
+        due = [g for g in self.groups if id(g) not in taken and g.deadline <= late]
+        excess = len(due) - max(0, late - step) * self.batch_size
+        still_open = sorted((g for g in due if g.rewards is None), key=lambda g: g.uid, reverse=True)[:excess]
+        for g in still_open:
             self._release(g)
-        self.counters.dropped += len(due)
-        return len(due)
+        self.counters.dropped += len(still_open)
+        return len(still_open)
 
     def take(self, step: int) -> list[StreamGroup]:
         """Remove and return step ``step``'s B groups (:meth:`takeable` must hold)."""
-        chosen = self.ready()[: self.batch_size]
+        chosen = self._choice(step)
+        assert chosen, f"step {step}: not takeable"
         for g in chosen:
             self.groups.remove(g)
         self._filtered_at_take = self.counters.filtered

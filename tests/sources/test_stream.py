@@ -219,3 +219,38 @@ def test_the_stream_thread_generates_nothing_before_the_first_step_takes_its_gro
         assert gen.rollouts.batch.num_prompts == B and set(calls) == {"rollout-stream"}
     finally:
         assert producer.close(timeout=10)
+
+
+def _finish(groups) -> None:
+    """Mark ``groups`` finished and scored, as a round and the scorer would."""
+    for g in groups:
+        for r in g.responses:
+            r.tokens, r.logprobs, r.versions, r.finish = [5, 2], [-0.5, -0.5], [g.version] * 2, "stop"
+        g.rewards, g.texts, g.done_round = [0.0, 1.0], ["x", "y"], 0
+
+
+@pytest.mark.parametrize("policy", ["wait", "drop"])
+def test_a_step_takes_no_later_group_that_would_leave_earlier_ones_past_their_deadline(policy):
+    """K=2: 3B groups admitted under the first weights, all due by step 3. Step 1 takes B of them; B more are
+    admitted, due by step 4, and finish while the 2B earlier ones still generate. Taking those B at step 2 would
+    leave 2B groups due at step 3, which takes B: half of them would train 3 updates old (found by the benchmark
+    with 192-token responses: staleness 5 under K=4). Step 2 waits for B of the earlier ones instead, or with
+    --staleness-policy drop releases the excess B (counted)."""
+    s, _ = _stream(2, "--partial-rollouts", "--staleness-policy", policy)
+    s.admit(0)
+    _finish(s.groups[:B])
+    s.take(1)
+    assert s.admit(1) == B
+    early, later = s.groups[: 2 * B], s.groups[2 * B :]
+    assert {g.deadline for g in early} == {3} and {g.deadline for g in later} == {4}
+    _finish(later)
+    assert not s.takeable(2) and s.due_open(2) == early  # the earlier ones are not due yet, but needed now
+    if policy == "drop":
+        assert s.drop_due(2) == B and s.counters.dropped == B and s.groups[:B] == early[:B]
+    else:
+        _finish(early[:B])
+    assert s.takeable(2) and s.take(2) == (later if policy == "drop" else early[:B])
+    if policy == "wait":
+        assert not s.takeable(3) and s.due_open(3) == early[B:]
+        _finish(early[B:])
+        assert s.take(3) == early[B:]  # trained by its deadline: 2 updates old
