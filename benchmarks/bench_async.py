@@ -8,10 +8,16 @@ end-of-sequence logit by s (an untied copy of the output layer), so that at temp
 end and run on, a few to ``--max-response-length``; a synchronous step waits for its longest response.
 
 Per schedule: rollout tokens per second (the steps after the first, whose start-up no schedule shares), the median
-step time, and the mean engine and trainer idle time per step, with the ratio of tokens/s to on-policy's.
+step time, and the mean engine and trainer idle time per step, with the ratio of tokens/s to on-policy's. The
+partial-rollout schedules run once per ``--round-tokens`` value (``--rollout-round-tokens``).
 
-    python benchmarks/bench_async.py [--out runs/bench_async] [--steps 8] [--max-response-length 96] [--eos-scale 0.4]
-        [--learning-steps 30 --seeds 0 1 2]
+The learning comparison trains on-policy and K=4 for ``--learning-steps`` steps per seed and reports two rewards: the
+training batches' over the last 5 steps, and the final policy's on 64 held-out problems (greedy, the demo's
+validation). Under K=4 a step's batch was sampled by weights up to 4 updates older than the step's own, so its reward
+lags the policy it reports on; the held-out reward is that of the weights after the last step.
+
+    python benchmarks/bench_async.py [--out runs/bench_async] [--steps 12] [--max-response-length 96] [--eos-scale 0.4]
+        [--round-tokens 16 32] [--learning-steps 30 --seeds 0 1 2]
 """
 
 from __future__ import annotations
@@ -30,6 +36,19 @@ SCHEDULES = {
     "K=4, partial": ["--max-staleness", "4", "--partial-rollouts"],
 }
 LEARNING = ("on-policy", "K=4, partial")
+
+
+def _schedules(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The selected schedules, the partial-rollout ones once per ``--round-tokens`` value."""
+    out = {}
+    for name in args.schedules:
+        if "--partial-rollouts" not in SCHEDULES[name]:
+            out[name] = SCHEDULES[name]
+            continue
+        for tokens in args.round_tokens:
+            label = name if len(args.round_tokens) == 1 else f"{name}, rounds of {tokens}"
+            out[label] = [*SCHEDULES[name], "--rollout-round-tokens", str(tokens)]
+    return out
 
 
 def _flags(model: Path, data: Path, args: argparse.Namespace) -> list[str]:
@@ -96,12 +115,19 @@ def _summary(steps: list[dict]) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/bench_async"))
-    p.add_argument("--steps", type=int, default=8, help="steps per schedule for the throughput table")
+    p.add_argument("--steps", type=int, default=12, help="steps per schedule for the throughput table")
     p.add_argument("--max-response-length", type=int, default=96)
     p.add_argument("--eos-scale", type=float, default=0.4, help="1: the demo model's own lengths")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    p.add_argument(
+        "--round-tokens",
+        type=int,
+        nargs="+",
+        default=[16, 32],
+        help="--rollout-round-tokens values (the first: learning)",
+    )
     p.add_argument("--learning-steps", type=int, default=0, help="0: no learning comparison")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = p.parse_args()
@@ -116,15 +142,15 @@ def main() -> None:
     base = _flags(model, data, args)
 
     table = {}
-    for name in args.schedules:
-        extra = SCHEDULES[name]
+    for name, extra in _schedules(args).items():
         log_dir = args.out / "throughput" / name.replace(" ", "_").replace(",", "").replace("=", "")
         steps = _run([*base, "--train-iters", str(args.steps), *extra], log_dir)
         table[name] = _summary(steps)
         print(f"{name}: {table[name]}", flush=True)
-    baseline = table[args.schedules[0]]["tokens_per_s"]
+    baseline = table[next(iter(table))]["tokens_per_s"]
     print(f"\nbaseline: {args.schedules[0]}, same run; {args.steps} steps each, the first excluded")
     print(f"end-of-sequence logit x{args.eos_scale:g}, --max-response-length {args.max_response_length}")
+    print(f"--rollout-round-tokens {' '.join(map(str, args.round_tokens))}")
     print(
         "| schedule | tokens/s | x on-policy | step s (median) | engines idle s | trainer idle s | resp len mean/max "
         "| staleness max |"
@@ -138,26 +164,47 @@ def main() -> None:
         )
     (args.out / "throughput.json").write_text(json.dumps(table, indent=2))
     if args.learning_steps:
-        _learning(base, args)
+        _learning(base, args, _write_jsonl)
 
 
-def _learning(base: list[str], args: argparse.Namespace) -> None:
+def _sd(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def _learning(base: list[str], args: argparse.Namespace, write_jsonl) -> None:
+    from megatron_pacs.demo import task as demo_task
     from megatron_pacs.utils.plot import plot_runs
 
+    val = args.out / "val.jsonl"
+    write_jsonl(demo_task.make_problems(64, seed=0, split="val"), val)
+    held_out = ["--val-data", str(val), "--eval-interval", str(args.learning_steps)]  # at the start and the end
+    schedules = _schedules(argparse.Namespace(schedules=list(LEARNING), round_tokens=args.round_tokens[:1]))
     curves: dict[str, list[float]] = {}
+    final: dict[str, float] = {}
     dirs = []
-    for name in LEARNING:
+    for name, extra in schedules.items():
         for seed in args.seeds:
             log_dir = args.out / "learning" / f"{name.replace(' ', '_').replace(',', '').replace('=', '')}_s{seed}"
-            extra = [*SCHEDULES[name], "--train-iters", str(args.learning_steps), "--seed", str(seed)]
-            curves[f"{name}, seed {seed}"] = [m["rollout/reward_mean"] for m in _run([*base, *extra], log_dir)]
+            flags = [*base, *extra, *held_out, "--train-iters", str(args.learning_steps), "--seed", str(seed)]
+            steps = _run(flags, log_dir)
+            label = f"{name}, seed {seed}"
+            curves[label] = [m["rollout/reward_mean"] for m in steps]
+            final[label] = next(v for k, v in steps[-1].items() if k.startswith("val/") and k.endswith("/reward_mean"))
             dirs.append(log_dir)
-    print("\n| schedule | seed | reward, first 5 steps | reward, last 5 steps |")
-    print("|---|---|---|---|")
+    print("\n| schedule | seed | batch reward, first 5 steps | batch reward, last 5 steps | held-out reward, final |")
+    print("|---|---|---|---|---|")
     for label, rewards in curves.items():
         name, seed = label.rsplit(", seed ", 1)
-        print(f"| {name} | {seed} | {statistics.mean(rewards[:5]):.3f} | {statistics.mean(rewards[-5:]):.3f} |")
-    (args.out / "learning.json").write_text(json.dumps(curves, indent=2))
+        first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
+        print(f"| {name} | {seed} | {first:.3f} | {last:.3f} | {final[label]:.3f} |")
+    print("\n| schedule | batch reward, last 5 steps (mean, sd) | held-out reward, final (mean, sd) |")
+    print("|---|---|---|")
+    for name in schedules:
+        last = [statistics.mean(curves[f"{name}, seed {s}"][-5:]) for s in args.seeds]
+        held = [final[f"{name}, seed {s}"] for s in args.seeds]
+        cells = [f"{statistics.mean(xs):.3f} ({_sd(xs):.3f})" for xs in (last, held)]
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
+    (args.out / "learning.json").write_text(json.dumps({"curves": curves, "held_out_final": final}, indent=2))
     plot_runs(dirs, args.out / "learning.png", keys=["rollout/reward_mean"], labels=list(curves), smooth=3)
     print(f"plot: {args.out / 'learning.png'}")
 
