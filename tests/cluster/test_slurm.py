@@ -112,8 +112,14 @@ def _submit(slurm: SlurmCluster, run: Path, *sbatch_args: str, **env: str) -> in
 
 
 def _job_out(run: Path) -> str:
+    """The job's whole output, every start of it (checks read it all: a noisy start can push a line out of a tail)."""
     path = run / "job.out"
-    return path.read_text(errors="replace")[-8000:] if path.exists() else "(no job output)"
+    return path.read_text(errors="replace") if path.exists() else "(no job output)"
+
+
+def _tail(text: str) -> str:
+    """What a failed check shows of a job's output: its last 8,000 characters."""
+    return text[-8000:]
 
 
 def _poll(ready: Callable[[], bool], timeout: float, what: str, every: float = 0.25) -> float:
@@ -155,7 +161,7 @@ def _plain(slurm: SlurmCluster, setup: Path, root: Path) -> Plain:
     assert proc.returncode == 0, (direct / "out.log").read_text(errors="replace")[-6000:]
     fields = slurm.wait_state(job, FINISHED, timeout=240)
     seconds = time.monotonic() - started
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", (fields, _job_out(run))
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", (fields, _tail(_job_out(run)))
     return Plain(run, direct, seconds)
 
 
@@ -190,7 +196,7 @@ def _follow(slurm: SlurmCluster, job: int, run: Path, timeout: float) -> dict:
     try:
         _poll(finished, timeout, f"job {job} finished", every=0.5)
     except TimeoutError as e:
-        raise TimeoutError(f"{e}: {seen}\n{_job_out(run)}\n{slurm.logs()}") from None
+        raise TimeoutError(f"{e}: {seen}\n{_tail(_job_out(run))}\n{slurm.logs()}") from None
     return seen
 
 
@@ -200,7 +206,7 @@ def _preempted(slurm: SlurmCluster, setup: Path, run: Path) -> dict:
     job = _submit(slurm, run, **_env(setup, run))
 
     def step_1_logged() -> bool:
-        assert not (run / "job.out").exists() or "training finished" not in _job_out(run), _job_out(run)
+        assert not (run / "job.out").exists() or "training finished" not in _job_out(run), _tail(_job_out(run))
         return bool(_metrics(run))
 
     _poll(step_1_logged, 300, "step 1 of the job to preempt", every=0.1)
@@ -228,7 +234,7 @@ def _time_limited(slurm: SlurmCluster, setup: Path, run: Path) -> dict:
     first_save = run / "ckpt" / "iter_0000020" / "megatron_pacs.json"
 
     def saved() -> bool:
-        assert slurm.job(job).get("JobState") not in FINISHED, _job_out(run)
+        assert slurm.job(job).get("JobState") not in FINISHED, _tail(_job_out(run))
         return first_save.exists()
 
     _poll(saved, 300, "the time-limited job's first periodic save", every=0.5)
@@ -272,7 +278,7 @@ def _het_plain(slurm: SlurmCluster, setup: Path, run: Path, ray_tmp: Path) -> fl
     started = time.monotonic()
     job = _het_submit(slurm, setup, run, ray_tmp)
     fields = slurm.wait_state(job, FINISHED, timeout=540)
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", (fields, _job_out(run))
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", (fields, _tail(_job_out(run)))
     return time.monotonic() - started
 
 
@@ -282,7 +288,7 @@ def _het_preempted(slurm: SlurmCluster, setup: Path, run: Path, ray_tmp: Path) -
     job = _het_submit(slurm, setup, run, ray_tmp)
 
     def step_1_logged() -> bool:
-        assert slurm.job(job).get("JobState") not in FINISHED, _job_out(run)
+        assert slurm.job(job).get("JobState") not in FINISHED, _tail(_job_out(run))
         return bool(_metrics(run))
 
     _poll(step_1_logged, 420, "step 1 of the hetjob to preempt", every=0.1)
@@ -336,7 +342,7 @@ def test_sbatch_runs_the_tiny_job_to_completion_equal_to_the_direct_launch(jobs)
     a, b = _weights(plain.run, int(STEPS)), _weights(plain.direct, int(STEPS))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     out = _job_out(plain.run)
-    assert "training finished" in out and "requeueing" not in out, out
+    assert "training finished" in out and "requeueing" not in out, _tail(out)
     assert not list((plain.run / "stops").glob("*.json"))
 
 
@@ -349,11 +355,11 @@ def _stopped_step(run: Path, last: int = int(STEPS)) -> int:
 def test_scancel_signal_term_mid_step_saves_requeues_resumes_and_equals_the_plain_run(jobs):
     seen, plain, run = jobs.result("preempted"), jobs.result("plain"), jobs.root / "pre"
     out = _job_out(run)
-    assert seen.get("state") == "COMPLETED", (seen, out)
+    assert seen.get("state") == "COMPLETED", (seen, _tail(out))
     stopped = _stopped_step(run)
     assert 1 <= stopped < int(STEPS), stopped
-    assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, out
-    assert out.count("training finished") == 1 and "restart 1): training finished" in out, out
+    assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, _tail(out)
+    assert out.count("training finished") == 1 and "restart 1): training finished" in out, _tail(out)
     # The first start's steps up to the stopped one stay in metrics.jsonl (the resumed trainer drops only the rows
     # after its checkpoint), followed by the resumed start's.
     rows = _metrics(run)
@@ -372,14 +378,14 @@ def test_signal_term_before_the_time_limit_saves_and_requeues(slurm, jobs):
     limited, run = jobs.result("time_limited"), jobs.root / "limit"
     job = limited["job"]
     out = _job_out(run)
-    assert int(slurm.job(job).get("Restarts", "0")) == 1, out
-    assert "exit signal: got SIGTERM; stopping after the step in progress (grace period 8s)" in out, out
+    assert int(slurm.job(job).get("Restarts", "0")) == 1, _tail(out)
+    assert "exit signal: got SIGTERM; stopping after the step in progress (grace period 8s)" in out, _tail(out)
     stopped = int((run / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
     meta = json.loads((run / "ckpt" / f"iter_{stopped:07d}" / "megatron_pacs.json").read_text())
     assert 20 < stopped < 2000 and len(_metrics(run)) == stopped
     assert meta["parent"] == f"iter_{stopped - 1 - (stopped - 1) % 20:07d}", meta  # a periodic save came first
-    assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, out
-    assert "CANCELLED" not in slurm.job(job).get("Reason", "") and "DUE TO TIME LIMIT" not in out, out
+    assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, _tail(out)
+    assert "CANCELLED" not in slurm.job(job).get("Reason", "") and "DUE TO TIME LIMIT" not in out, _tail(out)
     print(
         f"\ntime limit (--signal=TERM@100; --time=10, then {limited['limit']} min at {limited['elapsed']} s): "
         f"stopped after step {stopped}; requeued {limited['requeued']:.1f}s after the limit was shortened"
@@ -396,8 +402,8 @@ def test_a_signal_margin_shorter_than_the_grace_period_is_refused_before_any_nod
     fields = slurm.wait_state(job, FINISHED, timeout=60)
     out = _job_out(run)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", (fields, out)
-    assert "--signal=TERM@45 sends SIGTERM 45s before the time limit" in out, out
-    assert "--exit-signal-grace-seconds 60s plus a margin of 30s" in out and "at least 90" in out, out
+    assert "--signal=TERM@45 sends SIGTERM 45s before the time limit" in out, _tail(out)
+    assert "--exit-signal-grace-seconds 60s plus a margin of 30s" in out and "at least 90" in out, _tail(out)
     assert "training on" not in out and not (run / "logs").exists()
 
 
@@ -407,11 +413,11 @@ def test_hetjob_runs_the_tiny_recipe_against_its_own_ray_cluster_to_completion(j
     seconds, run = jobs.result("het_plain"), jobs.root / "het"
     out = _job_out(run)
     print(f"\nhetjob: sbatch to COMPLETED in {seconds:.1f}s")
-    assert out.count("rollout cluster up: RAY_ADDRESS=ray://node") == 1, out
-    assert "training finished" in out and "requeueing" not in out, out
-    assert "fleet: 1 engine(s) ready" in out, out
+    assert out.count("rollout cluster up: RAY_ADDRESS=ray://node") == 1, _tail(out)
+    assert "training finished" in out and "requeueing" not in out, _tail(out)
+    assert "fleet: 1 engine(s) ready" in out, _tail(out)
     rows = _metrics(run)
-    assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1)), out
+    assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1)), _tail(out)
     assert all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows), rows
 
 
@@ -427,13 +433,12 @@ def test_hetjob_scancel_signal_term_saves_requeues_resumes_on_a_new_ray_cluster_
     seen, run = jobs.result("het_preempted"), jobs.root / "het-pre"
     jobs.result("het_plain")
     out = _job_out(run)
-    assert seen.get("state") == "COMPLETED", (seen, out)
+    assert seen.get("state") == "COMPLETED", (seen, _tail(out))
     stopped = _stopped_step(run)
     assert 1 <= stopped < int(STEPS), stopped
-    assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, out
-    whole = (run / "job.out").read_text(errors="replace")  # both starts (out is its tail)
-    assert whole.count("rollout cluster up: RAY_ADDRESS=ray://node") == 2, out  # one Ray cluster per start
-    assert whole.count("training finished") == 1 and "restart 1): training finished" in out, out
+    assert f"every node stopped cleanly on the exit signal after saving step {stopped}: requeueing" in out, _tail(out)
+    assert out.count("rollout cluster up: RAY_ADDRESS=ray://node") == 2, _tail(out)  # one Ray cluster per start
+    assert out.count("training finished") == 1 and "restart 1): training finished" in out, _tail(out)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(1, int(STEPS) + 1)), rows
     assert [r for r in rows if r["step"] <= stopped] == [r for r in seen["first_rows"] if r["step"] <= stopped]
