@@ -19,7 +19,7 @@ from megatron_pacs.config import TrainConfig, parse_config
 from megatron_pacs.outputs import check_outputs, describe_outputs, resolve_log_dir
 from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError
-from megatron_pacs.utils.interrupts import interrupted_line, interruption_of, raise_on_sigterm
+from megatron_pacs.utils.interrupts import interrupted_line, interruption_of, raise_on_sigint, raise_on_sigterm
 from megatron_pacs.utils.log_writes import LogWriteError
 
 
@@ -104,6 +104,7 @@ def _train(cfg: TrainConfig) -> int:
 
 if __name__ == "__main__":
     raise_on_sigterm()  # SIGTERM and Ctrl-C end the run with one line (below); --exit-signal-handler replaces it
+    raise_on_sigint()
     try:
         sys.exit(main())
     except ValueError as exc:  # bad flags or data: the message names the flag and the fix

@@ -45,6 +45,7 @@ from megatron_pacs.streaming import StreamProducer
 from megatron_pacs.update import update_policy
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.heartbeat import Heartbeat
+from megatron_pacs.utils.interrupts import raise_if_swallowed
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.progress import progress_bar
 from megatron_pacs.utils.seeding import use_deterministic_kernels
@@ -183,6 +184,7 @@ class Trainer(RunStops):
         with logging_redirect_tqdm(loggers=[logging.getLogger("megatron_pacs")]):
             self.updated, self.saved_step = (start_step, loader.state_dict()), start_step
             for step in (s + 1 for s in bar):
+                raise_if_swallowed()
                 metrics = self._step_unless_lost(loader, step)
                 if metrics is None:
                     break

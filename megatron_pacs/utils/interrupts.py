@@ -5,8 +5,10 @@ Python turns Ctrl-C (SIGINT) into ``KeyboardInterrupt``; :func:`raise_on_sigterm
 reward pool) and reach ``train.py``'s entry point, which prints one line and exits 130 or 143 (128 + the signal, as
 a shell reports a process the signal ended). Raised where the main thread happens to be, the exception can surface
 wrapped (Ray's Cython code turns it into a ``SystemError`` whose cause it is: :func:`interruption_of` finds it) or
-be swallowed (raised inside a ``__del__``); for the latter a watchdog ends the process, its children with it, when
-it has not exited :data:`SIGTERM_GRACE_S` after the signal.
+be swallowed (raised inside a ``__del__``, or caught by a library's bare ``except:``). Both handlers record the
+signal, so :func:`raise_if_swallowed`, called at each step boundary, raises a swallowed one again there; and after
+SIGTERM a watchdog ends the process, its children with it, when it has not exited :data:`SIGTERM_GRACE_S` after the
+signal.
 
 Ray's ``ray.init`` installs a SIGTERM handler of its own in the driver (``sys.exit``); the fleet's start keeps this
 one (:mod:`megatron_pacs.rollout.fleet.ray_start`). ``--exit-signal-handler`` replaces it after the start-up: SIGTERM
@@ -27,6 +29,8 @@ __all__ = [
     "Terminated",
     "interrupted_line",
     "interruption_of",
+    "raise_if_swallowed",
+    "raise_on_sigint",
     "raise_on_sigterm",
     "raises_on_sigterm",
 ]
@@ -58,9 +62,42 @@ def _end_after_grace() -> None:
     os._exit(EXIT_CODES["SIGTERM"])
 
 
+_RECEIVED: list[str] = []  # the signals the handlers below turned into exceptions, in order
+
+
 def _raise(signum: int, frame: FrameType | None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: a second would cut the shutdown short
     threading.Thread(target=_end_after_grace, name="sigterm-watchdog", daemon=True).start()
+    _RECEIVED.append("SIGTERM")
+    raise Terminated()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    _RECEIVED.append("SIGINT")
+    raise KeyboardInterrupt()
+
+
+def raise_on_sigint() -> None:
+    """From here on (main thread), Ctrl-C raises ``KeyboardInterrupt`` as Python's own handler does, and records it
+    for :func:`raise_if_swallowed`."""
+    signal.signal(signal.SIGINT, _interrupt)
+
+
+def raise_if_swallowed() -> None:
+    """Raise again a Ctrl-C or SIGTERM that its handler raised and something swallowed since.
+
+    Call where no interruption can be unwinding: a step boundary. A run's own code lets both exceptions through, but
+    a library's bare ``except:`` can catch one that surfaced inside it (a suite run once trained all its steps and
+    exited 0 after a Ctrl-C during the start-up); the run then stops at the next boundary instead.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C was received (:func:`raise_on_sigint`).
+        Terminated: SIGTERM was received (:func:`raise_on_sigterm`).
+    """
+    if not _RECEIVED:
+        return
+    if _RECEIVED[0] == "SIGINT":
+        raise KeyboardInterrupt()
     raise Terminated()
 
 
