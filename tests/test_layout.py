@@ -4,9 +4,13 @@
   install then lacks that folder).
 - ``megatron.core`` is imported only under ``mcore/``, vLLM only in ``rollout/vllm_backend/``, Ray only in
   ``rollout/fleet/``; ``config/`` imports nothing heavy, so ``--help`` and the dry run stay instant.
+- The entry point's module (``megatron_pacs.train``) imports no torch: every helper process started with spawn (the
+  reward workers, the checkpoint writer's queue server) imports it again, and paid 3 s of torch each.
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import megatron_pacs
@@ -55,6 +59,12 @@ def test_config_imports_nothing_heavy():
             n.lineno for n in ast.parse(path.read_text()).body if isinstance(n, ast.Import | ast.ImportFrom)
         }
         assert not [t for t in top if t[0] in module_level], f"{path.name}: {top}"
+
+
+def test_the_entry_point_imports_no_torch():
+    code = "import sys, megatron_pacs.train; print(sorted({'torch', 'transformers', 'megatron'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_test_modules_have_unique_basenames():

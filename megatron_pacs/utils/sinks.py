@@ -12,16 +12,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, cast
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from megatron_pacs.utils.log_writes import LogWriteError, log_write
 from megatron_pacs.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CONFIG_FILE", "CONSOLE_FIELDS", "METRICS_FILE", "MetricsWriter", "read_metrics"]
 
@@ -46,7 +48,10 @@ CONSOLE_FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
 
 
 def _to_float(key: str, value: Any) -> float:
-    if isinstance(value, torch.Tensor):
+    # torch is not imported here: this module is on the entry point's import path, which each spawned helper (the
+    # reward workers, the checkpoint writer's queue server) imports again; a tensor exists only once torch is loaded
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}; log a scalar (e.g. .mean())")
         return float(value.detach().float().cpu().item())
