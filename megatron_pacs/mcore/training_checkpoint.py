@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import shutil
 import tempfile
@@ -263,8 +264,8 @@ def _write(
 ) -> None:
     """Every rank's shards, RNG state and (rank 0) driver objects into ``tmp``; with ``requests``, the shards'
     writes are not done but appended there (Megatron's asynchronous requests, to schedule)."""
-    _start_write_results_queue()
     background = requests is not None
+    _use_write_results_queue(background)
     with cuda_to_cpu():
         parts = [(tmp, _sharded(models, optimizer, is_loading=False))]
         for name, chunks in (extra_models or {}).items():
@@ -290,28 +291,47 @@ def _write(
 
 
 _write_results_manager: SyncManager | None = None
+_write_results_queue: Any = None  # the manager's queue (a proxy), for the background saves
+_in_process_results: queue.Queue = queue.Queue()  # for the synchronous saves
+
+
+def _use_write_results_queue(background: bool) -> None:
+    """Point Megatron's checkpoint writer at the results queue this save needs.
+
+    The writer reports each save's results through a module-level queue (``filesystem_async._results_queue``),
+    served by a spawned multiprocessing Manager that Megatron starts at the first save. A synchronous save writes and
+    reads its results in this process, so it gets a plain in-process queue: no server. The server had to import
+    torch and Megatron to unpickle the results, about 4 s of CPU at each process's first save. A background save
+    writes from another process and gets the server's queue (:func:`_start_write_results_queue`). Each writer keeps
+    the queue it was given, so a background save still in flight is not affected by the next save's choice.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    # hasattr: a Megatron without that module-level queue has no such server to protect (the tests would say so)
+    if not hasattr(filesystem_async, "_results_queue"):
+        return
+    if background:
+        _start_write_results_queue()
+        filesystem_async._results_queue = _write_results_queue
+    else:
+        filesystem_async._results_queue = _in_process_results
 
 
 def _start_write_results_queue() -> None:
-    """Serve Megatron's checkpoint-writer results queue from a process that outlives a scheduler's SIGTERM.
+    """Serve the background saves' results queue from a process that outlives a scheduler's SIGTERM (once).
 
-    Megatron's writer reports each save through a queue served by a multiprocessing Manager, a child process it
-    starts at the first save and keeps (``filesystem_async._results_queue``). Slurm signals every process of the job
-    step, so a preemption's or a time limit's warning SIGTERM ended that server too, and the save that
-    ``--exit-signal-handler`` makes next failed with ``[Errno 32] Broken pipe``: every stop after the first periodic
-    checkpoint was lost. This starts the server first, ignoring SIGTERM and SIGINT and ending with its rank
-    (:func:`~megatron_pacs.utils.exit_signal.ignore_stop_signals`).
+    Slurm signals every process of the job step, so a preemption's or a time limit's warning SIGTERM ended the
+    server Megatron starts, and the save that ``--exit-signal-handler`` makes next failed with ``[Errno 32] Broken
+    pipe``: every stop after the first checkpoint was lost. This starts the server first, ignoring SIGTERM and SIGINT
+    and ending with its rank (:func:`~megatron_pacs.utils.exit_signal.ignore_stop_signals`).
     """
-    global _write_results_manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    # getattr: a Megatron without that module-level queue has no such server to protect (the test would say so)
-    if _write_results_manager is not None or getattr(filesystem_async, "_results_queue", True) is not None:
+    global _write_results_manager, _write_results_queue
+    if _write_results_manager is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))  # spawn, as Megatron's: this process has threads
     with stop_signals_blocked():  # a SIGTERM during its start-up must not end it
         manager.start(ignore_stop_signals, (os.getpid(),))
-    filesystem_async._results_queue = manager.Queue()
+    _write_results_queue = manager.Queue()
     _write_results_manager = manager  # the queue's server lives as long as the manager object
 
 

@@ -190,10 +190,18 @@ def test_a_save_after_sigterm_to_every_process_the_rank_started_goes_through(tmp
     """Slurm's warning SIGTERM (``--signal``, a preemption) reaches every process of the job step. Megatron's
     checkpoint writer keeps a queue server, a child process started at the first save; it died of that SIGTERM, and
     the save ``--exit-signal-handler`` makes next failed with ``Broken pipe`` (seen in the Slurm time-limit test when
-    the signal came after a periodic save). Here: a save, SIGTERM to the queue's server, a second save."""
+    the signal came after a periodic save). Only background saves use that server now (a synchronous one reads its
+    results in the rank's own process); here: a background save, SIGTERM to the queue's server, a background save
+    and a synchronous one."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_pacs.mcore import training_checkpoint
+    from megatron_pacs.mcore.async_checkpoint import start_training_checkpoint
+
     model = _OneTensor()
-    save_training_checkpoint(tmp_path, 1, [model], None, {"branch": "any"}, parent=None, keep_last=2)
-    # the queue's server, started by this save or an earlier one in this process (this module's, test_optim's)
+    meta = {"branch": "any"}
+    assert start_training_checkpoint(tmp_path, 1, [model], None, meta, parent=None, keep_last=3).finish(blocking=True)
+    # the queue's server, started by this save or an earlier one in this process (test_async_checkpoint's)
     servers = [psutil.Process(p.pid) for p in mp.active_children() if p.name.startswith("SyncManager")]
     assert len(servers) == 1, mp.active_children()
     servers[0].send_signal(signal.SIGTERM)
@@ -201,5 +209,8 @@ def test_a_save_after_sigterm_to_every_process_the_rank_started_goes_through(tmp
     assert servers[0].is_running() and servers[0].status() != psutil.STATUS_ZOMBIE
     with torch.no_grad():
         model.weight.add_(1.0)
-    ckpt = save_training_checkpoint(tmp_path, 2, [model], None, {"branch": "any"}, parent=tmp_path / "iter_0000001")
-    assert ckpt.name == "iter_0000002" and find_latest_checkpoint(tmp_path) == ckpt
+    pending = start_training_checkpoint(tmp_path, 2, [model], None, meta, parent=tmp_path / "iter_0000001")
+    assert pending.finish(blocking=True)
+    ckpt = save_training_checkpoint(tmp_path, 3, [model], None, meta, parent=tmp_path / "iter_0000002", keep_last=3)
+    assert filesystem_async._results_queue is training_checkpoint._in_process_results  # no server for this one
+    assert ckpt.name == "iter_0000003" and find_latest_checkpoint(tmp_path) == ckpt
