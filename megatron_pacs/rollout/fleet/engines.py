@@ -167,6 +167,9 @@ class EngineSet:
                 _temp_dir=self._temp_dir,
                 object_store_memory=int(cfg.ray_object_store_gb * 2**30),
                 num_gpus=None if gpus is None else len(gpus),
+                # Ray starts one idle worker per CPU when the first driver connects, for tasks; the fleet runs only
+                # actors with an environment of their own, which never use them (1.7 CPU-s per start on 2 cores)
+                _system_config={"prestart_worker_first_driver": False},
             )
         self._own_ray = True
 
