@@ -198,14 +198,20 @@ class StreamProducer:
 
     def drain(self) -> None:
         """Stop the stream at the next round boundary (with --deterministic-mode: once the next step's groups are
-        ready, or nothing is left to run) before the weights change; snapshot it for this step's checkpoint."""
+        ready, or nothing is left to run) before the weights change; snapshot it for this step's checkpoint.
+
+        A failure of the stream's thread is not raised here but by the next step's :meth:`rollouts`: every other
+        rank is on its way into the weight sync's gathers now, and waits for the driver's rollouts then, where
+        a lost rollout cluster (``--rollout-cluster-reconnect-seconds``) stops every rank alike. The weight sync
+        in between skips a fleet that is lost; the snapshot is whole (a failed round leaves the stream as it was
+        before it)."""
         started = time.perf_counter()
-        with self._guard(), self._cv:
+        with self._cv:
             self._paused = True
             while self._running or (self.deterministic and self._work()):
-                self._raise()
                 self._cv.wait()
-            self._raise()
+            if self._error is not None:
+                log.warning("rollout stream: stopped by %r; the next step raises it", self._error)
             self._kept[self._next_step - 1] = self._snapshot()
         self._waited += time.perf_counter() - started
 

@@ -216,12 +216,6 @@ class RolloutConfig:
                 "asynchronous rollouts generate while the actor trains, and colocated engines sleep then "
                 "(--colocate); drop one",
             )
-        if self.rollout_cluster_reconnect_seconds:
-            raise bad(
-                "rollout_cluster_reconnect_seconds",
-                "cannot stop every rank alike yet when the head stays lost while the stream generates in the "
-                "background; drop it with --max-staleness",
-            )
 
     @property
     def engine_extra_kwargs(self) -> dict[str, Any]:

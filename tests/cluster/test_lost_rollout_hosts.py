@@ -2,14 +2,17 @@
 (``--rollout-cluster-reconnect-seconds``): its head killed in its namespace mid-run, in both cases in one test (two
 trainer launches, the least suite time): the head not back within the window (a clean stop that saves and names
 the address and the flag, then a resume once the cluster is back), and back within it (the trainer connects again
-and the run completes). Then a rollout worker host that dies mid-generation: the fleet regenerates on the
-survivor. Every step equals the continuous run's (per-request sampling seeds: a regenerated step is the same step).
+and the run completes). Then the asynchronous stream across the hosts, its head lost and back within the window
+(the round in flight is repeated after the reconnect). Then a rollout worker host that dies mid-generation: the
+fleet regenerates on the survivor. Every step of the synchronous runs equals the continuous run's (per-request
+sampling seeds: a regenerated step is the same step).
 The worker's loss comes last: it leaves the cluster one host short, and the next test would start a new one (~20 s);
 the head's test ends with the cluster whole again.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -156,6 +159,46 @@ def test_lost_rollout_head_stops_cleanly_when_not_back_and_reconnects_when_back(
         f"reconnect (a): cluster restarted in {restarted:.1f} s (between the runs); after the kill: lost found, "
         f"connected again {seen} s, cluster back (both nodes) {back:.1f} s, step 3 logged {step3:.1f} s; "
         f"test {time.monotonic() - started:.1f} s"
+    )
+
+
+def test_the_stream_across_the_hosts_goes_on_when_the_head_is_lost_and_back(deployment):
+    """The asynchronous stream (--max-staleness 2 --partial-rollouts, rounds of 4 tokens) on the two training hosts
+    against the separate rollout cluster (Ray Client, broadcast sync), its head killed once step 1 is logged and
+    started again within the window (60 s): the loss is found by the stream's round beside the trainer (or by a
+    weight sync); the fleet connects again, starts the engines anew, re-syncs them from the host copy of the last
+    update and repeats the round. The run completes: four steps, no token more than 2 updates old, each prompt
+    trained at most once, the last row counting the reconnect."""
+    d = deployment
+    started = time.monotonic()
+    flags = ("--max-staleness", "2", "--partial-rollouts", "--rollout-round-tokens", "4")
+    flags += ("--rollout-cluster-reconnect-seconds", "60")
+    off = _offsets(d, "strm")
+    d.start_trainers("strm", *flags, **{**GRACE, "TRAIN_ITERS": "4", "SAVE_INTERVAL": "4"})
+    assert _wait_row(d, "strm", 1, 600), _text(d, "strm", "train0", off["train0"])[-6000:]
+    watch = _Watch(d.log("strm-train0"), off["train0"], ["fleet: lost the rollout cluster", "fleet: connected to"])
+    killed = _kill_rollout_cluster(d)
+    d.start_rollout_cluster()
+    back = time.monotonic() - killed
+    codes = d.wait_trainers(timeout=600)
+    seen = watch.since(killed)
+    logs = {h: _text(d, "strm", h, off[h]) for h in TRAIN_HOSTS}
+    assert codes == {"train0": 0, "train1": 0}, (codes, logs["train0"][-6000:])
+    rows = [r for r in d.metrics("strm") if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4], rows
+    assert rows[-1]["rollout/cluster_reconnects"] == 1.0, rows[-1]
+    assert all(r["rollout/staleness_token_max"] <= 2 for r in rows), [r["rollout/staleness_token_max"] for r in rows]
+    ids = []
+    for step in range(1, 5):
+        dumped = (d.workdir / "strm" / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        ids += list(dict.fromkeys(json.loads(line)["id"] for line in dumped))  # one id per group
+    assert len(ids) == 16 and len(set(ids)) == 16, ids
+    assert (d.workdir / "strm-ckpt" / "iter_0000004" / "megatron_pacs.json").exists()
+    assert wait_engines_gone(d) == {}
+    print(
+        f"stream, head lost and back: lost found, connected again {seen} s after the kill, cluster back "
+        f"{back:.1f} s; staleness max {[r['rollout/staleness_token_max'] for r in rows]}, spanning "
+        f"{[round(r['rollout/spanning_responses'], 2) for r in rows]}; test {time.monotonic() - started:.1f} s"
     )
 
 

@@ -254,3 +254,43 @@ def test_a_step_takes_no_later_group_that_would_leave_earlier_ones_past_their_de
         assert not s.takeable(3) and s.due_open(3) == early[B:]
         _finish(early[B:])
         assert s.take(3) == early[B:]  # trained by its deadline: 2 updates old
+
+
+def test_a_failure_of_the_stream_thread_is_raised_by_the_next_step_not_by_the_drain():
+    """megatron_pacs.streaming, with this module's scripted engine standing in for a fleet whose rollout cluster
+    is lost for good once step 1 has taken its groups (its generate raises RolloutClusterLost from then on). The
+    drain before the weight sync must not raise it: the other ranks are in the sync's gathers then, and would wait
+    for the driver there. It is raised by the next step's rollouts (where every rank waits for the driver's: the
+    stop reaches them), and the snapshot the drain keeps for the step's checkpoint is the stream as the last round
+    that succeeded left it."""
+    from megatron_pacs.rollout.lost import RolloutClusterLost
+    from megatron_pacs.streaming import StreamProducer
+
+    failed = []
+
+    def generate(prompts, sampling):
+        if producer._next_step > 1:  # step 1 took its groups (set before the thread is woken for the next round)
+            failed.append(len(prompts))
+            raise RolloutClusterLost("the rollout cluster at ray://h:10001 was lost")
+        return scripted_generate(prompts, sampling)
+
+    args = ["--max-staleness", "1", "--global-batch-size", str(B), "--group-size", str(N), "--partial-rollouts"]
+    args += ["--ppo-mini-batch-size", "2", "--max-response-length", str(LIMIT), "--max-prompt-length", "64"]
+    # rounds until step 2 could take its groups, which are still generating when step 1 takes its own
+    args += ["--rollout-round-tokens", "4", "--deterministic-mode"]
+    score = lambda texts, truths: SimpleNamespace(scores=_score(texts))  # noqa: E731
+    producer = StreamProducer(parse_config(args), Tokenizer(), generate, score)
+    producer.start(PromptLoader(ROWS, B, seed=0))
+    try:
+        producer.rollouts(None, 1, 0)
+        producer.drain()  # waits for the failed round beside step 1's update; must not raise
+        assert len(failed) == 1
+        kept = producer.kept(1)
+        assert kept is not None and kept["stream"]["counters"].rounds == producer.stream.counters.rounds
+        responses = [r for g in kept["stream"]["groups"] for r in g.responses]
+        assert any(not r.finish for r in responses)
+        assert all(len(r.tokens) == len(r.versions) == len(r.logprobs) for r in responses)
+        with pytest.raises(RolloutClusterLost, match="was lost"):
+            producer.rollouts(None, 2, 1)
+    finally:
+        assert producer.close(timeout=10)
