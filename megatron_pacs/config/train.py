@@ -95,12 +95,6 @@ class TrainConfig:
                 "tis compares with the engines' raw log-probs, which are the behaviour policy only when sampling at "
                 "--temperature 1 with --top-p 1 and --top-k -1; drop it or sample so",
             )
-        if r.max_staleness is not None and self.model.router_replay != "off":
-            raise bad(
-                "router_replay",
-                "r3 replays one engine call's routing per response, and --max-staleness generates a response over "
-                "several calls; use --router-replay off with it",
-            )
         if self.model.fp8_format and self.model.fp8_score_precision == "bf16" and self.batch.keep_groups_in_microbatch:
             raise bad(
                 "fp8_score_precision",

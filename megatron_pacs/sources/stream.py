@@ -52,12 +52,16 @@ class StreamResponse:
         logprobs: ``[len(tokens)]`` the engine's log-probs.
         versions: ``[len(tokens)]`` the version of the weights that sampled each token.
         finish: ``stop`` or ``length`` once finished; ``""`` while it is still open.
+        routing: ``--router-replay r3``: each round's ``[rows, layers, k]`` int16 slice of the engine's routing,
+            together ``[P + len(tokens) - 1, layers, k]``: every position from the round that sampled the token
+            after it, the prompt's from the first round (see :meth:`RolloutStream.apply_round`).
     """
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str = ""
+    routing: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -173,7 +177,9 @@ class RolloutStream:
     def apply_round(self, todo: Sequence[tuple[StreamGroup, int]], outputs: Sequence[Any], version: int) -> list:
         """Append a round's tokens (sampled under ``version``); returns the groups it finished (to be scored).
 
-        Groups released while the round ran (dropped) are skipped.
+        Groups released while the round ran (dropped) are skipped. With ``--router-replay r3`` the engine returns the
+        routing of every position it ran (``[Q + n - 1, layers, k]`` for a request of Q tokens and n new ones); the
+        response keeps the rows whose output sampled this round's tokens (from the first round, the prompt's too).
         """
         limit = self.cfg.batch.max_response_length
         live = {id(g) for g in self.groups}
@@ -185,6 +191,10 @@ class RolloutStream:
             room = limit - len(resp.tokens)
             ids = list(sample.token_ids)[:room]
             lps = list(sample.logprobs)[: len(ids)] if len(sample.logprobs) >= len(ids) else [float("nan")] * len(ids)
+            routed = getattr(sample, "routed_experts", None)
+            if routed is not None and ids:
+                start = len(g.prompt) + len(resp.tokens) - 1 if resp.tokens else 0
+                resp.routing.append(routed[start : len(g.prompt) + len(resp.tokens) + len(ids) - 1].to(torch.int16))
             resp.tokens += ids
             resp.logprobs += lps
             resp.versions += [version] * len(ids)
@@ -329,6 +339,7 @@ def stream_rollouts(groups: Sequence[StreamGroup], step: int, eos: Sequence[int]
     sequences, prompt_lens, response_lens, rewards, records, finish = [], [], [], [], [], []
     logprobs: list[float] = []
     versions: list[int] = []
+    routed: list[torch.Tensor | None] = []  # --router-replay r3
     empty, spanning = 0, 0
     for g in groups:
         assert g.rewards is not None and g.texts is not None
@@ -338,6 +349,7 @@ def stream_rollouts(groups: Sequence[StreamGroup], step: int, eos: Sequence[int]
             logprobs += resp.logprobs if resp.tokens else [float("nan")]
             versions += resp.versions if resp.tokens else [g.version]
             spanning += len(set(resp.versions)) > 1
+            routed.append(torch.cat(resp.routing) if resp.routing else None)
             sequences.append(g.prompt + ids)
             prompt_lens.append(len(g.prompt))
             response_lens.append(len(ids))
@@ -355,6 +367,9 @@ def stream_rollouts(groups: Sequence[StreamGroup], step: int, eos: Sequence[int]
                     "versions": sorted(set(resp.versions)),
                 }
             )
+    given = next((r for r in routed if r is not None), None)
+    if given is not None:  # an empty response has no routed row: all of its rows are marked missing (-1)
+        routed = [torch.empty((0, *given.shape[1:]), dtype=torch.int16) if r is None else r for r in routed]
     batch = RolloutBatch.from_sequences(
         sequences,
         torch.tensor(prompt_lens),
@@ -362,6 +377,7 @@ def stream_rollouts(groups: Sequence[StreamGroup], step: int, eos: Sequence[int]
         torch.tensor(rewards, dtype=torch.float32),
         len(groups[0].responses),
         engine_logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        routed_experts=routed if given is not None else None,
     )
     metrics = rollout_metrics(batch, finish, empty_responses=empty)
     behind = (step - 1) - torch.tensor(versions, dtype=torch.float64)

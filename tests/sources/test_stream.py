@@ -126,6 +126,57 @@ def test_without_partial_rollouts_a_round_finishes_every_response():
     assert s.round_tokens == LIMIT
 
 
+def test_router_replay_keeps_each_positions_routing_from_the_round_that_sampled_the_next_token():
+    """--router-replay r3 with partial rollouts: each round the scripted engine returns a routing for every position
+    it ran (``[Q + n - 1, 1, 1]``, the value ``1000 * round + position``, as vLLM's ``[prompt + response - 1,
+    layers, k]``). The trained routing of a response that spans rounds takes each position from the round whose
+    output at it sampled the next token, the prompt's from the first; it is token-aligned in the batch, and its last
+    token (never run) is marked missing (-1). Without partial rollouts a response is one call, as in a synchronous
+    step."""
+    rounds, sampled_in = [], {}  # (group uid, j) -> the round of each of its tokens
+
+    def routed_generate(prompts, sampling):
+        out = scripted_generate(prompts, sampling)
+        for p, o in zip(prompts, out, strict=True):
+            q = len(p) + len(o.responses[0].token_ids) - 1
+            o.responses[0].routed_experts = (1000 * len(rounds) + torch.arange(q)).reshape(q, 1, 1)
+        rounds.append(len(prompts))
+        return out
+
+    for flags in (("--partial-rollouts", "--rollout-round-tokens", "3"), ()):
+        rounds.clear()
+        sampled_in.clear()
+        s, _ = _stream(1, *flags)
+        taken = []
+        for step in (1, 2):
+            while not s.takeable(step):
+                s.admit(step - 1)
+                todo, prompts, sampling = s.round_request()
+                before = [len(g.responses[j].tokens) for g, j in todo]
+                finished = s.apply_round(todo, routed_generate(prompts, sampling), step - 1)
+                for (g, j), n in zip(todo, before, strict=True):
+                    sampled_in.setdefault((g.uid, j), []).extend([len(rounds) - 1] * (len(g.responses[j].tokens) - n))
+                texts, _ = s.texts(finished)
+                s.scored(finished, texts, _score(texts))
+            groups = s.take(step)
+            taken.append((groups, stream_rollouts(groups, step, [2])))
+        spanning = 0
+        for groups, rollouts in taken:
+            batch = rollouts.batch
+            assert batch.routed_experts is not None and batch.routed_experts.dtype == torch.int16
+            i = 0
+            for g in groups:
+                for j, r in enumerate(g.responses):
+                    routing = batch.routed_experts[int(batch.offsets[i]) : int(batch.offsets[i + 1]), 0, 0].tolist()
+                    by_token, n = sampled_in[(g.uid, j)], len(g.prompt)
+                    want = [1000 * by_token[0] + p for p in range(n)]  # the prompt's, and its last position's
+                    want += [1000 * by_token[t + 1] + n + t for t in range(len(r.tokens) - 1)]
+                    assert routing == [*want, -1], (routing, want)
+                    spanning += len(set(by_token)) > 1
+                    i += 1
+        assert (spanning > 0) == bool(flags)
+
+
 def test_a_due_group_is_dropped_and_counted_with_the_drop_policy():
     s, _ = _stream(0, "--partial-rollouts", "--rollout-round-tokens", "1", "--staleness-policy", "drop")
     _round(s, 0)  # one token each: no group has finished
