@@ -2,6 +2,7 @@
 started again, and what its first start left is ended; a Ray Client connection whose server died at its start fails
 at once (not after the head's 30-40 s hold) and is made again."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -160,6 +161,35 @@ def _port_open(port: int) -> bool:
         return False
 
 
+def _stop_head(head: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the whole group already gone
+        os.killpg(head.pid, signal.SIGKILL)  # a throwaway head: its graceful stop takes 30 s
+    head.wait(timeout=30)
+
+
+def _start_head(env: dict[str, str], temp: Path, log: Path, attempts: int = 3) -> tuple[subprocess.Popen, int, Path]:
+    """``ray start --head --block`` on free ports; returns it, its client port and its log once the port answers. A
+    start that ends first (Ray waits a fixed 30 s for its raylet to register, too short on a loaded 2-core machine;
+    or a port taken between its choice and its use) is started again on new ports, ``attempts`` times in all."""
+    for attempt in range(1, attempts + 1):
+        gcs, client, agent = free_port(), free_port(), free_port()
+        cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address"]
+        cmd += ["127.0.0.1", "--port", str(gcs), "--ray-client-server-port", str(client)]
+        cmd += ["--dashboard-agent-listen-port", str(agent), "--num-cpus", "1", "--include-dashboard=false"]
+        cmd += ["--temp-dir", str(temp), "--object-store-memory", str(2**27)]
+        with log.open("a") as out:
+            out.write(f"--- attempt {attempt} of {attempts}\n")
+            out.flush()
+            head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while head.poll() is None and time.monotonic() < deadline and not _port_open(client):
+            time.sleep(0.2)
+        if head.poll() is None and _port_open(client):
+            return head, client, log
+        _stop_head(head)
+    raise AssertionError(f"the Ray head did not start in {attempts} attempts:\n{log.read_text()[-4000:]}")
+
+
 @pytest.mark.slow
 def test_a_client_server_that_dies_at_its_start_fails_the_connection_at_once_and_the_next_one_connects(tmp_path):
     """A real Ray head whose per-client servers are dead at their start (forced: the race is intermittent): the
@@ -178,40 +208,9 @@ def test_a_client_server_that_dies_at_its_start_fails_the_connection_at_once_and
     token.write_text("0123456789abcdef" * 4)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
-    gcs, client, agent = free_port(), free_port(), free_port()
     head_env = {**env, "PYTHONPATH": str(site), "DEAD_AT_START_MARKER": str(marker)}
-    head = subprocess.Popen(
-        [
-            Path(sys.executable).parent / "ray",
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address",
-            "127.0.0.1",
-            "--port",
-            str(gcs),
-            "--ray-client-server-port",
-            str(client),
-            "--dashboard-agent-listen-port",
-            str(agent),
-            "--num-cpus",
-            "1",
-            "--include-dashboard=false",
-            "--temp-dir",
-            str(temp),
-            "--object-store-memory",
-            str(2**27),
-        ],
-        env=head_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    head, client, head_log = _start_head(head_env, temp, tmp_path / "head.log")
     try:
-        deadline = time.monotonic() + 120
-        while not _port_open(client):
-            assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
-            time.sleep(0.2)
         client_env = {**env, "RAY_CLIENT_RECONNECT_GRACE_PERIOD": "30"}
         proc = subprocess.run(
             [sys.executable, "-c", CLIENT, f"ray://127.0.0.1:{client}", str(marker)],
@@ -221,10 +220,11 @@ def test_a_client_server_that_dies_at_its_start_fails_the_connection_at_once_and
             timeout=240,
         )
     finally:
-        os.killpg(head.pid, signal.SIGKILL)  # a throwaway head: its graceful stop takes 30 s
-        head.wait(timeout=30)
+        head_exit = head.poll()  # None: still up, as it should be (ray start --block ends with its cluster)
+        _stop_head(head)
         shutil.rmtree(temp, ignore_errors=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    head_text = f"\nhead exited {head_exit}; its output:\n{head_log.read_text(errors='replace')[-3000:]}"
+    assert proc.returncode == 0, proc.stderr[-4000:] + head_text
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # Both of the race's messages come from the same failure path of the proxy; which one depends on when it looks.
     assert any(m in result["failure"] for m in CLIENT_SERVER_START_FAILURES), result
