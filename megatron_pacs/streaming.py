@@ -211,7 +211,7 @@ class StreamProducer:
             while self._running or (self.deterministic and self._work()):
                 self._cv.wait()
             if self._error is not None:
-                log.warning("rollout stream: stopped by %r; the next step raises it", self._error)
+                log.warning("rollout stream: stopped by %r; the next step, if any, raises it", self._error)
             self._kept[self._next_step - 1] = self._snapshot()
         self._waited += time.perf_counter() - started
 
