@@ -167,10 +167,11 @@ def _stop_head(head: subprocess.Popen) -> None:
     head.wait(timeout=30)
 
 
-def _start_head(env: dict[str, str], temp: Path, log: Path, attempts: int = 3) -> tuple[subprocess.Popen, int, Path]:
-    """``ray start --head --block`` on free ports; returns it, its client port and its log once the port answers. A
-    start that ends first (Ray waits a fixed 30 s for its raylet to register, too short on a loaded 2-core machine;
-    or a port taken between its choice and its use) is started again on new ports, ``attempts`` times in all."""
+def _start_head(env: dict[str, str], temp: Path, log: Path, attempts: int = 3) -> tuple[subprocess.Popen, int]:
+    """``ray start --head --block`` on free ports, its output appended to ``log``; returns it and its client port once
+    the port answers. A start that ends first (Ray waits a fixed 30 s for its raylet to register, too short on a
+    loaded 2-core machine; or a port taken between its choice and its use) is started again on new ports,
+    ``attempts`` times in all."""
     for attempt in range(1, attempts + 1):
         gcs, client, agent = free_port(), free_port(), free_port()
         cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address"]
@@ -185,7 +186,7 @@ def _start_head(env: dict[str, str], temp: Path, log: Path, attempts: int = 3) -
         while head.poll() is None and time.monotonic() < deadline and not _port_open(client):
             time.sleep(0.2)
         if head.poll() is None and _port_open(client):
-            return head, client, log
+            return head, client
         _stop_head(head)
     raise AssertionError(f"the Ray head did not start in {attempts} attempts:\n{log.read_text()[-4000:]}")
 
@@ -209,7 +210,8 @@ def test_a_client_server_that_dies_at_its_start_fails_the_connection_at_once_and
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
     head_env = {**env, "PYTHONPATH": str(site), "DEAD_AT_START_MARKER": str(marker)}
-    head, client, head_log = _start_head(head_env, temp, tmp_path / "head.log")
+    head_log = tmp_path / "head.log"
+    head, client = _start_head(head_env, temp, head_log)
     try:
         client_env = {**env, "RAY_CLIENT_RECONNECT_GRACE_PERIOD": "30"}
         proc = subprocess.run(
