@@ -108,6 +108,7 @@ def test_vllm_backend_kwargs_and_actor_env_are_the_fleets_former_ones(monkeypatc
         "VLLM_LOGGING_LEVEL": "DEBUG",
         "OMP_NUM_THREADS": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TORCH_COMPILE_DISABLE": "1",
     }
 
 

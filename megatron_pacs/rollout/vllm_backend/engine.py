@@ -207,12 +207,18 @@ class VLLMEngine:
 
     @classmethod
     def actor_env(cls, *, on_gpu: bool) -> dict[str, str]:
-        """vLLM's log level (the driver's, else WARNING); on CPU one OpenMP thread and the in-process engine."""
+        """vLLM's log level (the driver's, else WARNING); on CPU one OpenMP thread, the in-process engine and no
+        ``torch.compile`` in the engine's process."""
         env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         if not on_gpu:
             # Ray sets OMP threads to the actor's CPU share; with vLLM's own thread binding that oversubscribes
             # the cores (about 4x slower on 2 cores).
             env.update(OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            # enforce_eager leaves vLLM's small helpers compiled (the sampler's logprob ranks, its top-k/top-p:
+            # torch.compile with the CPU platform's inductor backend): Dynamo, Inductor and a C++ build in every
+            # engine, again for each new batch shape. 1.7 CPU-s per engine with a warm Inductor cache, 10 with a
+            # cold one, for the same tokens and log-probs bit for bit (docs/development.md).
+            env.update(TORCH_COMPILE_DISABLE="1")
         return env
 
     # -- generation -------------------------------------------------------------------------------------------
