@@ -38,6 +38,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import zygote
+
 __all__ = ["LaunchQueue", "run_launch"]
 
 #: The autogroup nice of launches in the background: weight 110 against 1024 at nice 0. Not 19 (weight 15): a launch
@@ -54,8 +56,11 @@ def _set_group_nice(pid: int, nice: int) -> None:
 
 
 def _descendants(roots: set[int]) -> set[int]:
-    """Every living process below ``roots`` (from each process's parent in /proc)."""
+    """Every living process below ``roots`` (from each process's parent in /proc; a fork server's child counts as the
+    child of the process it was forked for, tests/zygote.py)."""
     children: dict[int, list[int]] = {}
+    for child, client in zygote.served_children().items():
+        children.setdefault(client, []).append(child)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -90,10 +95,10 @@ def run_launch(cmd: list[str], *, timeout: float, **kwargs: Any) -> subprocess.C
     queue closes); elsewhere (a test's own run) plainly."""
     queue: LaunchQueue | None = getattr(_LOCAL, "queue", None)
     if queue is None:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
-    )
+        return zygote.run(cmd, timeout=timeout, **kwargs)
+    with queue._gate:
+        nice = queue._nice
+    proc = zygote.popen(cmd, nice=nice, **kwargs)
     queue._started(proc)
     try:
         out, err = proc.communicate(timeout=timeout)

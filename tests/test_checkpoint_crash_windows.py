@@ -6,12 +6,12 @@ complete one the tracker does not name, loads exactly the weights of that step (
 and the next save goes on from there."""
 
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import zygote
 from crash_save_rank import TwoTensors, weights_at
 
 from megatron_pacs.mcore.training_checkpoint import (
@@ -43,7 +43,7 @@ def killed(tmp_path_factory) -> Path:
     """One directory per point, each holding what a save killed there left."""
     root = tmp_path_factory.mktemp("killed")
     cmd = [sys.executable, str(CHILD), str(root), "3", *EXPECTED]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = zygote.run(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for point in EXPECTED:  # wait status 9: ended by SIGKILL where it said
         assert f"killed at {point}" in proc.stdout and f"{point}: 9" in proc.stdout, (proc.stdout, proc.stderr[-3000:])

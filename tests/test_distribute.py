@@ -6,11 +6,11 @@ other rank."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import zygote
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -26,7 +26,7 @@ def checked(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("distribute")
     layouts = ",".join(f"{tp}x{pp}" for tp, pp in LAYOUTS.values())
     cmd = [sys.executable, str(HERE / "distribute_checks.py"), "--out", str(out), "--layouts", layouts]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = zygote.run(cmd, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out
 

@@ -13,12 +13,12 @@ bit at a fraction of a fleet's start.
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import zygote
 from helpers.runs import TINY_RUN_FLAGS, TINY_TRAIN_FLAGS, make_rl_setup, run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -195,7 +195,7 @@ def test_save_hf_loads_in_transformers_with_the_checkpoint_weights(setup, launch
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = zygote.run(cmd, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"(from {ckpt})" in proc.stdout
     saved, converted = _weights(ckpt / "hf"), _weights(out)

@@ -12,7 +12,6 @@ them one after another): four launches, not five, all at once.
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import zygote
 
 from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
 from megatron_pacs.utils.launch import free_port
@@ -54,7 +54,7 @@ def _launch(work: Path, layouts: list[Layout]) -> dict[Layout, dict]:
     script = [str(HERE / "dist_checks.py"), "--workdir", str(work), *specs]
     cmd = [sys.executable, *(launcher if tp * pp > 1 else []), *script]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    proc = zygote.run(cmd, timeout=900, env=env)
     assert proc.returncode == 0, f"{specs} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return {
         (tp, pp, vpp): json.loads((work / f"results_tp{tp}_pp{pp}{f'_vpp{vpp}' if vpp else ''}.json").read_text())

@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import zygote
 
 from megatron_pacs.mcore import fused_logprobs
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
@@ -98,7 +98,7 @@ def test_fused_kernels_under_the_triton_interpreter_match_float64_at_tp1_and_tp2
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = zygote.run(cmd, timeout=600, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = json.loads(out.read_text())
     assert any(k.startswith("tp2/V9000") for k in results) and any(k.startswith("tp1/V9000") for k in results)
@@ -130,7 +130,7 @@ def test_kernel_row_offsets_past_2_pow_31_elements_under_the_interpreter(tmp_pat
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
     out = tmp_path / "offsets.json"
     cmd = [sys.executable, str(HERE / "fused_offset_checks.py"), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = zygote.run(cmd, timeout=600, env=env)
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = json.loads(out.read_text())
     assert results["logp"] < 1e-5 and results["entropy"] < 1e-5 and results["grad"] < 1e-5, results

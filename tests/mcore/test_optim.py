@@ -10,7 +10,6 @@ normalisation (per micro-batch, per DP rank) shows up in the weights, not only i
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import warnings
 
@@ -22,6 +21,7 @@ from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from faults import poison_gradient
+from zygote import run as zygote_run
 
 pytestmark = pytest.mark.distributed
 
@@ -312,7 +312,7 @@ def test_two_data_parallel_ranks_match_the_reference_and_skip_together(env, tmp_
         env["dir"],
         str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = zygote_run(cmd, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     res = torch.load(out)
     ref_state, ref_norms = _reference(env, steps=1, lrs=[LR], clip=0.0)

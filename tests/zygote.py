@@ -1,0 +1,671 @@
+"""A fork server for the suite's Python launches: torch, Megatron-Core, transformers and the trainer imported once.
+
+A trainer launch of the suite is a tiny run whose process spends most of its CPU importing torch, Megatron-Core,
+mbridge and transformers (~4 of its ~6 CPU-s; a torchrun of two ranks pays it three times). Here one server process
+per environment imports them once, then forks a child for each launch that runs ``python [-u] [-B] -m MODULE ...``
+or ``python [-u] [-B] SCRIPT ...`` as the interpreter would: ``sys.argv``, ``sys.path``, the environment, the
+working folder, standard streams (the caller's file descriptors, passed over the socket), a session of its own, the
+default signal handlers, and Python's exit (non-daemon threads joined, ``atexit`` run, the exit status or signal).
+Everything the child does after that is the real program: Megatron, Ray, vLLM and the reward pool start as they
+always do (Ray's and multiprocessing's processes are started from the real interpreter).
+
+What a forked child cannot differ in from its server is what the preloaded libraries read when they load: OpenMP's
+and MKL's thread and ISA settings, torch's kernel pins, Hugging Face's cache paths, and so on. So a launch is
+served only when its environment equals the server's outside :data:`RUNTIME_ONLY` (variables read at run time:
+torchrun's rank variables, pytest's current test, this module's own); a launch with any other difference gets a
+server of its own environment (started on first use), and a command line this module does not parse (``-X``,
+``-c``, other flags) runs as a plain subprocess. ``PYTHONPATH`` may name more folders (tests/no_fleet_stack): they
+are put on ``sys.path`` where the interpreter puts them, and a ``sitecustomize`` among them is run, as at start-up.
+
+torchrun (``-m torch.distributed.run``) is served too, with ``PYTHON_EXEC`` set to this server's client
+(:func:`client_path`, a small stdlib script run by the base interpreter with ``-I -S``): the ranks it starts are
+forked by the server as well, and the client relays signals to its rank and exits with the rank's status.
+
+What differs from a real interpreter, knowingly:
+
+- every child of one server shares its string-hash seed (one ``PYTHONHASHSEED`` per server, not per process);
+- what the preloaded libraries print while they load (Megatron-Core's notices that Transformer Engine and Apex are
+  absent) is in the server's log, not in each child's standard error.
+
+``MEGATRON_PACS_ZYGOTE=0`` turns it off (every launch a plain subprocess).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RUNTIME_ONLY", "ZygotePopen", "client_path", "enabled", "popen", "run", "served_children", "shutdown"]
+
+#: Imported by every server before it serves: what a trainer rank, torchrun and the suite's check scripts import.
+PRELOAD = (
+    "torch",
+    "torch.distributed.run",
+    "megatron.core",
+    "megatron_pacs.trainer",
+    "megatron_pacs.checkpointing",
+)
+#: Names of transformers' lazy module touched after the imports (each loads its submodule).
+PRELOAD_TRANSFORMERS = ("AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast", "AutoModelForCausalLM")
+
+#: Environment variables read at run time only (never while the preloaded libraries load): a launch may differ from
+#: its server in these and in ``PYTHONPATH`` (more folders); any other difference needs a server of its own.
+RUNTIME_ONLY = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PYTHON_EXEC",
+        "PYTHONUNBUFFERED",
+        "PYTEST_CURRENT_TEST",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "TORCHELASTIC_ENABLE_FILE_TIMER",
+        "TORCHELASTIC_ERROR_FILE",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCH_ELASTIC_WORKER_IDENTIFIER",
+        "NCCL_ASYNC_ERROR_HANDLING",
+        "CUDA_MODULE_LOADING",
+        "ZYGOTE_SOCKET",
+    }
+)
+
+_SOCKET_ENV = "ZYGOTE_SOCKET"
+_ENABLED_ENV = "MEGATRON_PACS_ZYGOTE"
+_HERE = Path(__file__).resolve().parent
+_MAX_FDS = 3
+
+
+def enabled() -> bool:
+    """Launches go through the fork servers (``MEGATRON_PACS_ZYGOTE=0``: plain subprocesses)."""
+    return os.environ.get(_ENABLED_ENV, "1") != "0" and sys.platform == "linux"
+
+
+# -- the protocol: a 4-byte length and a JSON body; the request carries the child's standard streams ---------------
+
+
+def _send(sock: socket.socket, body: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(body).encode()
+    payload = struct.pack("!I", len(data)) + data
+    if fds:
+        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
+    else:
+        sock.sendall(payload)
+
+
+def _recv(sock: socket.socket, with_fds: bool = False) -> tuple[dict | None, list[int]]:
+    """One message (None at the end of the stream) and the file descriptors that came with it."""
+    fds: list[int] = []
+    buf = b""
+    while len(buf) < 4:
+        if with_fds and not buf:
+            data, ancdata, _, _ = sock.recvmsg(4, socket.CMSG_LEN(_MAX_FDS * 4))
+            for level, kind, raw in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds += struct.unpack(f"{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])
+        else:
+            data = sock.recv(4 - len(buf))
+        if not data:
+            return None, fds
+        buf += data
+    (size,) = struct.unpack("!I", buf)
+    body = b""
+    while len(body) < size:
+        chunk = sock.recv(size - len(body))
+        if not chunk:
+            return None, fds
+        body += chunk
+    return json.loads(body), fds
+
+
+# -- what a command line asks for ------------------------------------------------------------------------------------
+
+
+def parse_command(argv: list[str]) -> dict | None:
+    """``python`` arguments this module runs: ``{"unbuffered", "module" | "script", "args"}``, or None.
+
+    Args:
+        argv: The arguments after the interpreter.
+    """
+    unbuffered = False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-u", "-B"):
+            unbuffered |= arg == "-u"
+            i += 1
+        elif arg in ("-uB", "-Bu"):
+            unbuffered = True
+            i += 1
+        elif arg == "-m" and i + 1 < len(argv):
+            return {"unbuffered": unbuffered, "module": argv[i + 1], "args": argv[i + 2 :]}
+        elif arg.startswith("-"):
+            return None
+        else:
+            return {"unbuffered": unbuffered, "script": arg, "args": argv[i + 1 :]}
+    return None
+
+
+#: Prefixes of more such variables (torchrun's agent sets them for its workers).
+RUNTIME_ONLY_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+
+
+def _runtime_only(name: str) -> bool:
+    return name in RUNTIME_ONLY or name.startswith(RUNTIME_ONLY_PREFIXES)
+
+
+def _profile(env: dict[str, str]) -> dict[str, str]:
+    """What a server's environment must equal: everything but the run-time-only variables and ``PYTHONPATH``."""
+    return {k: v for k, v in env.items() if not _runtime_only(k) and k != "PYTHONPATH"}
+
+
+def _extra_path(env: dict[str, str], server_env: dict[str, str]) -> list[str] | None:
+    """The folders a launch's ``PYTHONPATH`` adds to its server's, or None where it also drops or reorders some."""
+    mine = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    theirs = [p for p in server_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if mine[len(mine) - len(theirs) :] != theirs:
+        return None
+    return mine[: len(mine) - len(theirs)]
+
+
+# -- the server ------------------------------------------------------------------------------------------------------
+
+
+def _serve(sock_path: str) -> None:
+    """The server's main: preload, then fork a child per request until its socket is removed."""
+    import importlib
+
+    own_env = dict(os.environ)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import transformers
+
+    for name in PRELOAD_TRANSFORMERS:
+        getattr(transformers, name)
+    blocked = [m for m in ("ray", "vllm", "math_verify") if m in sys.modules]
+    threads = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    if len(threads) != 1:  # a fork would copy a lock another thread holds
+        raise RuntimeError(f"the fork server has {threads} {_THREADED}; it forks only from one")
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the imports' objects: never walked by the children's collections, their pages stay shared
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in pytest: the session's exit ends the server
+    children: dict[int, socket.socket] = {}  # child pid -> its client's connection
+    by_conn: dict[socket.socket, int] = {}
+    edges = Path(sock_path).parent / "edges"
+    edges.mkdir(exist_ok=True)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(wake_r, selectors.EVENT_READ, "wake")
+    while Path(sock_path).exists():
+        for key, _ in sel.select(timeout=1.0):
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                request, fds = _recv(conn, with_fds=True)
+                why = None if request is None else _refusal(request, own_env)
+                if request is None or len(fds) != 3 or why is not None:
+                    if why is not None:
+                        print(f"refused: {why}", file=sys.stderr, flush=True)
+                        with contextlib.suppress(OSError):
+                            _send(conn, {"refused": why})
+                    conn.close()
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                request["extra_path"] = _extra_path(request["env"], own_env)
+                pid = os.fork()
+                if pid == 0:
+                    sel.close()
+                    listener.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    signal.set_wakeup_fd(-1)
+                    _child(conn, request, fds, blocked)  # never returns
+                for fd in fds:
+                    os.close(fd)
+                children[pid], by_conn[conn] = conn, pid
+                if request.get("client_pid"):
+                    (edges / str(pid)).write_text(str(request["client_pid"]))
+                _send(conn, {"pid": pid})
+                sel.register(conn, selectors.EVENT_READ, "conn")
+            elif key.data == "wake":
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+            else:  # a client's end of the stream: it died (SIGKILL); its child goes with it
+                conn = key.fileobj
+                with contextlib.suppress(OSError):
+                    if conn.recv(1, socket.MSG_PEEK):  # type: ignore[union-attr]
+                        continue
+                pid = by_conn.pop(conn, None)  # type: ignore[arg-type]
+                sel.unregister(conn)
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            with contextlib.suppress(FileNotFoundError):
+                (edges / str(pid)).unlink()
+            if conn is None:
+                continue
+            if by_conn.pop(conn, None) is not None:
+                sel.unregister(conn)
+            with contextlib.suppress(OSError):
+                _send(conn, {"status": status})
+            conn.close()
+    for pid in list(children):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _refusal(request: dict, own_env: dict[str, str]) -> str | None:
+    """Why this server cannot run ``request`` (its environment differs where the preloaded libraries read it)."""
+    env = request["env"]
+    differs = sorted(k for k in _profile(env).keys() | _profile(own_env).keys() if env.get(k) != own_env.get(k))
+    if differs:
+        return f"the environment differs in {differs}"
+    if _extra_path(env, own_env) is None:
+        return "PYTHONPATH drops or reorders the server's folders"
+    return None
+
+
+def _child(conn: socket.socket, request: dict, fds: list[int], blocked: list[str]) -> None:
+    """In the forked child: become the requested interpreter, run the program, exit as Python exits."""
+    code = 1
+    try:
+        os.setsid()
+        if request.get("nice") is not None:
+            with contextlib.suppress(OSError):
+                Path("/proc/self/autogroup").write_text(str(request["nice"]))
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        command = request["command"]
+        unbuffered = bool(command["unbuffered"] or request["env"].get("PYTHONUNBUFFERED"))
+        sys.stdout.reconfigure(write_through=unbuffered)  # type: ignore[union-attr]
+        extra = request.get("extra_path") or []
+        # sys.path as the interpreter builds it: the program's folder first, then PYTHONPATH, then the rest
+        first = os.getcwd() if "module" in command else str(Path(command["script"]).resolve().parent)
+        sys.path[:] = [first, *extra, *sys.path[1:]]
+        if any((Path(p) / "sitecustomize.py").is_file() for p in extra):
+            if blocked:
+                raise RuntimeError(f"a sitecustomize on PYTHONPATH, but the server imported {blocked}")
+            import importlib
+
+            sys.modules.pop("sitecustomize", None)
+            importlib.import_module("sitecustomize")
+        import runpy
+
+        sys.executable = request["executable"]
+        try:
+            if "module" in command:
+                sys.argv = [command["module"], *command["args"]]
+                sys.modules.pop(command["module"], None)  # run as __main__ afresh, as `python -m` does
+                runpy.run_module(command["module"], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [command["script"], *command["args"]]
+                runpy.run_path(command["script"], run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc)
+        except KeyboardInterrupt:
+            _finish()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python's exit after an unhandled Ctrl-C: by SIGINT
+            os.kill(os.getpid(), signal.SIGINT)
+            code = 130
+        except BaseException:  # noqa: BLE001 - the interpreter's report of an unhandled exception
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        _finish()
+    except BaseException:  # noqa: BLE001 - set-up failed: report it on the child's stderr
+        import traceback
+
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The status Python exits with for ``SystemExit(exc.code)``."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    with contextlib.suppress(Exception):
+        print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _finish() -> None:
+    """What the interpreter does at its exit before it tears down: join non-daemon threads, run ``atexit``."""
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+# -- the client side -------------------------------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_CLIENT_LOCK = threading.Lock()
+_SERVERS: dict[str, tuple[subprocess.Popen, str, dict[str, str]]] = {}  # profile hash -> (process, socket, env)
+_ROOT: str | None = None
+_UNSERVABLE: set[str] = set()  # profiles whose imports start a thread
+_THREADED = "threads after its imports"
+
+
+def _root() -> str:
+    global _ROOT
+    if _ROOT is None:
+        _ROOT = tempfile.mkdtemp(prefix="zygote_", dir="/tmp")  # short: Unix socket paths are 107 bytes at most
+        atexit.register(shutdown)
+    return _ROOT
+
+
+def client_path() -> str:
+    """An executable that runs ``python ARGS`` through the fork server named by ``$ZYGOTE_SOCKET``."""
+    path = Path(_root()) / "python"
+    with _CLIENT_LOCK:
+        if path.exists():
+            return str(path)
+        base = getattr(sys, "_base_executable", sys.executable)
+        source = (_HERE / "zygote_client.py").read_text()
+        line = 'REAL_PYTHON = os.environ.get("ZYGOTE_REAL_PYTHON", "")'
+        assert line in source
+        text = f"#!{base} -IS\n" + source.replace(line, f"REAL_PYTHON = {sys.executable!r}")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        tmp.rename(path)
+    return str(path)
+
+
+def _server_for(env: dict[str, str]) -> tuple[str, dict[str, str]] | None:
+    """The socket of the server for ``env``'s profile, started (and waited for) on first use; None where no server
+    can serve it (its imports started a thread: then every launch of that environment is a plain subprocess)."""
+    profile = _profile(env)
+    key = hashlib.sha256(json.dumps(sorted(profile.items())).encode()).hexdigest()[:16]
+    with _LOCK:
+        if key in _UNSERVABLE:
+            return None
+        if key not in _SERVERS:
+            folder = Path(_root()) / key
+            folder.mkdir()
+            sock = str(folder / "s")
+            server_env = {k: v for k, v in env.items() if not _runtime_only(k)}
+            log = open(folder / "log", "w")
+            proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), sock],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=server_env,
+                start_new_session=True,
+            )
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # after its imports
+            if line.strip() != "ready":
+                proc.kill()
+                proc.wait()
+                log.close()
+                text = (folder / "log").read_text()
+                if _THREADED in text:
+                    _UNSERVABLE.add(key)
+                    return None
+                raise RuntimeError(f"the fork server did not start: {text[-3000:]}")
+            _SERVERS[key] = (proc, sock, server_env)
+        _, sock, server_env = _SERVERS[key]
+    return sock, server_env
+
+
+def shutdown() -> None:
+    """End every server (their socket folders removed: each server's loop ends, then the process is killed)."""
+    with _LOCK:
+        servers = list(_SERVERS.values())
+        _SERVERS.clear()
+    for proc, sock, _ in servers:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sock)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def served_children() -> dict[int, int]:
+    """Each running child of a server started for a client process (torchrun's ranks): child pid -> client pid."""
+    if _ROOT is None:
+        return {}
+    out = {}
+    for edge in Path(_ROOT).glob("*/edges/*"):
+        with contextlib.suppress(OSError, ValueError):
+            out[int(edge.name)] = int(edge.read_text())
+    return out
+
+
+class _Refused(RuntimeError):
+    """The server would not run the request (its reason)."""
+
+
+class ZygotePopen:
+    """A forked child of a fork server, as much of :class:`subprocess.Popen` as the suite uses."""
+
+    def __init__(self, args: list[str], sock_path: str, request: dict, *, text: bool) -> None:
+        self.args = args
+        self.returncode: int | None = None
+        self._text = text
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(sock_path)
+            _send(self._conn, request, [null, out_w, err_w])
+        finally:
+            for fd in (null, out_w, err_w):
+                os.close(fd)
+        reply, _ = _recv(self._conn)
+        if reply is None or "pid" not in reply:
+            self._conn.close()
+            os.close(out_r)
+            os.close(err_r)
+            raise _Refused(reply.get("refused", "") if reply else "the fork server closed the connection")
+        self.pid: int = reply["pid"]
+        self.stdout = open(out_r, encoding="utf-8", errors="replace") if text else open(out_r, "rb")
+        self.stderr = open(err_r, encoding="utf-8", errors="replace") if text else open(err_r, "rb")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._conn.setblocking(False)
+            try:
+                reply, _ = _recv(self._conn)
+            except BlockingIOError:
+                return None
+            finally:
+                with contextlib.suppress(OSError):
+                    self._conn.setblocking(True)
+            self._status(reply)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                reply, _ = _recv(self._conn)
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self._status(reply)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _status(self, reply: dict | None) -> None:
+        if reply is None:  # the server is gone
+            self.returncode = -signal.SIGKILL
+        else:
+            status = reply["status"]
+            self.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        self._conn.close()
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """Both streams read to their end and the exit waited for, within ``timeout`` seconds together."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chunks: dict[str, Any] = {}
+
+        def read(name: str, stream: Any) -> None:
+            chunks[name] = stream.read()
+
+        readers = [
+            threading.Thread(target=read, args=(n, s), daemon=True)
+            for n, s in (("out", self.stdout), ("err", self.stderr))
+        ]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.01, deadline - time.monotonic()))
+        self.stdout.close()
+        self.stderr.close()
+        return chunks["out"], chunks["err"]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def popen(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    text: bool = True,
+    nice: int | None = None,
+    **kwargs: Any,
+) -> ZygotePopen | subprocess.Popen:
+    """``subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, start_new_session=True, ...)``, forked by a fork server
+    where ``cmd`` is ``sys.executable`` with a command line it runs (:func:`parse_command`); a plain subprocess
+    otherwise. ``nice``: the child's autogroup nice (it is in a session of its own either way)."""
+    env = dict(os.environ if env is None else env)
+    command = parse_command(cmd[1:]) if cmd and cmd[0] == sys.executable else None
+    if not enabled() or command is None or kwargs:
+        return subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=text,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            **kwargs,
+        )
+    server = _server_for(env)
+    extra = None if server is None else _extra_path(env, server[1])
+    if server is None or extra is None:
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, env=env, cwd=cwd, start_new_session=True
+        )
+    sock = server[0]
+    if command.get("module") == "torch.distributed.run":  # its ranks forked by the same server (module docstring)
+        env = {**env, "PYTHON_EXEC": client_path(), _SOCKET_ENV: sock}
+    request = {
+        "command": command,
+        "env": env,
+        "cwd": str(Path(cwd).resolve()) if cwd is not None else os.getcwd(),
+        "executable": sys.executable,
+        "nice": nice,
+        "client_pid": None,
+    }
+    try:
+        return ZygotePopen(cmd, sock, request, text=text)
+    except _Refused:
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, env=env, cwd=cwd, start_new_session=True
+        )
+
+
+def run(
+    cmd: list[str],
+    *,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)`` through
+    :func:`popen`; on a time-out the child's session is killed."""
+    proc = popen(cmd, env=env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    assert proc.returncode is not None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
