@@ -129,13 +129,47 @@ def launched(launch_queue, request) -> dict[str, Future]:
     return launch_queue.futures(request.module.__name__)
 
 
+_STARTED = pytest.StashKey[float]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import time
+
+    session.config.stash[_STARTED] = time.monotonic()
+
+
+def _area(nodeid: str) -> str:
+    """A test's area: its folder under tests/ (``cluster``, ``mcore``, ...), or its module for the top-level ones."""
+    parts = nodeid.split("::", 1)[0].split("/")
+    return parts[1] if len(parts) > 2 else parts[-1].removesuffix(".py")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each area's seconds of set-up, call and tear-down (pytest_terminal_summary prints the slowest)."""
+    area = _area(report.nodeid)
+    _SECONDS[area] = _SECONDS.get(area, 0.0) + report.duration
+
+
+_SECONDS: dict[str, float] = {}  # area -> seconds (the hook has no config at hand to stash them in)
+
+
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    """Every trainer launch's wall seconds (two run at once, beside the in-process tests), and each module's total."""
+    """The session's wall time and its five slowest areas; every trainer launch's wall seconds (two run at once,
+    beside the in-process tests), and each module's total."""
+    import time
+
+    tr = terminalreporter
+    started = config.stash.get(_STARTED, None)
+    if started is not None and _SECONDS:
+        tr.write_sep(
+            "=", f"suite: {time.monotonic() - started:.0f} s; the five slowest areas (set-up, call, tear-down)"
+        )
+        for area, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:5]:
+            tr.write_line(f"{seconds:8.1f}s  {area}")
     queue = config.stash.get(_QUEUE, None)
     timings = queue.timings() if queue is not None else {}
     if not timings:
         return
-    tr = terminalreporter
     tr.write_sep("=", "trainer launches (wall seconds, two at a time)")
     for module, seconds in timings.items():
         for name, s in seconds.items():

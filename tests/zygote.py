@@ -89,6 +89,12 @@ RUNTIME_ONLY = frozenset(
         "TORCH_ELASTIC_WORKER_IDENTIFIER",
         "NCCL_ASYNC_ERROR_HANDLING",
         "CUDA_MODULE_LOADING",
+        "CUDA_VISIBLE_DEVICES",
+        "LD_LIBRARY_PATH",  # the loader reads it at a process's start: the child's own subprocesses get it
+        "MEGATRON_PACS_STOP_MARKER",
+        "MEGATRON_PACS_CLEAN_STOPS",
+        "MEGATRON_PACS_RAY_TEMP_IN_LOG_DIR",
+        "MEGATRON_PACS_RECORD_GOLDEN",
         "ZYGOTE_SOCKET",
     }
 )
@@ -169,8 +175,24 @@ def parse_command(argv: list[str]) -> dict | None:
     return None
 
 
-#: Prefixes of more such variables (torchrun's agent sets them for its workers).
-RUNTIME_ONLY_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+#: Prefixes of more such variables: torchrun's agent's; pytest's; those of libraries the servers never import (vLLM,
+#: Ray, TileLang: the in-process tests' imports of vLLM set some in pytest's own environment); Inductor's and Triton's
+#: compile settings (where a launch compiles, they change how, never what); and those read when CUDA, cuBLAS, NCCL
+#: or Transformer Engine start (in the child, never at import; ``--deterministic-mode`` sets some in-process).
+RUNTIME_ONLY_PREFIXES = (
+    "TORCHELASTIC_",
+    "TORCH_ELASTIC_",
+    "PYTEST_",
+    "VLLM_",
+    "RAY_",
+    "TILELANG_",
+    "TORCHINDUCTOR_",
+    "TRITON_",
+    "CUBLAS_",
+    "NCCL_",
+    "NVTE_",
+    "PYTORCH_NVML_",
+)
 
 
 def _runtime_only(name: str) -> bool:
@@ -357,6 +379,7 @@ def _child(conn: socket.socket, request: dict, fds: list[int], blocked: list[str
         except SystemExit as exc:
             code = _exit_code(exc)
         except KeyboardInterrupt:
+            sys.excepthook(*sys.exc_info())
             _finish()
             signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python's exit after an unhandled Ctrl-C: by SIGINT
             os.kill(os.getpid(), signal.SIGINT)
@@ -449,7 +472,13 @@ def _server_for(env: dict[str, str]) -> tuple[str, dict[str, str]] | None:
             folder.mkdir()
             sock = str(folder / "s")
             server_env = {k: v for k, v in env.items() if not _runtime_only(k)}
+            (folder / "profile.json").write_text(json.dumps(profile, indent=0, sort_keys=True))
             log = open(folder / "log", "w")
+            if _SERVERS:  # why another server: what differs from the first one's environment
+                first = _profile(next(iter(_SERVERS.values()))[2])
+                differs = sorted(k for k in first.keys() | profile.keys() if first.get(k) != profile.get(k))
+                log.write(f"another server: the environment differs from the first server's in {differs}\n")
+                log.flush()
             proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), sock],
                 stdout=subprocess.PIPE,
@@ -485,6 +514,10 @@ def shutdown() -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    if _ROOT is not None and os.environ.get("ZYGOTE_KEEP_LOGS", "0") == "0":
+        import shutil
+
+        shutil.rmtree(_ROOT, ignore_errors=True)
 
 
 def served_children() -> dict[int, int]:

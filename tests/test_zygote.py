@@ -1,0 +1,131 @@
+"""The suite's fork server (tests/zygote.py): a forked launch behaves as the interpreter would run it.
+
+Guards what the launches rely on: argv, ``sys.path``, the environment, the working folder, standard streams, a
+session of its own, Python's exit (``atexit``, the status, Ctrl-C as a SIGINT death), torchrun's ranks forked by the
+same server, a dead client's child ended, ``PYTHONPATH``'s ``sitecustomize`` (tests/no_fleet_stack), and the
+refusals: a load-time variable that differs gets a server of its own, an unparsed command line a plain subprocess.
+Two servers start for the module at most (~4 CPU-s of imports each); each child costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zygote
+from helpers.cpu import PINNED_CPU_ENV
+from helpers.runs import NO_FLEET_STACK
+
+pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="MEGATRON_PACS_ZYGOTE=0")
+
+SCRIPT = """
+import atexit, os, sys
+atexit.register(lambda: print("atexit", flush=True))
+print(sys.argv, os.getcwd(), sys.path[0], os.environ.get("WHO"), os.getsid(0) == os.getpid(), "torch" in sys.modules)
+print("to stderr", file=sys.stderr)
+if os.environ.get("WAIT"):
+    open(os.environ["WAIT"], "w").close()
+    import time
+    time.sleep(60)
+sys.exit(int(os.environ.get("CODE", "0")))
+"""
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, str]:
+    return dict(os.environ, **PINNED_CPU_ENV)  # the launches' server, where the suite started it already
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    path = tmp_path / "prog" / "main.py"
+    path.parent.mkdir()
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_a_script_runs_forked_as_the_interpreter_would_run_it(env, script, tmp_path):
+    proc = zygote.run([sys.executable, "-u", str(script), "a", "b"], env=dict(env, WHO="me", CODE="3"), cwd=tmp_path)
+    assert isinstance(zygote.popen([sys.executable, str(script)], env=env), zygote.ZygotePopen)
+    assert proc.returncode == 3
+    argv, cwd, path0, who, own_session, preloaded = proc.stdout.splitlines()[0].rsplit(" ", 5)
+    assert argv == f"[{str(script)!r}, 'a', 'b']" and cwd == str(tmp_path) and path0 == str(script.parent)
+    assert (who, own_session, preloaded) == ("me", "True", "True")  # a session of its own; torch came preloaded
+    assert proc.stdout.splitlines()[-1] == "atexit" and proc.stderr == "to stderr\n"
+
+
+def test_a_module_runs_as_main_without_a_warning_and_a_runtime_variable_keeps_the_server(env, tmp_path):
+    servers = len(zygote._SERVERS)
+    proc = zygote.run([sys.executable, "-m", "megatron_pacs.train", "--help"], env=dict(env, RANK="0"), cwd=tmp_path)
+    assert proc.returncode == 0 and "usage:" in proc.stdout and proc.stderr == "", proc.stderr
+    assert len(zygote._SERVERS) == servers  # RANK is read at run time only: the same server
+
+
+def test_a_load_time_variable_gets_a_server_of_its_own_and_a_c_command_a_plain_process(env, script):
+    before = len(zygote._SERVERS)
+    proc = zygote.run([sys.executable, str(script)], env=dict(env, MKL_CBWR="COMPATIBLE_TEST_PROFILE"))
+    assert proc.returncode == 0 and len(zygote._SERVERS) == before + 1
+    plain = zygote.popen([sys.executable, "-c", "print(1)"], env=env)
+    assert isinstance(plain, subprocess.Popen) and plain.communicate()[0] == "1\n"
+
+
+def test_ctrl_c_ends_a_child_by_sigint_after_its_atexit_and_a_dead_clients_child_is_killed(env, script, tmp_path):
+    ready = tmp_path / "ready"
+    proc = zygote.popen([sys.executable, str(script)], env=dict(env, WAIT=str(ready)))
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT and out.splitlines()[-1] == "atexit" and "KeyboardInterrupt" in err
+
+    ready.unlink()
+    waiting = dict(env, WAIT=str(ready))
+    client = subprocess.Popen(
+        [zygote.client_path(), str(script)],
+        env=dict(waiting, ZYGOTE_SOCKET=zygote._server_for(waiting)[0]),  # type: ignore[index]
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (child,) = [c for c, parent in zygote.served_children().items() if parent == client.pid]
+    client.kill()
+    client.wait()
+    while time.monotonic() < deadline and Path(f"/proc/{child}").exists():
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists()  # the server saw its client's end and killed the child
+
+
+def test_torchrun_ranks_are_forked_by_the_server_and_reduce_over_gloo(env, tmp_path):
+    rank = tmp_path / "rank.py"
+    rank.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.tensor([dist.get_rank() + 1.0])\n"
+        "dist.all_reduce(t)\n"
+        "print(dist.get_rank(), t.item(), os.getppid())\n"
+        "dist.destroy_process_group()\n"
+    )
+    from megatron_pacs.utils.launch import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    proc = zygote.run([*cmd, str(rank)], env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line.split() for line in proc.stdout.splitlines() if line[:1].isdigit())
+    assert [line[:2] for line in lines] == [["0", "3.0"], ["1", "3.0"]]
+    servers = {server.pid for server, _, _ in zygote._SERVERS.values()}
+    assert {int(line[2]) for line in lines} <= servers  # each rank's parent is a server, not torchrun
+
+
+def test_pythonpath_sitecustomize_runs_in_the_child(env, tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import importlib.util\nprint(importlib.util.find_spec('ray') is None)\n")
+    no_fleet = dict(env, PYTHONPATH=os.pathsep.join(p for p in (NO_FLEET_STACK, env.get("PYTHONPATH")) if p))
+    proc = zygote.run([sys.executable, str(probe)], env=no_fleet)
+    assert proc.returncode == 0 and proc.stdout == "True\n", proc.stderr
