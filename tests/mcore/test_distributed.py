@@ -7,20 +7,17 @@ independence of packed neighbours) on the local and SDPA specs; two models in on
 checkpoint loaded at TP=1.
 
 Start-up dominates a launch, so layouts of the same world size share one torchrun launch (dist_checks.py runs
-them one after another): four launches, not five, all at once.
+them one after another): four torchruns, one after another in one launch of the session's queue
+(tests/launch_queue.py), which runs it beside the in-process tests.
 """
 
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import pytest
-import zygote
+from launch_queue import run_launch
 
 from megatron_pacs.demo.tiny import build_tiny_model, tiny_hf_config
 from megatron_pacs.utils.launch import free_port
@@ -54,7 +51,7 @@ def _launch(work: Path, layouts: list[Layout]) -> dict[Layout, dict]:
     script = [str(HERE / "dist_checks.py"), "--workdir", str(work), *specs]
     cmd = [sys.executable, *(launcher if tp * pp > 1 else []), *script]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = zygote.run(cmd, timeout=900, env=env)
+    proc = run_launch(cmd, timeout=900, env=env)
     assert proc.returncode == 0, f"{specs} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return {
         (tp, pp, vpp): json.loads((work / f"results_tp{tp}_pp{pp}{f'_vpp{vpp}' if vpp else ''}.json").read_text())
@@ -62,29 +59,28 @@ def _launch(work: Path, layouts: list[Layout]) -> dict[Layout, dict]:
     }
 
 
-def _after(path: Path, writer: Future, launch: Callable[[], dict]) -> dict:
-    """``launch()`` once ``path`` exists (``writer``'s failure raised instead)."""
-    while not path.exists() and not writer.done():
-        time.sleep(0.5)
-    if not path.exists():
-        writer.result()
-    return launch()
+def prepare(root: Path) -> Path:
+    """The tiny models of every family, under ``root/models``."""
+    for name, (family, tied) in MODELS.items():
+        build_tiny_model(str(root / "models" / name), tiny_hf_config(family, tied=tied, layers=4), seed=1, scale=3.0)
+    return root
+
+
+def _torchruns(work: Path) -> dict[Layout, dict]:
+    """Every layout's checks, one launch after another: TP=2 first (it writes the checkpoint that the TP=1 launch
+    reshards), TP=1 last."""
+    first, *others, reshard = TORCHRUNS
+    assert first[0] == (2, 1, None) and reshard == [(1, 1, None)]
+    return {layout: r for launch in (first, *others, reshard) for layout, r in _launch(work, launch).items()}
+
+
+# queued for the session (tests/launch_queue.py): off the in-process tests' path, beside the other launches
+LAUNCHES = {"torchruns": _torchruns}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[Layout, dict]:
-    """Every layout's checks, every launch at once; TP=1 starts once the TP=2 layout's results are written (after
-    the checkpoint it reshards)."""
-    work = tmp_path_factory.mktemp("mcore_dist")
-    for name, (family, tied) in MODELS.items():
-        build_tiny_model(str(work / "models" / name), tiny_hf_config(family, tied=tied, layers=4), seed=1, scale=3.0)
-    first, *others, reshard = TORCHRUNS
-    assert first[0] == (2, 1, None) and reshard == [(1, 1, None)]
-    with ThreadPoolExecutor(max_workers=len(TORCHRUNS)) as pool:
-        writes_ckpt = pool.submit(_launch, work, first)
-        futures = [writes_ckpt, *(pool.submit(_launch, work, launch) for launch in others)]
-        futures.append(pool.submit(_after, work / "results_tp2_pp1.json", writes_ckpt, partial(_launch, work, reshard)))
-        return {layout: r for f in futures for layout, r in f.result().items()}
+def results(launched) -> dict[Layout, dict]:
+    return launched["torchruns"].result()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
