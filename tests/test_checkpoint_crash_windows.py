@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import zygote
 from crash_save_rank import TwoTensors, weights_at
+from launch_queue import run_launch
 
 from megatron_pacs.mcore.training_checkpoint import (
     TRACKER,
@@ -38,16 +38,26 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory) -> Path:
+def prepare(root: Path) -> Path:
+    return root
+
+
+def _kill_saves(root: Path) -> Path:
     """One directory per point, each holding what a save killed there left."""
-    root = tmp_path_factory.mktemp("killed")
     cmd = [sys.executable, str(CHILD), str(root), "3", *EXPECTED]
-    proc = zygote.run(cmd, timeout=300)
+    proc = run_launch(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for point in EXPECTED:  # wait status 9: ended by SIGKILL where it said
         assert f"killed at {point}" in proc.stdout and f"{point}: 9" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
     return root
+
+
+LAUNCHES = {"killed": _kill_saves}  # queued for the session (tests/launch_queue.py), beside the in-process tests
+
+
+@pytest.fixture(scope="module")
+def killed(launched) -> Path:
+    return launched["killed"].result()
 
 
 @pytest.mark.parametrize("point", list(EXPECTED))

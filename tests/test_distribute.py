@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import zygote
+from launch_queue import run_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -20,15 +20,25 @@ HERE = Path(__file__).parent
 LAYOUTS = {"dp4": (1, 1), "pp2_dp2": (1, 2), "tp2_dp2": (2, 1)}
 
 
-@pytest.fixture(scope="module")
-def checked(tmp_path_factory) -> Path:
+def prepare(root: Path) -> Path:
+    return root
+
+
+def _checks(out: Path) -> Path:
     """One launch of 4 ranks checks every layout in turn (their start-up is most of its time)."""
-    out = tmp_path_factory.mktemp("distribute")
     layouts = ",".join(f"{tp}x{pp}" for tp, pp in LAYOUTS.values())
     cmd = [sys.executable, str(HERE / "distribute_checks.py"), "--out", str(out), "--layouts", layouts]
-    proc = zygote.run(cmd, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_launch(cmd, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out
+
+
+LAUNCHES = {"checks": _checks}  # queued for the session (tests/launch_queue.py), beside the in-process tests
+
+
+@pytest.fixture(scope="module")
+def checked(launched) -> Path:
+    return launched["checks"].result()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
