@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from launch_queue import LaunchQueue
-from split_session import EarlySession, split_enabled
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -26,7 +25,6 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-_EARLY = pytest.StashKey[EarlySession]()
 _LAUNCHING = pytest.StashKey[list]()
 _QUEUE = pytest.StashKey[LaunchQueue]()
 _FOREGROUND = pytest.StashKey[bool]()
@@ -72,73 +70,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     launch."""
     launching = sorted((i for i in items if _launches(i)), key=lambda i: _LONGEST_FIRST.get(i.path.stem, 0))
     early = [i for i in items if _early(i)]
-    rest = [i for i in items if not _launches(i) and not _early(i)] + launching
-    if early and rest and split_enabled() and not config.option.collectonly:
-        # the early tests run in a session of their own beside the rest (tests/split_session.py)
-        session = EarlySession([i.nodeid for i in early], Path(str(config.rootpath)))
-        config.stash[_EARLY] = session
-        early = []
-        import threading
-
-        threading.Thread(target=_foreground_after, args=(config, session), name="early-session", daemon=True).start()
-    items[:] = early + rest
+    items[:] = early + [i for i in items if not _launches(i) and not _early(i)] + launching
     if launching:
         # the fixture's closure read by pytest's setup (Function.fixturenames), extended after collection
         items[0].fixturenames.insert(0, "launch_queue")  # type: ignore[attr-defined]
 
 
-def _foreground_after(config: pytest.Config, session: EarlySession) -> None:
-    """Once the early session ends: this session at the normal priority, the launch queue in the foreground."""
-    session.proc.wait()
-    session.done()
-    queue = config.stash.get(_QUEUE, None)
-    if queue is not None and not config.stash.get(_FOREGROUND, False):
-        config.stash[_FOREGROUND] = True
-        queue.background(False)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
     """The launch queue, started in the background with the session, comes to the foreground with the first test
-    that does not run early (:func:`_early`), or once the early session ends where it runs beside this one."""
+    that does not run early (:func:`_early`)."""
     yield
     queue = item.config.stash.get(_QUEUE, None)
-    if queue is None or _early(item) or item.config.stash.get(_FOREGROUND, False):
-        return
-    early = item.config.stash.get(_EARLY, None)
-    if early is None or early.done():
+    if queue is not None and not _early(item) and not item.config.stash.get(_FOREGROUND, False):
         item.config.stash[_FOREGROUND] = True
         queue.background(False)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The early session's tests join this one's reports (the final line, JUnit XML, the durations); its failure
-    fails the run. An interrupted session ends it instead."""
-    early = session.config.stash.get(_EARLY, None)
-    if early is None:
-        return
-    if exitstatus == pytest.ExitCode.INTERRUPTED:
-        early.stop()
-        return
-    code = early.wait()
-    reports = early.reports()
-    for report in reports:
-        session.config.hook.pytest_runtest_logreport(report=report)
-    if code not in (0, 5) or (code != 0 and not reports):
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        if not any(r.failed for r in reports):  # it failed outside its tests: say so in the final line
-            failed = pytest.TestReport(
-                "tests/split_session.py::early_session",
-                ("tests/split_session.py", None, "early session"),
-                {},
-                "failed",
-                f"the early session exited with {code}",
-                "call",
-            )
-            session.config.hook.pytest_runtest_logreport(report=failed)
-    elif any(r.failed for r in reports):
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -213,11 +159,6 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     import time
 
     tr = terminalreporter
-    early = config.stash.get(_EARLY, None)
-    if early is not None:
-        took = f"{early.seconds:.0f} s" if early.seconds is not None else "unfinished"
-        tr.write_sep("=", f"the early tests' session ({len(early.nodeids)} tests beside the rest, {took})")
-        tr.write(early.output())
     started = config.stash.get(_STARTED, None)
     if started is not None and _SECONDS:
         tr.write_sep(

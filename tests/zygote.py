@@ -642,9 +642,6 @@ def popen(
     where ``cmd`` is ``sys.executable`` with a command line it runs (:func:`parse_command`); a plain subprocess
     otherwise. ``nice``: the child's autogroup nice (it is in a session of its own either way)."""
     env = dict(os.environ if env is None else env)
-    if nice is None:  # the caller's own (a forked child is in a session of its own, as a plain one would not be)
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            nice = int(Path("/proc/self/autogroup").read_text().split()[-1])
     command = parse_command(cmd[1:]) if cmd and cmd[0] == sys.executable else None
     if not enabled() or command is None or kwargs:
         return subprocess.Popen(
