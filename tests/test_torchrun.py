@@ -48,12 +48,14 @@ def _preempt(tmp_path: Path, *rank_args: str, usr1_first: bool = False, **extra_
     return proc.returncode, out
 
 
+@pytest.mark.waits
 def test_a_preempted_job_whose_ranks_all_stopped_cleanly_exits_0(tmp_path):
     code, out = _preempt(tmp_path)
     assert code == 0, out
     assert "every local rank stopped cleanly" in out
 
 
+@pytest.mark.waits
 def test_sigusr1_to_the_launcher_reaches_every_rank_and_stops_nothing(tmp_path):
     """A stack-dump request sent to the launcher (``scancel --signal=USR1`` signals it too) is passed on to the
     ranks; torch elastic's agent alone would die of it, ending the job."""
@@ -62,6 +64,7 @@ def test_sigusr1_to_the_launcher_reaches_every_rank_and_stops_nothing(tmp_path):
     assert code == 0, out
 
 
+@pytest.mark.waits
 def test_a_preempted_job_with_a_rank_that_failed_exits_non_zero(tmp_path):
     code, out = _preempt(tmp_path, "fail")
     assert code != 0, out
@@ -84,6 +87,7 @@ def _saved(tmp_path: Path, step: int) -> Path:
     return save
 
 
+@pytest.mark.waits
 def test_a_clean_stop_leaves_the_marker_a_batch_script_requeues_on(tmp_path):
     """With MEGATRON_PACS_STOP_MARKER set, a clean stop on SIGTERM writes the JSON marker examples/slurm/ reads:
     the signal, the local ranks and the step of the latest checkpoint under the trainer's --save."""
@@ -98,6 +102,7 @@ def test_a_clean_stop_leaves_the_marker_a_batch_script_requeues_on(tmp_path):
     }
 
 
+@pytest.mark.waits
 def test_no_marker_when_a_rank_failed(tmp_path):
     marker = tmp_path / "node0.json"
     code, out = _preempt(tmp_path, "fail", **{STOP_MARKER_ENV: str(marker)})

@@ -4,7 +4,7 @@ Guards what the launches rely on: argv, ``sys.path``, the environment, the worki
 session of its own, Python's exit (``atexit``, the status, Ctrl-C as a SIGINT death), torchrun's ranks forked by the
 same server, a dead client's child ended, ``PYTHONPATH``'s ``sitecustomize`` (tests/no_fleet_stack), and the
 refusals: a load-time variable that differs gets a server of its own, an unparsed command line a plain subprocess.
-Two servers start for the module at most (~4 CPU-s of imports each); each child costs milliseconds.
+Two servers start for the module (~4 CPU-s of imports each); each child costs milliseconds.
 """
 
 from __future__ import annotations
@@ -26,19 +26,23 @@ pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="MEGATRON_PACS_ZYGO
 SCRIPT = """
 import atexit, os, sys
 atexit.register(lambda: print("atexit", flush=True))
-print(sys.argv, os.getcwd(), sys.path[0], os.environ.get("WHO"), os.getsid(0) == os.getpid(), "torch" in sys.modules)
+print(sys.argv, os.getcwd(), sys.path[0], os.environ.get("RANK"), os.getsid(0) == os.getpid(), "torch" in sys.modules)
 print("to stderr", file=sys.stderr)
-if os.environ.get("WAIT"):
-    open(os.environ["WAIT"], "w").close()
+if sys.argv[1:2] == ["--wait"]:
+    open(sys.argv[2], "w").close()
     import time
     time.sleep(60)
-sys.exit(int(os.environ.get("CODE", "0")))
+sys.exit(int(os.environ.get("RANK", "0")))
 """
 
 
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
-    return dict(os.environ, **PINNED_CPU_ENV)  # the launches' server, where the suite started it already
+    """An environment of this module's own (pytest's changes as the suite runs), its server started."""
+    base = {k: os.environ[k] for k in ("PATH", "HOME", "LANG") if k in os.environ}
+    env = {**base, **PINNED_CPU_ENV, "ZYGOTE_TEST_PROFILE": "1"}
+    assert zygote._server_for(env) is not None
+    return env
 
 
 @pytest.fixture
@@ -50,12 +54,14 @@ def script(tmp_path) -> Path:
 
 
 def test_a_script_runs_forked_as_the_interpreter_would_run_it(env, script, tmp_path):
-    proc = zygote.run([sys.executable, "-u", str(script), "a", "b"], env=dict(env, WHO="me", CODE="3"), cwd=tmp_path)
-    assert isinstance(zygote.popen([sys.executable, str(script)], env=env), zygote.ZygotePopen)
+    child = zygote.popen([sys.executable, "-u", str(script), "a", "b"], env=dict(env, RANK="3"), cwd=tmp_path)
+    assert isinstance(child, zygote.ZygotePopen)
+    out, err = child.communicate(timeout=60)
+    proc = subprocess.CompletedProcess(child.args, child.returncode, out, err)
     assert proc.returncode == 3
     argv, cwd, path0, who, own_session, preloaded = proc.stdout.splitlines()[0].rsplit(" ", 5)
     assert argv == f"[{str(script)!r}, 'a', 'b']" and cwd == str(tmp_path) and path0 == str(script.parent)
-    assert (who, own_session, preloaded) == ("me", "True", "True")  # a session of its own; torch came preloaded
+    assert (who, own_session, preloaded) == ("3", "True", "True")  # a session of its own; torch came preloaded
     assert proc.stdout.splitlines()[-1] == "atexit" and proc.stderr == "to stderr\n"
 
 
@@ -66,17 +72,25 @@ def test_a_module_runs_as_main_without_a_warning_and_a_runtime_variable_keeps_th
     assert len(zygote._SERVERS) == servers  # RANK is read at run time only: the same server
 
 
-def test_a_load_time_variable_gets_a_server_of_its_own_and_a_c_command_a_plain_process(env, script):
+def test_a_load_time_variable_gets_a_server_of_its_own_at_its_second_launch_and_a_c_command_a_plain_process(
+    env, script
+):
+    other = dict(env, MKL_CBWR="AUTO")
     before = len(zygote._SERVERS)
-    proc = zygote.run([sys.executable, str(script)], env=dict(env, MKL_CBWR="COMPATIBLE_TEST_PROFILE"))
-    assert proc.returncode == 0 and len(zygote._SERVERS) == before + 1
+    first = zygote.popen([sys.executable, str(script)], env=other)
+    assert isinstance(first, subprocess.Popen) and first.communicate(timeout=60)[0].startswith("[")
+    assert len(zygote._SERVERS) == before  # an environment used once costs no server
+    second = zygote.popen([sys.executable, str(script)], env=other)
+    assert isinstance(second, zygote.ZygotePopen) and len(zygote._SERVERS) == before + 1
+    assert second.communicate(timeout=60)[0].startswith("[") and second.returncode == 0
     plain = zygote.popen([sys.executable, "-c", "print(1)"], env=env)
     assert isinstance(plain, subprocess.Popen) and plain.communicate()[0] == "1\n"
 
 
 def test_ctrl_c_ends_a_child_by_sigint_after_its_atexit_and_a_dead_clients_child_is_killed(env, script, tmp_path):
     ready = tmp_path / "ready"
-    proc = zygote.popen([sys.executable, str(script)], env=dict(env, WAIT=str(ready)))
+    proc = zygote.popen([sys.executable, str(script), "--wait", str(ready)], env=env)
+    assert isinstance(proc, zygote.ZygotePopen)
     deadline = time.monotonic() + 60
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -85,10 +99,9 @@ def test_ctrl_c_ends_a_child_by_sigint_after_its_atexit_and_a_dead_clients_child
     assert proc.returncode == -signal.SIGINT and out.splitlines()[-1] == "atexit" and "KeyboardInterrupt" in err
 
     ready.unlink()
-    waiting = dict(env, WAIT=str(ready))
     client = subprocess.Popen(
-        [zygote.client_path(), str(script)],
-        env=dict(waiting, ZYGOTE_SOCKET=zygote._server_for(waiting)[0]),  # type: ignore[index]
+        [zygote.client_path(), str(script), "--wait", str(ready)],
+        env=dict(env, ZYGOTE_SOCKET=zygote._server_for(env)[0]),  # type: ignore[index]
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -115,7 +128,7 @@ def test_torchrun_ranks_are_forked_by_the_server_and_reduce_over_gloo(env, tmp_p
     from megatron_pacs.utils.launch import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
-    proc = zygote.run([*cmd, str(rank)], env=env, timeout=120)
+    proc = zygote.run([*cmd, str(rank)], env=env, timeout=120)  # torchrun itself forked: its ranks too
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(line.split() for line in proc.stdout.splitlines() if line[:1].isdigit())
     assert [line[:2] for line in lines] == [["0", "3.0"], ["1", "3.0"]]
@@ -126,6 +139,9 @@ def test_torchrun_ranks_are_forked_by_the_server_and_reduce_over_gloo(env, tmp_p
 def test_pythonpath_sitecustomize_runs_in_the_child(env, tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import importlib.util\nprint(importlib.util.find_spec('ray') is None)\n")
-    no_fleet = dict(env, PYTHONPATH=os.pathsep.join(p for p in (NO_FLEET_STACK, env.get("PYTHONPATH")) if p))
-    proc = zygote.run([sys.executable, str(probe)], env=no_fleet)
-    assert proc.returncode == 0 and proc.stdout == "True\n", proc.stderr
+    no_fleet = dict(env, PYTHONPATH=NO_FLEET_STACK)
+    child = zygote.popen([sys.executable, str(probe)], env=no_fleet)
+    assert isinstance(child, zygote.ZygotePopen)
+    assert child.communicate(timeout=60)[0] == "True\n" and child.returncode == 0
+    plain = zygote.popen([sys.executable, str(probe)], env=dict(env, PYTHONPATH=str(tmp_path)))  # probe.py there
+    assert isinstance(plain, subprocess.Popen) and plain.communicate(timeout=60)[0] == "False\n"

@@ -13,9 +13,11 @@ What a forked child cannot differ in from its server is what the preloaded libra
 and MKL's thread and ISA settings, torch's kernel pins, Hugging Face's cache paths, and so on. So a launch is
 served only when its environment equals the server's outside :data:`RUNTIME_ONLY` (variables read at run time:
 torchrun's rank variables, pytest's current test, this module's own); a launch with any other difference gets a
-server of its own environment (started on first use), and a command line this module does not parse (``-X``,
-``-c``, other flags) runs as a plain subprocess. ``PYTHONPATH`` may name more folders (tests/no_fleet_stack): they
-are put on ``sys.path`` where the interpreter puts them, and a ``sitecustomize`` among them is run, as at start-up.
+server of its own environment (started at that environment's second launch: the first runs as a plain
+subprocess), and a command line this module does not parse (``-X``, ``-c``, other flags) runs as a plain
+subprocess. Servers start without ``PYTHONPATH``; a launch's ``PYTHONPATH`` may name folders that hold only a
+``sitecustomize.py`` (tests/no_fleet_stack): they are put on ``sys.path`` where the interpreter puts them and the
+``sitecustomize`` is run, as at start-up; a folder with anything else makes the launch a plain subprocess.
 
 torchrun (``-m torch.distributed.run``) is served too, with ``PYTHON_EXEC`` set to this server's client
 (:func:`client_path`, a small stdlib script run by the base interpreter with ``-I -S``): the ranks it starts are
@@ -204,13 +206,19 @@ def _profile(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not _runtime_only(k) and k != "PYTHONPATH"}
 
 
-def _extra_path(env: dict[str, str], server_env: dict[str, str]) -> list[str] | None:
-    """The folders a launch's ``PYTHONPATH`` adds to its server's, or None where it also drops or reorders some."""
-    mine = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    theirs = [p for p in server_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if mine[len(mine) - len(theirs) :] != theirs:
-        return None
-    return mine[: len(mine) - len(theirs)]
+def _extra_path(env: dict[str, str]) -> list[str] | None:
+    """A launch's ``PYTHONPATH`` folders (a server starts without any), or None where one holds more than a
+    ``sitecustomize.py``: a package there could be one a preloaded module looked for and did not find (Triton's
+    interpreter for the fused kernels' tests), so such a launch runs as a plain subprocess."""
+    folders = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for folder in folders:
+        try:
+            names = {n for n in os.listdir(folder) if n != "__pycache__"}
+        except OSError:
+            return None
+        if not names <= {"sitecustomize.py"}:
+            return None
+    return folders
 
 
 # -- the server ------------------------------------------------------------------------------------------------------
@@ -271,7 +279,7 @@ def _serve(sock_path: str) -> None:
                     for fd in fds:
                         os.close(fd)
                     continue
-                request["extra_path"] = _extra_path(request["env"], own_env)
+                request["extra_path"] = _extra_path(request["env"])
                 pid = os.fork()
                 if pid == 0:
                     sel.close()
@@ -328,8 +336,8 @@ def _refusal(request: dict, own_env: dict[str, str]) -> str | None:
     differs = sorted(k for k in _profile(env).keys() | _profile(own_env).keys() if env.get(k) != own_env.get(k))
     if differs:
         return f"the environment differs in {differs}"
-    if _extra_path(env, own_env) is None:
-        return "PYTHONPATH drops or reorders the server's folders"
+    if _extra_path(env) is None:
+        return "a PYTHONPATH folder holds more than a sitecustomize.py"
     return None
 
 
@@ -430,6 +438,7 @@ _CLIENT_LOCK = threading.Lock()
 _SERVERS: dict[str, tuple[subprocess.Popen, str, dict[str, str]]] = {}  # profile hash -> (process, socket, env)
 _ROOT: str | None = None
 _UNSERVABLE: set[str] = set()  # profiles whose imports start a thread
+_REQUESTS: dict[str, int] = {}  # profile -> launches asked for
 _THREADED = "threads after its imports"
 
 
@@ -459,19 +468,29 @@ def client_path() -> str:
     return str(path)
 
 
-def _server_for(env: dict[str, str]) -> tuple[str, dict[str, str]] | None:
-    """The socket of the server for ``env``'s profile, started (and waited for) on first use; None where no server
-    can serve it (its imports started a thread: then every launch of that environment is a plain subprocess)."""
+def _server_for(env: dict[str, str], *, at_request: int = 1) -> tuple[str, dict[str, str]] | None:
+    """The socket of the server for ``env``'s profile, started (and waited for) at the profile's ``at_request``-th
+    request; None before that, and where no server can serve it (its imports started a thread: then every launch
+    of that environment is a plain subprocess).
+
+    Args:
+        env: The launch's environment.
+        at_request: A server costs one launch's imports: :func:`popen` starts one at a profile's second launch, so
+            an environment used once (a test's own variables) costs nothing more than a plain subprocess.
+    """
     profile = _profile(env)
     key = hashlib.sha256(json.dumps(sorted(profile.items())).encode()).hexdigest()[:16]
     with _LOCK:
         if key in _UNSERVABLE:
             return None
+        _REQUESTS[key] = _REQUESTS.get(key, 0) + 1
+        if key not in _SERVERS and _REQUESTS[key] < at_request:
+            return None
         if key not in _SERVERS:
             folder = Path(_root()) / key
             folder.mkdir()
             sock = str(folder / "s")
-            server_env = {k: v for k, v in env.items() if not _runtime_only(k)}
+            server_env = {k: v for k, v in env.items() if not _runtime_only(k) and k != "PYTHONPATH"}
             (folder / "profile.json").write_text(json.dumps(profile, indent=0, sort_keys=True))
             log = open(folder / "log", "w")
             if _SERVERS:  # why another server: what differs from the first one's environment
@@ -654,9 +673,8 @@ def popen(
             start_new_session=True,
             **kwargs,
         )
-    server = _server_for(env)
-    extra = None if server is None else _extra_path(env, server[1])
-    if server is None or extra is None:
+    server = _server_for(env, at_request=2) if _extra_path(env) is not None else None
+    if server is None:
         return subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, env=env, cwd=cwd, start_new_session=True
         )

@@ -55,6 +55,7 @@ def test_batch_in_order_with_pathological_inputs(scorer):
     assert scorer.total_timeouts >= 1
 
 
+@pytest.mark.waits
 def test_hard_timeout_kills_a_hanging_reward():
     with RewardScorer(num_workers=1, timeout_s=1.0, reward_fn=sleepy_reward) as s:
         t0 = time.monotonic()
@@ -80,6 +81,7 @@ def test_serial_mode_and_argument_errors():
         RewardScorer(timeout_s=0)
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_replacing_every_worker_late_in_a_batch_is_a_timeout_not_an_error(num_workers):
     """Each worker's start-up deadline runs from its own (re)start, not once per ``score`` call: slow items past
@@ -98,6 +100,7 @@ def test_replacing_every_worker_late_in_a_batch_is_a_timeout_not_an_error(num_wo
     assert out.scores[-1] == 1.0 and out.num_timeouts == num_workers
 
 
+@pytest.mark.waits
 def test_a_pool_whose_workers_never_start_raises():
     with RewardScorer(num_workers=1, reward_fn=never_ready_reward, start_timeout_s=3.0) as s:
         with pytest.raises(RuntimeError, match=r"no reward worker started within 3\.0s"):
@@ -108,6 +111,7 @@ def never_ready_reward(response, ground_truth):
     time.sleep(600)  # hangs in the worker's warm-up call too
 
 
+@pytest.mark.waits
 def test_math_verify_time_limit_is_counted_not_hidden():
     """Math-verify's own ~5 s limit is reported as ``verify_timeout`` (not a 0 scored "ok") and counted in
     ``reward/num_verify_timeouts`` (serial mode: no hard timeout can fire first)."""

@@ -26,6 +26,7 @@ else:
 """
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("mode", ["finish", "hang"])
 def test_sigterm_is_latched_and_the_grace_period_ends_a_step_that_does_not_finish(mode):
     started = time.monotonic()

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_pacs.utils.launch import free_port
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.waits]  # each waits out a heartbeat bound
 
 RANKS = Path(__file__).with_name("heartbeat_ranks.py")
 
