@@ -92,8 +92,9 @@ _FLEET_ONLY = {
         "partial_rollouts",
         "rollout_round_tokens",
         "offload_optimizer_during_rollout",
+        "rollout_engine_kwargs",
     ),
-    "reward": ("reward_workers", "reward_timeout", "reward_max_chars"),
+    "reward": ("reward_fn", "reward_workers", "reward_timeout", "reward_max_chars"),
     "eval": ("eval_interval", "val_n", "val_temperature"),
     "data": ("val_data",),
 }
@@ -105,7 +106,7 @@ def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
     Args:
         source: The rollout source.
         sections: The run's other sections by name (``rollout``, ``loss``, ``reward``, ``eval``, ``data``,
-            ``model``).
+            ``model``, ``run``).
 
     Raises:
         ValueError: naming the flag and the source.
@@ -128,6 +129,13 @@ def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
                     f"only a fleet uses it, and --rollout-source {kind} runs none (no engines, sampling, weight "
                     "sync or validation); drop it",
                 )
+    run = sections.get("run")
+    if not spec.texts and run is not None and run.log_samples:
+        raise bad(
+            "log_samples",
+            f"shows each step's first responses as text, and --rollout-source {kind} rollouts have none (token ids "
+            "only); drop it",
+        )
     if not spec.engine_logprobs:
         for section, name, why in (
             (
