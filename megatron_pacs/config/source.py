@@ -31,8 +31,9 @@ class SourceConfig:
     and the batch is refilled with the next prompts of the stream until it holds --global-batch-size groups; the
     dropped groups' prompts count as used (docs/algorithm.md §2.8)."""
     max_filter_rounds: int = 8
-    """With --filter-groups zero-variance: refill rounds a step may run after its first generation (0: no limit);
-    a step that still lacks groups after them fails, naming this flag (verl's max_num_gen_batches)."""
+    """With --filter-groups zero-variance: refill rounds a step may run after its first generation (0: no limit, the
+    step logs that it is still refilling after 8, 16, 32, ... rounds); a step that still lacks groups after them
+    fails, naming this flag (verl's max_num_gen_batches)."""
 
     def __post_init__(self) -> None:
         if self.rollout_source not in SOURCES:
@@ -55,6 +56,15 @@ class SourceConfig:
                 "--rollout-source replay trains on the dumped batches as they are (a filtered run's dumps hold its "
                 "filtered batches): there is nothing to refill from; drop it",
             )
+        if self.filter_groups == "zero-variance" and self.rollout_source == "synthetic":
+            rate = self.synthetic_reward_rate
+            if rate in (0.0, 1.0):
+                raise bad(
+                    "filter_groups",
+                    f"every reward is {rate:g} with --synthetic-reward-rate {rate:g}, so every group has equal "
+                    "rewards and zero-variance filtering drops them all; use a rate strictly between 0 and 1, or drop "
+                    "the filter",
+                )
         if self.max_filter_rounds < 0:
             raise bad("max_filter_rounds", f"{self.max_filter_rounds} must be >= 0 (0: no limit)")
         if is_set(self, "max_filter_rounds") and self.filter_groups == "none":

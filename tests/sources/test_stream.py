@@ -21,6 +21,7 @@ from megatron_pacs.config import parse_config
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow
 from megatron_pacs.sources.stream import RolloutStream, stream_rollouts
+from megatron_pacs.utils.run_failure import RunFailure
 
 ROWS = [
     PromptRow(
@@ -238,8 +239,27 @@ def test_a_stream_whose_every_group_is_filtered_fails_naming_the_flag():
         finished = [g for g in s.groups if g.finished and g.rewards is None]
         s.scored(finished, ["x"] * (len(finished) * N), [1.0] * (len(finished) * N))
     assert s.counters.filtered == 3 * B and not s.takeable(1)
-    with pytest.raises(RuntimeError, match=r"step 1: --filter-groups zero-variance: 12 groups .*--max-filter-rounds 2"):
+    with pytest.raises(RunFailure, match=r"step 1: --filter-groups zero-variance: 12 groups .*--max-filter-rounds 2"):
         s.check_filtering(1)
+
+
+def test_a_stream_without_a_filter_limit_says_it_is_still_waiting(caplog):
+    """Issue 53, item 5: with --max-filter-rounds 0 a stream whose every group is filtered waited silently for ever;
+    it now says so after 8, 16, ... batches' worth of filtered groups, once each however often the step wakes."""
+    s, _ = _stream(0, "--filter-groups", "zero-variance", "--max-filter-rounds", "0")
+    with caplog.at_level("WARNING", logger="megatron_pacs.stream"):
+        while s.counters.filtered < 16 * B:
+            s.admit(0)
+            todo, prompts, sampling = s.round_request()
+            s.apply_round(todo, scripted_generate(prompts, sampling), 0)
+            finished = [g for g in s.groups if g.finished and g.rewards is None]
+            s.scored(finished, ["x"] * (len(finished) * N), [1.0] * (len(finished) * N))
+            s.check_filtering(1)
+            s.check_filtering(1)  # the step wakes again: nothing new to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(
+        "still waiting" in line and "--max-filter-rounds 0: no limit" in line for line in lines
+    )
 
 
 def test_the_stream_thread_generates_nothing_before_the_first_step_takes_its_groups():
