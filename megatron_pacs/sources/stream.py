@@ -334,11 +334,19 @@ class RolloutStream:
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Every admitted group not yet trained (finished, partial, pending) and the counters: a deep copy."""
-        return {"groups": copy.deepcopy(self.groups), "counters": copy.deepcopy(self.counters)}
+        """Every admitted group not yet trained (finished, partial, pending), the counters, and where the filtered
+        count stood when the last step took its groups (what :meth:`check_filtering` counts from): a deep copy."""
+        return {
+            "groups": copy.deepcopy(self.groups),
+            "counters": copy.deepcopy(self.counters),
+            "filtered_at_take": self._filtered_at_take,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.groups, self.counters = copy.deepcopy(state["groups"]), copy.deepcopy(state["counters"])
+        # a checkpoint written before this key: count from the restored counters (never from zero)
+        self._filtered_at_take = state.get("filtered_at_take", self.counters.filtered)
+        self._told = 0
 
 
 def stream_rollouts(groups: Sequence[StreamGroup], step: int, eos: Sequence[int]) -> StepRollouts:
