@@ -46,7 +46,7 @@ from megatron_pacs.update import update_policy
 from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.heartbeat import Heartbeat
-from megatron_pacs.utils.interrupts import interrupt_received, raise_if_swallowed
+from megatron_pacs.utils.interrupts import interrupt_received, raise_if_swallowed, waiting_for
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.progress import progress_bar
 from megatron_pacs.utils.seeding import use_deterministic_kernels
@@ -444,7 +444,8 @@ class Trainer(RunStops):
         steps.append(("restore SIGUSR1", self.stacks.close))
         for what, step in steps:
             try:
-                step()
+                with waiting_for(f"the shutdown's step: {what}"):  # the watchdog's line names it
+                    step()
             except Exception:
                 log.exception("close: could not %s; going on with the rest of the shutdown", what)
 
