@@ -215,12 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     reference = root / "reference"
     if not (reference / "ckpt" / "iter_0000003").is_dir():
         shutil.rmtree(reference, ignore_errors=True)
+        t0 = time.monotonic()
         proc = subprocess.run(
             command(root, reference / "ckpt", reference / "logs"), cwd=root, env=environment(), capture_output=True
         )
         if proc.returncode:
             print(proc.stderr.decode()[-3000:], file=sys.stderr)
             return 1
+        (reference / "seconds.txt").write_text(f"{time.monotonic() - t0:.1f}\n")
+    # "anywhere in the run": uniform over the reference run's wall time
+    span = float((reference / "seconds.txt").read_text()) if (reference / "seconds.txt").is_file() else 15.0
     ref_metrics, ref_prints = metrics(reference / "logs"), fingerprints(reference / "ckpt")
     whole = time.monotonic()
     rng, failures = random.Random(args.seed), 0
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             folder.mkdir()
             save, logs = folder / "ckpt", folder / "logs"
             after = rng.uniform(0.0, 0.4) if trial % 2 == 0 else None
-            at = rng.uniform(2.0, 25.0)
+            at = rng.uniform(0.5, span)
             result = interrupt(
                 command(root, save, logs), cwd=root, stderr=folder / "stderr.txt", after_write=after, at=at
             )
