@@ -19,7 +19,13 @@ from megatron_pacs.config import TrainConfig, parse_config
 from megatron_pacs.outputs import check_outputs, describe_outputs, resolve_log_dir
 from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError
-from megatron_pacs.utils.interrupts import interrupted_line, interruption_of, raise_on_sigint, raise_on_sigterm
+from megatron_pacs.utils.interrupts import (
+    exiting,
+    interrupted_line,
+    interruption_of,
+    raise_on_sigint,
+    raise_on_sigterm,
+)
 from megatron_pacs.utils.log_writes import LogWriteError
 from megatron_pacs.utils.run_failure import RunFailure
 
@@ -128,6 +134,7 @@ def cli(argv: list[str] | None = None) -> int:
             raise
         line, code = interrupted_line(interruption)
         print(line, file=sys.stderr)
+        exiting()  # a hang from here on is the interpreter's exit: the watchdog's line says so
         return code
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "EXIT_CODES",
     "SIGTERM_GRACE_S",
     "Terminated",
+    "exiting",
     "interrupt_received",
     "interrupted_line",
     "interruption_of",
@@ -66,6 +67,12 @@ def waiting_for(what: str) -> Iterator[None]:
         yield
     finally:
         _WAITING.pop()
+
+
+def exiting() -> None:
+    """Say, for the watchdog's line, that the run is past its shutdown and the interpreter exits (which joins the
+    child processes still running)."""
+    _WAITING[:] = ["the interpreter's exit (the child processes it joins)"]
 
 
 def _end_after_grace(name: str) -> None:
