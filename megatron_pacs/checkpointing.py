@@ -186,16 +186,18 @@ class RunCheckpoints:
         one). Raises :class:`CheckpointWriteError` when its writes failed."""
         self._finish(blocking=False)
 
-    def wait(self) -> None:
-        """--async-save: wait for the save in flight and commit it (collective; a no-op without one)."""
-        self._finish(blocking=True)
+    def wait(self, timeout: float | None = None) -> None:
+        """--async-save: wait for the save in flight and commit it (collective; a no-op without one); with
+        ``timeout``, a writer still running after that many seconds is ended and the save abandoned
+        (:class:`CheckpointWriteError`)."""
+        self._finish(blocking=True, timeout=timeout)
 
-    def _finish(self, *, blocking: bool) -> None:
+    def _finish(self, *, blocking: bool, timeout: float | None = None) -> None:
         pending = self.in_flight
         if pending is None:
             return
         try:
-            done = pending.finish(blocking=blocking)
+            done = pending.finish(blocking=blocking, timeout=timeout)
         except BaseException:
             self.in_flight = None  # failed: its temporary folder is gone, nothing is left to wait for
             raise

@@ -98,6 +98,8 @@ class StreamProducer:
         self.stream = RolloutStream(self.cfg, self.tokenizer, loader.next_rows)
         if self._restored is not None:
             self.stream.load_state_dict(self._restored["stream"])
+        c = self.stream.counters  # the step's deltas count from the restored counters, not from zero
+        self._last = {"dropped": c.dropped, "filtered": c.filtered, "rounds": c.rounds}
         self._kept.setdefault(self._next_step - 1, self._snapshot())
         self._thread = threading.Thread(target=self._loop, name="rollout-stream", daemon=True)
         self._thread.start()

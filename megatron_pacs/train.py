@@ -19,8 +19,18 @@ from megatron_pacs.config import TrainConfig, parse_config
 from megatron_pacs.outputs import check_outputs, describe_outputs, resolve_log_dir
 from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError
-from megatron_pacs.utils.interrupts import interrupted_line, interruption_of, raise_on_sigint, raise_on_sigterm
+from megatron_pacs.utils.interrupts import (
+    exiting,
+    interrupted_line,
+    interruption_of,
+    raise_on_sigint,
+    raise_on_sigterm,
+)
 from megatron_pacs.utils.log_writes import LogWriteError
+from megatron_pacs.utils.run_failure import RunFailure
+
+ONE_LINE_FAILURES = (RolloutClusterLost, CheckpointWriteError, LogWriteError, RunFailure)
+"""Failures whose message is the whole story (what, the flag, the fix): the run ends with that line and exits 1."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +89,7 @@ def _train(cfg: TrainConfig) -> int:
     with Trainer(cfg, val_rows) as trainer:
         try:
             trainer.fit(loader)
-        except (RolloutClusterLost, LogWriteError):  # saved; one line at the exit (below)
+        except (RolloutClusterLost, LogWriteError, RunFailure):  # one line at the exit (below)
             raise
         except Exception as exc:
             from megatron_pacs.mcore.parallel import lost_rank
@@ -102,27 +112,33 @@ def _train(cfg: TrainConfig) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise_on_sigterm()  # SIGTERM and Ctrl-C end the run with one line (below); --exit-signal-handler replaces it
-    raise_on_sigint()
+def cli(argv: list[str] | None = None) -> int:
+    """:func:`main` as the command runs it: the exit status, and one line on stderr for what ends a run early.
+
+    Bad flags or data (``ValueError``: the message names the flag and the fix) exit 2; a lost rollout cluster, a
+    full disk under ``--save`` or ``--log-dir`` and the other :data:`ONE_LINE_FAILURES` exit 1; Ctrl-C and SIGTERM,
+    also where they surfaced wrapped (e.g. by Ray's Cython code), exit 130 and 143. Anything else keeps its
+    traceback (a bug).
+    """
     try:
-        sys.exit(main())
-    except ValueError as exc:  # bad flags or data: the message names the flag and the fix
+        return main(argv)
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except RolloutClusterLost as exc:  # the rollout cluster did not come back: the line names it and the flag
+        return 2
+    except ONE_LINE_FAILURES as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except CheckpointWriteError as exc:  # a full disk: the message names the step, the directory and what resumes
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except LogWriteError as exc:  # a full --log-dir: the path, the step, the OS error and what the run kept
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except BaseException as exc:  # Ctrl-C or SIGTERM, also where it surfaced wrapped (e.g. by Ray's Cython code)
+        return 1
+    except BaseException as exc:
         interruption = None if isinstance(exc, SystemExit) else interruption_of(exc)
         if interruption is None:
             raise
         line, code = interrupted_line(interruption)
         print(line, file=sys.stderr)
-        sys.exit(code)
+        exiting()  # a hang from here on is the interpreter's exit: the watchdog's line says so
+        return code
+
+
+if __name__ == "__main__":
+    raise_on_sigterm()  # SIGTERM and Ctrl-C end the run with one line (cli); --exit-signal-handler replaces it
+    raise_on_sigint()
+    sys.exit(cli())

@@ -43,9 +43,10 @@ from megatron_pacs.sources.filtering import GroupFilter
 from megatron_pacs.stops import RunStops
 from megatron_pacs.streaming import StreamProducer
 from megatron_pacs.update import update_policy
+from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError
 from megatron_pacs.utils.exit_signal import ExitSignal
 from megatron_pacs.utils.heartbeat import Heartbeat
-from megatron_pacs.utils.interrupts import raise_if_swallowed
+from megatron_pacs.utils.interrupts import interrupt_received, raise_if_swallowed, waiting_for
 from megatron_pacs.utils.logging import get_logger
 from megatron_pacs.utils.progress import progress_bar
 from megatron_pacs.utils.seeding import use_deterministic_kernels
@@ -63,7 +64,8 @@ __all__ = ["Trainer"]
 log = get_logger("trainer")
 
 CLOSE_WAIT_S = 30.0
-"""How long :meth:`Trainer.close` waits for a generation in flight before stopping the fleet under it."""
+"""How long :meth:`Trainer.close` waits for a generation in flight before stopping the fleet under it, and, after
+Ctrl-C or SIGTERM, for a checkpoint's writer (``--async-save``) before abandoning its save."""
 
 
 class Trainer(RunStops):
@@ -408,8 +410,15 @@ class Trainer(RunStops):
             self.writer.flush()
 
     def close(self) -> None:
-        try:  # --async-save: a save still in flight (after a failure elsewhere) is waited for and committed
-            self.checkpoints.wait()
+        # --async-save: a save still in flight (after a failure elsewhere, or a stop signal) is waited for and
+        # committed, within a bound: CLOSE_WAIT_S after Ctrl-C or SIGTERM (the watchdog ends the process
+        # SIGTERM_GRACE_S after the signal), else the collectives' own timeout
+        stopping = interrupt_received()
+        bound = CLOSE_WAIT_S if stopping else self.cfg.parallel.distributed_timeout_minutes * 60.0
+        try:
+            self.checkpoints.wait(timeout=bound)
+        except CheckpointWriteError as exc:  # its message is the whole story: one line
+            log.error("close: %s", exc)
         except Exception:
             log.exception("close: the checkpoint in flight could not be completed")
         if self.exit_signal is not None:
@@ -435,7 +444,8 @@ class Trainer(RunStops):
         steps.append(("restore SIGUSR1", self.stacks.close))
         for what, step in steps:
             try:
-                step()
+                with waiting_for(f"the shutdown's step: {what}"):  # the watchdog's line names it
+                    step()
             except Exception:
                 log.exception("close: could not %s; going on with the rest of the shutdown", what)
 

@@ -98,6 +98,9 @@ def test_a_run_resumed_twice_trains_and_samples_bit_for_bit_as_the_uninterrupted
         assert a[key] == b[key], key
     for key in ("train/loss", "train/grad_norm", "pacs/loss"):
         assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    for a, b in zip(whole, resumed, strict=True):  # the stream's deltas at each resume's first step (issue 53, item 7)
+        for key in ("rollout/stream_rounds", "rollout/filtered_groups", "rollout/dropped_groups"):
+            assert a[key] == b[key], (a["step"], key)
     for run, step in (("second", 2), ("third", 3)):
         a, b = _dump(runs["root"], "whole", step), _dump(runs["root"], run, step)
         assert sorted(a) == sorted(b) and "token_versions" in a

@@ -17,7 +17,7 @@ import itertools
 import textwrap
 import types
 from functools import cache
-from typing import Any, get_type_hints
+from typing import Any, NoReturn, get_type_hints
 
 from megatron_pacs.config.base import flag
 from megatron_pacs.config.train import TrainConfig
@@ -96,9 +96,19 @@ def section_from_args(args: argparse.Namespace, section: str, cls: type, **overr
     return cls(**values, **overrides)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A refusal is one usage line and the error, not argparse's usage block (one entry per flag: 124 lines)."""
+
+    def format_usage(self) -> str:
+        return f"usage: {self.prog} [-h] [{CONFIG_FLAG} FILE.yaml] [FLAGS ...] (--help lists every flag)\n"
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.format_usage()}{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per field of every section; ``--help`` shows each field's docstring and default."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m megatron_pacs.train",
         description="PACS / GRPO RLVR training on Megatron-Core with a Ray-managed vLLM fleet.",
         formatter_class=_HelpFormatter,

@@ -1,9 +1,11 @@
 """A reward of the user's own (``--reward-fn module:function``), found by name in each reward worker.
 
 The function is called as ``fn(response, ground_truth)`` with the decoded response (prompt excluded) and the row's
-``ground_truth`` as the data file holds it, and returns a number in [0, 1]; anything else (an exception, a value
-that is not a number, NaN, a value outside [0, 1]) scores 0.0 and counts as an error (``reward/num_errors``), as
-math-verify's errors do. See docs/training.md ("Your own reward") and examples/custom_reward.py.
+``ground_truth`` as the data file holds it, and returns a number in [0, 1] or a bool (1.0 or 0.0); anything else (an
+exception, a value that is not a number such as the string ``"1"``, NaN, a value outside [0, 1]) scores 0.0 and
+counts as an error (``reward/num_errors``), as math-verify's errors do
+(:func:`megatron_pacs.rewards.scorer.reward_value`). See docs/training.md ("Your own reward") and
+examples/custom_reward.py.
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ class SourceConfig:
     and the batch is refilled with the next prompts of the stream until it holds --global-batch-size groups; the
     dropped groups' prompts count as used (docs/algorithm.md §2.8)."""
     max_filter_rounds: int = 8
-    """With --filter-groups zero-variance: refill rounds a step may run after its first generation (0: no limit);
-    a step that still lacks groups after them fails, naming this flag (verl's max_num_gen_batches)."""
+    """With --filter-groups zero-variance: refill rounds a step may run after its first generation (0: no limit, the
+    step logs that it is still refilling after 8, 16, 32, ... rounds); a step that still lacks groups after them
+    fails, naming this flag (verl's max_num_gen_batches)."""
 
     def __post_init__(self) -> None:
         if self.rollout_source not in SOURCES:
@@ -55,6 +56,15 @@ class SourceConfig:
                 "--rollout-source replay trains on the dumped batches as they are (a filtered run's dumps hold its "
                 "filtered batches): there is nothing to refill from; drop it",
             )
+        if self.filter_groups == "zero-variance" and self.rollout_source == "synthetic":
+            rate = self.synthetic_reward_rate
+            if rate in (0.0, 1.0):
+                raise bad(
+                    "filter_groups",
+                    f"every reward is {rate:g} with --synthetic-reward-rate {rate:g}, so every group has equal "
+                    "rewards and zero-variance filtering drops them all; use a rate strictly between 0 and 1, or drop "
+                    "the filter",
+                )
         if self.max_filter_rounds < 0:
             raise bad("max_filter_rounds", f"{self.max_filter_rounds} must be >= 0 (0: no limit)")
         if is_set(self, "max_filter_rounds") and self.filter_groups == "none":
@@ -92,8 +102,9 @@ _FLEET_ONLY = {
         "partial_rollouts",
         "rollout_round_tokens",
         "offload_optimizer_during_rollout",
+        "rollout_engine_kwargs",
     ),
-    "reward": ("reward_workers", "reward_timeout", "reward_max_chars"),
+    "reward": ("reward_fn", "reward_workers", "reward_timeout", "reward_max_chars"),
     "eval": ("eval_interval", "val_n", "val_temperature"),
     "data": ("val_data",),
 }
@@ -105,7 +116,7 @@ def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
     Args:
         source: The rollout source.
         sections: The run's other sections by name (``rollout``, ``loss``, ``reward``, ``eval``, ``data``,
-            ``model``).
+            ``model``, ``run``).
 
     Raises:
         ValueError: naming the flag and the source.
@@ -128,6 +139,13 @@ def check_source_flags(source: SourceConfig, sections: dict[str, Any]) -> None:
                     f"only a fleet uses it, and --rollout-source {kind} runs none (no engines, sampling, weight "
                     "sync or validation); drop it",
                 )
+    run = sections.get("run")
+    if not spec.texts and run is not None and run.log_samples:
+        raise bad(
+            "log_samples",
+            f"shows each step's first responses as text, and --rollout-source {kind} rollouts have none (token ids "
+            "only); drop it",
+        )
     if not spec.engine_logprobs:
         for section, name, why in (
             (

@@ -33,6 +33,9 @@ class SourceSpec:
     engine_logprobs: bool
     """Its rollouts can carry the engines' token log-probs and routing (consistency checks, the off-policy
     correction and router replay need them)."""
+    texts: bool = True
+    """Its rollouts carry readable records (prompt, response text, ground truth) for the text dumps and
+    ``--log-samples``."""
     checked_everywhere: bool = False
     """It is opened on every rank before the models are built, and its ``check(steps)`` refuses bad input there;
     the driver then collects from that same instance. Otherwise only the driver opens it, after the models."""
@@ -47,7 +50,7 @@ SOURCES: dict[str, SourceSpec] = {
         checked_everywhere=True,
     ),
     "synthetic": SourceSpec(
-        target="megatron_pacs.sources.synthetic:SyntheticSource", engines=False, engine_logprobs=False
+        target="megatron_pacs.sources.synthetic:SyntheticSource", engines=False, engine_logprobs=False, texts=False
     ),
 }
 """Source name -> its :class:`SourceSpec`."""

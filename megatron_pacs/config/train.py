@@ -86,7 +86,7 @@ class TrainConfig:
                         "or ask for one of those",
                     )
         sections = {"rollout": self.rollout, "loss": self.loss, "reward": self.reward, "eval": self.eval}
-        check_source_flags(self.source, {**sections, "data": self.data, "model": self.model})
+        check_source_flags(self.source, {**sections, "data": self.data, "model": self.model, "run": self.run})
         check_reconnect_window(self.rollout, self.parallel.distributed_timeout_minutes)
         r = self.rollout
         if self.loss.off_policy_correction == "tis" and (r.temperature != 1.0 or r.top_p < 1.0 or r.top_k != -1):

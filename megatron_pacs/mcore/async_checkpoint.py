@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -28,7 +29,10 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.training_checkpoint import WRITE_ERRORS, _finish, _temp_folder, _write
-from megatron_pacs.utils.checkpoint_dirs import checkpoint_dir
+from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError, checkpoint_dir
+from megatron_pacs.utils.exit_signal import ignore_stop_signals, stop_signals_blocked
+from megatron_pacs.utils.interrupts import waiting_for
+from megatron_pacs.utils.log_writes import any_rank
 
 if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
@@ -68,17 +72,36 @@ class PendingCheckpoint:
         """The checkpoint's folder once committed (``iter_NNNNNNN``)."""
         return checkpoint_dir(self.save, self.step)
 
-    def finish(self, *, blocking: bool) -> bool:
+    def finish(self, *, blocking: bool, timeout: float | None = None) -> bool:
         """Commit the checkpoint if every rank's writes are done (``blocking``: wait for them first).
+
+        Args:
+            blocking: Wait for the writes.
+            timeout: With ``blocking``, wait at most this many seconds for this rank's writer; a writer still
+                running on any rank then is ended and the save abandoned (the shutdown's bound).
 
         Returns:
             True when the checkpoint is in place; False when writes are still going on (never with ``blocking``).
 
         Raises:
             CheckpointWriteError: when a rank's write failed with an OS error (the step, ``--save`` and the error
-                named; the temporary folder removed, the checkpoints in place untouched).
+                named; the temporary folder removed, the checkpoints in place untouched), or its writer outlasted
+                ``timeout``.
         """
         error = None
+        if blocking and timeout is not None:
+            with waiting_for(f"step {self.step}'s checkpoint writer"):
+                late = _join_writers(self.queue, timeout)
+            if any_rank(bool(late)):  # every rank abandons the save alike (collective)
+                _abort(self.queue)
+                self._commit(
+                    CheckpointWriteError(
+                        f"--save: step {self.step}'s checkpoint writer"
+                        f"{f' (pid {late[0]})' if late else ' of another rank'} was still writing {timeout:.0f}s "
+                        f"into the shutdown: abandoned, its temporary folder removed; the checkpoints already in "
+                        f"{self.save} stay and --load {self.save} resumes from the newest"
+                    )
+                )  # raises it
         try:
             with cuda_to_cpu():  # Megatron's finalize makes its flags on torch.cuda.current_device()
                 self.queue.maybe_finalize_async_calls(blocking=blocking)
@@ -155,12 +178,30 @@ def _in_order(requests: list[AsyncRequest]) -> AsyncRequest:
 
 
 def _run_in_order(calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]) -> None:
+    # Forked with SIGINT and SIGTERM blocked (start_training_checkpoint): a Ctrl-C reaches the whole process group,
+    # and a writer that raised KeyboardInterrupt before posting its results left the trainer's wait for them hanging
+    # (issue 53). The rank decides when its save stops; the writer also ends once the rank is gone.
+    ignore_stop_signals(parent_pid=os.getppid())
     # The forked writer yields the cores to the training step: a lower priority, and one thread for the host
     # tensors' fingerprint sums (the step's own thread pool was sized for the step)
     os.nice(10)
     torch.set_num_threads(1)
     for fn, args, kwargs in calls:
         fn(*args, **kwargs)
+
+
+def _join_writers(queue: AsyncCallsQueue, timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for this rank's forked writers to end; the pids of those still running."""
+    deadline = time.monotonic() + timeout
+    late = []
+    for call in queue.async_calls:
+        process = getattr(call.async_caller, "process", None)  # TemporalAsyncCaller's fork (None: nothing to write)
+        if process is None:
+            continue
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            late.append(process.pid)
+    return late
 
 
 def _abort(queue: AsyncCallsQueue) -> None:
@@ -195,7 +236,8 @@ def start_training_checkpoint(
     requests: list[AsyncRequest] = []
     try:
         _write(tmp, models, optimizer, extra_models, driver_objects, requests)
-        with cuda_to_cpu():
+        # the fork starts with the stop signals blocked, and ignores them before it unblocks them (_run_in_order)
+        with cuda_to_cpu(), stop_signals_blocked():
             queue.schedule_async_request(_in_order(requests))
     except WRITE_ERRORS as exc:
         _abort(queue)

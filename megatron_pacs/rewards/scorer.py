@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,11 +29,13 @@ from megatron_pacs.utils.logging import get_logger
 if TYPE_CHECKING:
     from megatron_pacs.config.run import RewardConfig
 
-__all__ = ["RewardScorer", "ScoreResult"]
+__all__ = ["RewardScorer", "ScoreResult", "reward_value"]
 
 log = get_logger("rewards")
 
-RewardFn = Callable[[Any, Any], "float | tuple[float, str]"]
+RewardFn = Callable[[Any, Any], Any]
+"""``fn(response, ground_truth)``: a number in [0, 1] or a bool (:func:`reward_value`); the built-in math-verify
+reward alone returns ``(score, status)``."""
 
 
 @dataclass
@@ -69,24 +72,70 @@ class ScoreResult:
         }
 
 
-def _call(fn: RewardFn, response: Any, ground_truth: Any) -> tuple[float, str]:
-    """``fn``'s score and status; an exception, a non-number, NaN or a score outside [0, 1] is 0.0, an error."""
+def reward_value(out: Any) -> tuple[float, str | None]:
+    """A reward function's return value as a score, by the documented rule (docs/training.md, "Your own reward").
+
+    A bool is 1.0 (True) or 0.0 (False); an int or a float (any ``numbers.Real``, NumPy's scalars included) is
+    itself when it is finite and within [0, 1]. Anything else (a string such as ``"1"``, None, a tuple, a tensor,
+    NaN, 2.0) is not a score: 0.0, with why.
+
+    Returns:
+        ``(score, None)``, or ``(0.0, why)`` for a value that is not a score.
+    """
+    if isinstance(out, bool):
+        return float(out), None
+    if not isinstance(out, numbers.Real):
+        return 0.0, f"returned a {type(out).__name__} ({_short(out)}), not a number"
+    score = float(out)
+    if not (math.isfinite(score) and 0.0 <= score <= 1.0):
+        return 0.0, f"returned {score!r}, outside [0, 1]"
+    return score, None
+
+
+def _short(value: Any, limit: int = 60, *, text: bool = False) -> str:
+    """``value``'s repr (``text``: its str), cut to ``limit`` characters."""
+    out = str(value) if text else repr(value)
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def _error_kind(error: str) -> str:
+    """What :meth:`RewardScorer._show_errors` shows once: an exception's type, or the kind of value returned."""
+    if error.startswith("raised "):
+        return error.split(":", 1)[0]
+    if error.endswith("outside [0, 1]"):
+        return "outside [0, 1]"
+    return error.split(" (", 1)[0]
+
+
+def _call(fn: RewardFn, response: Any, ground_truth: Any) -> tuple[float, str, str | None]:
+    """``fn``'s score, status and, for an error, what went wrong.
+
+    The built-in math-verify reward (:func:`score_with_status`) returns ``(score, status)`` itself; any other
+    function returns a reward read by :func:`reward_value`. An exception, or a value that is not a score, is 0.0
+    and an error.
+    """
     try:
         out = fn(response, ground_truth)
-        score, status = (float(out[0]), str(out[1])) if isinstance(out, tuple) else (float(out), OK)
-    except Exception:  # noqa: BLE001 - a reward that raises (or returns no number) scores 0 and is counted
-        return 0.0, ERROR
-    if not (math.isfinite(score) and 0.0 <= score <= 1.0):
-        return 0.0, ERROR
-    return score, status
+    except Exception as exc:  # noqa: BLE001 - a reward that raises scores 0 and is counted
+        return 0.0, ERROR, f"raised {type(exc).__name__}: {_short(exc, 200, text=True)}"
+    if fn is score_with_status:
+        return out[0], out[1], None
+    score, why = reward_value(out)
+    return (score, OK, None) if why is None else (0.0, ERROR, why)
 
 
 def _worker_main(conn: Connection, fn: RewardFn | str) -> None:
-    """Worker loop: warm up, say ready, then answer ``(idx, response, gt)`` with ``(idx, score, status)``."""
+    """Worker loop: say ready, then answer ``(idx, response, gt)`` with ``(idx, score, status, error)``.
+
+    Only the built-in math-verify reward is warmed up first (its import and verifier, before the first timed item);
+    a user's function is never called but on the items (a slow one would cost its time-out again at every
+    replacement of a worker).
+    """
     ignore_stop_signals()  # the trainer decides when the pool stops; a worker ends on its pipe's end (EOFError)
     if isinstance(fn, str):  # --reward-fn: found by name here (the parent checked that it imports)
         fn = load_reward_fn(fn)
-    _call(fn, "\\boxed{1}", "1")  # import and build the verifier before the first timed item
+    if fn is score_with_status:
+        _call(fn, "\\boxed{1}", "1")
     conn.send("ready")
     while True:
         try:
@@ -123,11 +172,13 @@ class RewardScorer:
         num_workers: Worker processes; 0 scores serially in this process (math-verify's own time limits only,
             no hard timeout).
         timeout_s: Wall-clock limit per item, measured from when a ready worker receives it.
-        reward_fn: A picklable ``(response, ground_truth) -> float | (float, status)``, or a ``module:function``
-            / ``path/to/file.py:function`` that each worker imports (``--reward-fn``); default math-verify. A score
-            that is not a number in [0, 1] is 0.0, counted as an error.
-        start_timeout_s: How long a worker may take to import and warm up, from its own (re)start; one that
-            does not is restarted, and only when no worker has started within it does ``score`` raise.
+        reward_fn: A picklable ``(response, ground_truth) -> float | bool``, or a ``module:function`` /
+            ``path/to/file.py:function`` that each worker imports (``--reward-fn``); default math-verify. A value
+            that is no score by :func:`reward_value`'s rule (a string, NaN, 2.0) is 0.0, counted as an error; the
+            first error of each kind is logged once, with the item.
+        start_timeout_s: How long a worker may take to import the reward (math-verify: and warm up), from its own
+            (re)start; one that does not is restarted, and only when no worker has started within it does
+            ``score`` raise.
         max_chars: Responses longer than this score 0.0 unparsed (status ``too_long``, counted); None disables
             the guard (``--reward-max-chars``).
 
@@ -161,6 +212,7 @@ class RewardScorer:
         self.total_verify_timeouts = 0
         self.total_worker_restarts = 0
         self._restarts = 0  # workers replaced in the batch being scored
+        self._shown: set[str] = set()  # the kinds of reward errors already shown (each once per pool)
         # spawn, not fork: the trainer process holds threads (Ray, torch) that fork would copy half-initialised.
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
@@ -209,14 +261,14 @@ class RewardScorer:
                 f"got {len(responses)} responses but {len(ground_truths)} ground truths; pass one ground truth per "
                 "response (repeat a prompt's answer for each of its samples)"
             )
-        results: list[tuple[float, str] | None] = [None] * len(responses)
+        results: list[tuple[float, str, str | None] | None] = [None] * len(responses)
         self._restarts = 0
         todo: deque[int] = deque()
         for i, resp in enumerate(responses):
             if not isinstance(resp, str):
-                results[i] = (0.0, ERROR)
+                results[i] = (0.0, ERROR, None)
             elif self.max_chars is not None and len(resp) > self.max_chars:
-                results[i] = (0.0, TOO_LONG)
+                results[i] = (0.0, TOO_LONG, None)
             else:
                 todo.append(i)
         if self.num_workers == 0:
@@ -226,6 +278,7 @@ class RewardScorer:
             self._run_pool(todo, responses, ground_truths, results)
         scores = [r[0] for r in results]  # type: ignore[index]
         statuses = [r[1] for r in results]  # type: ignore[index]
+        self._show_errors([r[2] for r in results])  # type: ignore[index]
         out = ScoreResult(
             scores,
             statuses.count(ERROR),
@@ -253,6 +306,25 @@ class RewardScorer:
                 len(scores),
             )
         return out
+
+    def _show_errors(self, errors: Sequence[str | None]) -> None:
+        """Log the first error of each kind (an exception's type, a kind of value that is no score) once per pool,
+        with the item; the rest only count in ``reward/num_errors``."""
+        for i, error in enumerate(errors):
+            if error is None:
+                continue
+            kind = _error_kind(error)
+            if kind in self._shown:
+                continue
+            self._shown.add(kind)
+            name = f"--reward-fn {self.reward_fn}" if isinstance(self.reward_fn, str) else "the reward"
+            log.warning(
+                "reward: %s %s on item %d of the batch, scored 0.0 (shown once; later ones only count in "
+                "reward/num_errors)",
+                name,
+                error,
+                i,
+            )
 
     def _ensure_workers(self) -> None:
         """Start the pool's missing workers; one that died since the last batch (killed from outside) is counted."""
@@ -304,17 +376,17 @@ class RewardScorer:
                     msg = w.conn.recv()  # w.conn is conn (wait() types its result as Connection | socket | int)
                 except (EOFError, OSError):  # the worker died: its item is an error, the worker is replaced
                     if w.item is not None:
-                        results[w.item[0]] = (0.0, ERROR)
+                        results[w.item[0]] = (0.0, ERROR, f"crashed its worker (exit code {w.proc.exitcode})")
                     self._replace(w)
                     continue
                 if msg == "ready":
                     w.ready = True
                 else:
-                    idx, score, status = msg
-                    results[idx] = (score, status)
+                    idx, score, status, error = msg
+                    results[idx] = (score, status, error)
                     w.item = None
             now = time.monotonic()
             for w in list(self._workers):
                 if w.item is not None and now > w.item[1]:
-                    results[w.item[0]] = (0.0, TIMEOUT)
+                    results[w.item[0]] = (0.0, TIMEOUT, None)
                     self._replace(w)

@@ -21,8 +21,12 @@ import torch
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.prompts import PromptRow
 from megatron_pacs.sources.base import StepRollouts, rollout_metrics
+from megatron_pacs.utils.logging import get_logger
+from megatron_pacs.utils.run_failure import RunFailure
 
 __all__ = ["Collect", "GroupFilter", "Refill", "select_groups", "zero_variance_groups"]
+
+log = get_logger("filtering")
 
 Refill = Callable[[int], list[PromptRow]]
 """``refill(k)``: the next ``k`` prompts of the step's stream (the prompt loader's ``next_batch``)."""
@@ -130,8 +134,12 @@ class GroupFilter:
             dropped), ``rollout/filter_rounds`` (refill rounds run) and ``rollout/reward_mean_unfiltered`` (over
             every response generated); ``rollout/*`` describe the batch trained on.
 
+        Without a limit (``--max-filter-rounds 0``) the step says that it is still refilling after 8, 16, 32, ...
+        rounds, with how many groups it holds.
+
         Raises:
-            RuntimeError: The groups are still short after ``--max-filter-rounds`` rounds (naming the flag).
+            RunFailure: The groups are still short after ``--max-filter-rounds`` rounds (naming the flag), or the
+                step cannot refill.
         """
         rollouts = collect(rows, step)
         parts, rounds = [], 0
@@ -142,11 +150,22 @@ class GroupFilter:
             if missing <= 0:
                 break
             if refill is None or (self.max_rounds and rounds == self.max_rounds):
-                raise RuntimeError(
+                raise RunFailure(
                     f"step {step}: --filter-groups zero-variance: {self.batch_prompts - missing} of "
                     f"{self.batch_prompts} groups have unequal rewards after {rounds} refill rounds "
-                    f"(--max-filter-rounds {self.max_rounds}); raise it (0: no limit), or look at the rewards: a "
-                    "policy that solves every prompt, or none, leaves no group to train on"
+                    f"(--max-filter-rounds {self.max_rounds}); look at the rewards (a policy that solves every "
+                    "prompt, or none, leaves no group to train on: rollout/reward_mean_unfiltered), or raise "
+                    "--max-filter-rounds"
+                )
+            if not self.max_rounds and rounds >= 8 and rounds & (rounds - 1) == 0:
+                log.warning(
+                    "step %d: --filter-groups zero-variance: still refilling after %d rounds, %d of %d groups with "
+                    "unequal rewards so far (--max-filter-rounds 0: no limit; a policy that solves every prompt, or "
+                    "none, never fills the step)",
+                    step,
+                    rounds,
+                    self.batch_prompts - missing,
+                    self.batch_prompts,
                 )
             rounds += 1
             rollouts = collect(refill(missing), step, refill=rounds)

@@ -33,9 +33,13 @@ import torch
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.prompts import PromptRow, apply_chat_template
 from megatron_pacs.sources.base import StepRollouts, rollout_metrics
+from megatron_pacs.utils.logging import get_logger
+from megatron_pacs.utils.run_failure import RunFailure
 from megatron_pacs.utils.seeding import STREAM_SAMPLING_STREAM, derive_seed
 
 __all__ = ["RolloutStream", "StreamGroup", "StreamResponse"]
+
+log = get_logger("stream")
 
 Generate = Callable[[list[list[int]], Any], list[Any]]
 """The fleet's ``generate(prompts, sampling)`` (token-id prompts; one group of one response each)."""
@@ -122,6 +126,7 @@ class RolloutStream:
         self.filter = cfg.source.filter_groups == "zero-variance"
         self.max_filter_rounds = cfg.source.max_filter_rounds
         self._filtered_at_take = 0
+        self._told = 0  # the batches of filtered groups the last "still waiting" line counted (no limit)
         self.groups: list[StreamGroup] = []  # admitted, not yet taken or released, in admission order
         self.counters = _Counters()
         eos = tokenizer.eos_token_id
@@ -291,22 +296,35 @@ class RolloutStream:
         for g in chosen:
             self.groups.remove(g)
         self._filtered_at_take = self.counters.filtered
+        self._told = 0
         return chosen
 
     def check_filtering(self, step: int) -> None:
         """Raise when step ``step`` has filtered more groups than ``--max-filter-rounds`` batches while waiting for
-        its own (0: no limit): a policy that solves every prompt, or none, leaves no group to train on.
+        its own: a policy that solves every prompt, or none, leaves no group to train on. Without a limit (0), say
+        that the step is still waiting after 8, 16, 32, ... batches' worth of filtered groups.
 
         Raises:
-            RuntimeError: naming the flag.
+            RunFailure: naming the flag.
         """
         filtered = self.counters.filtered - self._filtered_at_take
-        if self.filter and self.max_filter_rounds and filtered > self.max_filter_rounds * self.batch_size:
-            raise RuntimeError(
+        if not self.filter:
+            return
+        if self.max_filter_rounds and filtered > self.max_filter_rounds * self.batch_size:
+            raise RunFailure(
                 f"step {step}: --filter-groups zero-variance: {filtered} groups in a row had equal rewards while the "
                 f"step waited for {self.batch_size} (more than --max-filter-rounds {self.max_filter_rounds} batches); "
-                "raise it (0: no limit), or look at the rewards: a policy that solves every prompt, or none, leaves "
-                "no group to train on"
+                "look at the rewards (a policy that solves every prompt, or none, leaves no group to train on), or "
+                "raise --max-filter-rounds"
+            )
+        batches = filtered // self.batch_size
+        if not self.max_filter_rounds and batches >= 8 and batches & (batches - 1) == 0 and batches > self._told:
+            self._told = batches
+            log.warning(
+                "step %d: --filter-groups zero-variance: still waiting, %d groups in a row had equal rewards "
+                "(--max-filter-rounds 0: no limit; a policy that solves every prompt, or none, never fills the step)",
+                step,
+                filtered,
             )
 
     def stuck(self, version: int) -> bool:
@@ -316,11 +334,19 @@ class RolloutStream:
     # -- checkpoints -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Every admitted group not yet trained (finished, partial, pending) and the counters: a deep copy."""
-        return {"groups": copy.deepcopy(self.groups), "counters": copy.deepcopy(self.counters)}
+        """Every admitted group not yet trained (finished, partial, pending), the counters, and where the filtered
+        count stood when the last step took its groups (what :meth:`check_filtering` counts from): a deep copy."""
+        return {
+            "groups": copy.deepcopy(self.groups),
+            "counters": copy.deepcopy(self.counters),
+            "filtered_at_take": self._filtered_at_take,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.groups, self.counters = copy.deepcopy(state["groups"]), copy.deepcopy(state["counters"])
+        # a checkpoint written before this key: count from the restored counters (never from zero)
+        self._filtered_at_take = state.get("filtered_at_take", self.counters.filtered)
+        self._told = 0
 
 
 def stream_rollouts(groups: Sequence[StreamGroup], step: int, eos: Sequence[int]) -> StepRollouts:

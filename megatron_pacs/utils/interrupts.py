@@ -7,8 +7,10 @@ a shell reports a process the signal ended). Raised where the main thread happen
 wrapped (Ray's Cython code turns it into a ``SystemError`` whose cause it is: :func:`interruption_of` finds it) or
 be swallowed (raised inside a ``__del__``, or caught by a library's bare ``except:``). Both handlers record the
 signal, so :func:`raise_if_swallowed`, called at each step boundary, raises a swallowed one again there; and after
-SIGTERM a watchdog ends the process, its children with it, when it has not exited :data:`SIGTERM_GRACE_S` after the
-signal.
+either signal a watchdog ends the process, its children with it, when it has not exited :data:`SIGTERM_GRACE_S`
+after the signal, naming what the shutdown was waiting for (:func:`waiting_for`). A second signal while the run
+stops does not cut the shutdown short (a Ctrl-C pressed again printed 79 lines of tracebacks): it is answered with
+one line.
 
 Ray's ``ray.init`` installs a SIGTERM handler of its own in the driver (``sys.exit``); the fleet's start keeps this
 one (:mod:`megatron_pacs.rollout.fleet.ray_start`). ``--exit-signal-handler`` replaces it after the start-up: SIGTERM
@@ -17,29 +19,35 @@ then stops the run at a step boundary (:mod:`megatron_pacs.utils.exit_signal`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
 __all__ = [
     "EXIT_CODES",
     "SIGTERM_GRACE_S",
     "Terminated",
+    "exiting",
+    "interrupt_received",
     "interrupted_line",
     "interruption_of",
     "raise_if_swallowed",
     "raise_on_sigint",
     "raise_on_sigterm",
     "raises_on_sigterm",
+    "waiting_for",
 ]
 
 EXIT_CODES = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
 """The exit status of a run ended by each signal (130, 143)."""
 
 SIGTERM_GRACE_S = 60.0
-"""Seconds from SIGTERM to the watchdog's end of the process, when the unwinding has not ended it by then."""
+"""Seconds from SIGTERM or Ctrl-C to the watchdog's end of the process, when the unwinding has not ended it by then
+(the default ``--heartbeat-timeout-seconds``: a stopped run ends before its peers would declare it lost)."""
 
 
 class Terminated(BaseException):
@@ -47,34 +55,66 @@ class Terminated(BaseException):
     ``except Exception`` handlers let it through to the entry point."""
 
 
-def _end_after_grace() -> None:
-    """The watchdog: the process and its children end :data:`SIGTERM_GRACE_S` after SIGTERM, whatever happens."""
+_WAITING: list[str] = []  # what the shutdown waits for now, innermost last (waiting_for)
+
+
+@contextlib.contextmanager
+def waiting_for(what: str) -> Iterator[None]:
+    """Name what the code inside waits for (e.g. "step 3's checkpoint writer"), for the watchdog's line should the
+    shutdown outlast :data:`SIGTERM_GRACE_S`."""
+    _WAITING.append(what)
+    try:
+        yield
+    finally:
+        _WAITING.pop()
+
+
+def exiting() -> None:
+    """Say, for the watchdog's line, that the run is past its shutdown and the interpreter exits (which joins the
+    child processes still running)."""
+    _WAITING[:] = ["the interpreter's exit (the child processes it joins)"]
+
+
+def _end_after_grace(name: str) -> None:
+    """The watchdog: the process and its children end :data:`SIGTERM_GRACE_S` after the signal, whatever happens."""
     threading.Event().wait(SIGTERM_GRACE_S)
     import psutil
 
+    waiting = f", waiting for {_WAITING[-1]}" if _WAITING else ""
     children = psutil.Process().children(recursive=True)
     for child in children:
         try:
             child.kill()
         except psutil.Error:
             pass
-    print(f"stopped by SIGTERM (the shutdown took over {SIGTERM_GRACE_S:.0f}s); exiting 143", file=sys.stderr)
-    os._exit(EXIT_CODES["SIGTERM"])
+    code = EXIT_CODES[name]
+    what = "interrupted by Ctrl-C (SIGINT)" if name == "SIGINT" else "stopped by SIGTERM"
+    print(f"{what} (the shutdown took over {SIGTERM_GRACE_S:.0f}s{waiting}); exiting {code}", file=sys.stderr)
+    os._exit(code)
 
 
 _RECEIVED: list[str] = []  # the signals the handlers below turned into exceptions, in order
 
 
+def _first(name: str) -> bool:
+    """Record signal ``name``; True for the run's first stop signal (which starts the watchdog), False for a later
+    one, which is answered with one line and otherwise ignored (the shutdown it would interrupt is under way)."""
+    if _RECEIVED:
+        print(f"{name} again: still stopping (the shutdown ends within {SIGTERM_GRACE_S:.0f}s)", file=sys.stderr)
+        return False
+    _RECEIVED.append(name)
+    threading.Thread(target=_end_after_grace, args=(name,), name="stop-watchdog", daemon=True).start()
+    return True
+
+
 def _raise(signum: int, frame: FrameType | None) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: a second would cut the shutdown short
-    threading.Thread(target=_end_after_grace, name="sigterm-watchdog", daemon=True).start()
-    _RECEIVED.append("SIGTERM")
-    raise Terminated()
+    if _first("SIGTERM"):
+        raise Terminated()
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    _RECEIVED.append("SIGINT")
-    raise KeyboardInterrupt()
+    if _first("SIGINT"):
+        raise KeyboardInterrupt()
 
 
 def raise_on_sigint() -> None:
@@ -99,6 +139,11 @@ def raise_if_swallowed() -> None:
     if _RECEIVED[0] == "SIGINT":
         raise KeyboardInterrupt()
     raise Terminated()
+
+
+def interrupt_received() -> bool:
+    """Whether Ctrl-C or SIGTERM has been received (the run is stopping, or will at the next step boundary)."""
+    return bool(_RECEIVED)
 
 
 def raise_on_sigterm() -> None:

@@ -169,20 +169,40 @@ def _is_text_block(value: Any) -> bool:
 
 
 def _write_config_file(path: Path, config: Mapping[str, Any]) -> None:
-    """``config`` as YAML at ``path``, replaced whole (a crash leaves the old file or the new one). ``log_dir`` is
-    left out: the folder holds this run, so a run again from the file takes a new one (one run per --log-dir)."""
+    """``config`` as YAML at ``path``, replaced whole (a crash leaves the old file or the new one).
+
+    It is read back by ``--config <log-dir>/config.yaml --log-dir NEW [--save NEW_CKPT]`` to run the run again, so
+    two of the run's own places are left out: ``log_dir`` (the folder holds this run: one run per --log-dir), and a
+    ``load`` of ``--save``'s own checkpoints (a requeued job's ``--load`` = ``--save``: the rerun would resume this
+    run instead of running it again). ``save`` stays, with the rest of the checkpoint settings; the header says that
+    a rerun gives a ``--save`` of its own (a fresh run is refused over this run's checkpoints).
+    """
     import yaml
 
     config = {k: dict(v) if isinstance(v, Mapping) else v for k, v in config.items()}
     if isinstance(config.get("run"), dict):
         config["run"].pop("log_dir", None)
-    tmp = path.with_name(path.name + ".tmp")
+    ck = config.get("checkpoint")
+    save = ck.get("save") if isinstance(ck, dict) else None
     header = (
-        f"# This run's resolved configuration but --log-dir; `python -m megatron_pacs.train --config {path}` runs "
-        "it again (in a new --log-dir).\n"
+        f"# This run's resolved configuration but --log-dir; `python -m megatron_pacs.train --config {path} "
+        "--log-dir NEW` runs it again.\n"
     )
+    if isinstance(ck, dict) and save:
+        header += f"# It saved its checkpoints to {save}: give the rerun its own, --save NEW_CKPT.\n"
+        load = ck.get("load")
+        if load and _within(str(load), str(save)):
+            ck["load"] = None
+            header += f"# load: {load} (this run's own checkpoints) is left out: a rerun starts afresh.\n"
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(header + yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _within(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or lies inside it (after resolving both)."""
+    a, b = os.path.realpath(path), os.path.realpath(root)
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
 
 
 class MetricsWriter:

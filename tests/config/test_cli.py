@@ -75,7 +75,7 @@ def test_help_documents_every_flag():
         (["--save-hf"], "--save-hf"),
         (["--load-optional"], "--load-optional"),
         (["--val-temperature", "0.6"], "--val-temperature"),
-        (["--val-n", "4", "--val-temperature", "0.6"], "--val-n"),
+        (["--val-n", "4", "--val-temperature", "0.6"], "--val-temperature"),
         (["--loss", "grpo", "--pacs-beta", "2"], "--pacs-beta"),
         (["--loss", "grpo", "--pacs-score", "mean_logp"], "--pacs-score"),
         (["--loss", "grpo", "--pacs-advantage", "grpo"], "--pacs-advantage"),
@@ -100,10 +100,15 @@ def test_help_documents_every_flag():
     ],
 )
 def test_bad_flags_exit_with_the_flag_named(argv, flag, capsys):
+    """Each refusal is one usage line and the error (issue 53: argparse's 124-line usage block came first)."""
     with pytest.raises(SystemExit) as exc:
         parse_config(argv)
     assert exc.value.code == 2
-    assert flag in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flag in err
+    usage, error = err.splitlines()
+    assert usage.startswith("usage: python -m megatron_pacs.train [-h] [--config FILE.yaml] [FLAGS ...]")
+    assert error.startswith("python -m megatron_pacs.train: error: ")
 
 
 def test_validate_checks_layout_and_files(tmp_path):

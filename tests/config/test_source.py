@@ -36,11 +36,21 @@ def test_replay_and_its_folder_go_together():
         ["--reward-workers", "4"],
         ["--eval-interval", "2"],
         ["--rollout-dtype", "bfloat16"],
+        ["--rollout-engine-kwargs", '{"enforce_eager": true}'],  # issue 53, item 3: accepted and ignored before
+        ["--reward-fn", "math:isclose"],  # any importable two-argument function
     ],
 )
 def test_fleet_only_settings_are_refused_naming_the_flag(source, flags):
     with pytest.raises(ValueError, match=rf"^{flags[0]}: only a fleet uses it, and --rollout-source {source[1]}"):
         _validate(*source, *flags)
+
+
+def test_synthetic_rollouts_have_no_text_to_show():
+    """Issue 53, item 3: --log-samples was accepted and showed nothing with synthetic rollouts (token ids only); a
+    replay's dumps keep the records, so it applies there."""
+    with pytest.raises(ValueError, match=r"^--log-samples: shows each step's first responses as text, and "):
+        _validate("--rollout-source", "synthetic", "--log-samples", "2")
+    _validate("--rollout-source", "replay", "--replay-from", "r", "--log-samples", "2")
 
 
 def test_synthetic_rollouts_have_no_engine_log_probs_to_compare_or_weight_by():

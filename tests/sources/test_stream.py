@@ -21,6 +21,7 @@ from megatron_pacs.config import parse_config
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow
 from megatron_pacs.sources.stream import RolloutStream, stream_rollouts
+from megatron_pacs.utils.run_failure import RunFailure
 
 ROWS = [
     PromptRow(
@@ -238,8 +239,27 @@ def test_a_stream_whose_every_group_is_filtered_fails_naming_the_flag():
         finished = [g for g in s.groups if g.finished and g.rewards is None]
         s.scored(finished, ["x"] * (len(finished) * N), [1.0] * (len(finished) * N))
     assert s.counters.filtered == 3 * B and not s.takeable(1)
-    with pytest.raises(RuntimeError, match=r"step 1: --filter-groups zero-variance: 12 groups .*--max-filter-rounds 2"):
+    with pytest.raises(RunFailure, match=r"step 1: --filter-groups zero-variance: 12 groups .*--max-filter-rounds 2"):
         s.check_filtering(1)
+
+
+def test_a_stream_without_a_filter_limit_says_it_is_still_waiting(caplog):
+    """Issue 53, item 5: with --max-filter-rounds 0 a stream whose every group is filtered waited silently for ever;
+    it now says so after 8, 16, ... batches' worth of filtered groups, once each however often the step wakes."""
+    s, _ = _stream(0, "--filter-groups", "zero-variance", "--max-filter-rounds", "0")
+    with caplog.at_level("WARNING", logger="megatron_pacs.stream"):
+        while s.counters.filtered < 16 * B:
+            s.admit(0)
+            todo, prompts, sampling = s.round_request()
+            s.apply_round(todo, scripted_generate(prompts, sampling), 0)
+            finished = [g for g in s.groups if g.finished and g.rewards is None]
+            s.scored(finished, ["x"] * (len(finished) * N), [1.0] * (len(finished) * N))
+            s.check_filtering(1)
+            s.check_filtering(1)  # the step wakes again: nothing new to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(
+        "still waiting" in line and "--max-filter-rounds 0: no limit" in line for line in lines
+    )
 
 
 def test_the_stream_thread_generates_nothing_before_the_first_step_takes_its_groups():
@@ -345,3 +365,43 @@ def test_a_failure_of_the_stream_thread_is_raised_by_the_next_step_not_by_the_dr
             producer.rollouts(None, 2, 1)
     finally:
         assert producer.close(timeout=10)
+
+
+def test_the_stream_metrics_of_a_resumed_run_are_the_uninterrupted_run_s():
+    """Issue 53, item 7: the first step after a resume reported ``rollout/stream_rounds`` (and the dropped and
+    filtered groups) since the run's start (9 instead of 3): the restored counters came back, and the baseline of
+    the step's deltas started at zero. megatron_pacs.streaming with this module's scripted engine, driven as the
+    trainer's step drives it (take, drain, metrics), uninterrupted and resumed from step 1's snapshot, under
+    --deterministic-mode (the same rounds at every update): the same metrics each step. In-process, about 0.5 s."""
+    from megatron_pacs.streaming import StreamProducer
+
+    args = ["--max-staleness", "1", "--global-batch-size", str(B), "--group-size", str(N), "--partial-rollouts"]
+    args += ["--ppo-mini-batch-size", "2", "--max-response-length", str(LIMIT), "--max-prompt-length", "64"]
+    args += ["--rollout-round-tokens", "4", "--deterministic-mode", "--filter-groups", "zero-variance"]
+    score = lambda texts, truths: SimpleNamespace(scores=_score(texts))  # noqa: E731
+    keys = ("rollout/stream_rounds", "rollout/filtered_groups", "rollout/dropped_groups")
+
+    def run(steps, state=None):
+        producer = StreamProducer(parse_config(args), Tokenizer(), scripted_generate, score)
+        loader = PromptLoader(ROWS, B, seed=0)
+        if state is not None:
+            loader.load_state_dict(state["loader"])
+            producer.restore(state, steps[0] - 1)
+        producer.start(loader)
+        out, kept = [], []
+        try:
+            for step in steps:
+                gen = producer.rollouts(None, step, step - 1)
+                producer.drain()
+                kept.append(producer.kept(step))  # what the step's checkpoint saves
+                metrics = producer.step_metrics(gen, (0.0, 1.0), (0.0, 1.0))
+                out.append({k: metrics[k] for k in keys})
+            return out, kept[0]
+        finally:
+            assert producer.close(timeout=10)
+
+    whole, first = run([1, 2, 3])
+    assert first is not None
+    resumed, _ = run([2, 3], first)
+    assert resumed == whole[1:]
+    assert whole[1]["rollout/stream_rounds"] > 0 and sum(m["rollout/filtered_groups"] for m in whole) > 0

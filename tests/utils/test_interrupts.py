@@ -40,3 +40,39 @@ def test_a_signal_a_library_swallowed_is_raised_again_at_the_next_boundary(sig, 
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"raised again: {raised}"
+
+
+STUCK_SHUTDOWN = textwrap.dedent(
+    """
+    import os, signal, time
+    from megatron_pacs.utils import interrupts
+
+    interrupts.SIGTERM_GRACE_S = 2.0
+    interrupts.raise_on_sigterm()
+    interrupts.raise_on_sigint()
+    try:
+        os.kill(os.getpid(), signal.{signal})
+        time.sleep(5)
+    except (KeyboardInterrupt, interrupts.Terminated):
+        with interrupts.waiting_for("step 3's checkpoint writer"):  # a shutdown that hangs
+            os.kill(os.getpid(), signal.{signal})  # pressed again: one line, the shutdown goes on
+            time.sleep(30)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "line"), [("SIGINT", 130, "interrupted by Ctrl-C (SIGINT)"), ("SIGTERM", 143, "stopped by SIGTERM")]
+)
+def test_a_stuck_shutdown_ends_after_the_grace_naming_what_it_waited_for(sig, code, line):
+    """Issue 53, item 1: after Ctrl-C the shutdown's wait for a save had no bound (SIGTERM had a 60 s watchdog,
+    SIGINT none), and a second Ctrl-C printed 79 lines. Both signals now start the watchdog, whose line names what
+    the shutdown waited for, and a second signal is answered with one line. A fresh interpreter, about 3 s."""
+    proc = subprocess.run(
+        [sys.executable, "-c", STUCK_SHUTDOWN.format(signal=sig)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"{sig} again: still stopping (the shutdown ends within 2s)",
+        f"{line} (the shutdown took over 2s, waiting for step 3's checkpoint writer); exiting {code}",
+    ]
