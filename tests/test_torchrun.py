@@ -22,17 +22,25 @@ def _preempt(tmp_path: Path, *rank_args: str, usr1_first: bool = False, **extra_
     """Launch two ranks, wait until both run, SIGTERM every process of the job (its process group), return the
     launcher's exit code and output. ``usr1_first``: first send SIGUSR1 to the launcher alone and wait until both
     ranks got it."""
-    cmd = [sys.executable, "-m", "megatron_pacs.torchrun", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    cmd += [str(HERE / "torchrun_rank.py"), str(tmp_path), *rank_args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     env.update(extra_env)
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
+    for attempt in range(3):
+        # free_port() only finds a port free: another process can take it before torchrun's store binds it
+        # (EADDRINUSE, once in a clean-clone run beside the cluster tests); the launcher then fails at once
+        cmd = [sys.executable, "-m", "megatron_pacs.torchrun", "--nproc-per-node", "2"]
+        cmd += ["--master-port", str(free_port()), str(HERE / "torchrun_rank.py"), str(tmp_path), *rank_args]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
+        if proc.poll() is None or attempt == 2:
+            break
+        out = proc.communicate(timeout=10)[0]
+        if "EADDRINUSE" not in out:
+            raise AssertionError(out)
+    try:
         assert len(list(tmp_path.glob("ready.*"))) == 2, proc.communicate(timeout=10)[0]
         if usr1_first:
             os.kill(proc.pid, signal.SIGUSR1)

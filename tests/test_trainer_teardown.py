@@ -6,6 +6,7 @@ real fleets)."""
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 from megatron_pacs import trainer as trainer_module
 from megatron_pacs.producer import RolloutProducer
@@ -39,6 +40,9 @@ def test_close_bounds_its_wait_and_a_failing_fleet_shutdown_skips_nothing(monkey
     trainer.producer, trainer.writer, trainer.source = producer, None, source
     trainer.fleet = FleetWhoseShutdownFails(release)
     trainer.exit_signal, trainer.heartbeat = None, None  # one process: no heartbeat
+    # no save in flight: the checkpoints' wait returns at once, its bound read from the config
+    trainer.cfg = SimpleNamespace(parallel=SimpleNamespace(distributed_timeout_minutes=1))
+    trainer.checkpoints = SimpleNamespace(wait=lambda timeout: None)
     trainer.stacks = StackDumps(tmp_path / "stacks", rank=0)
     trainer.stacks.install()
     t0 = time.monotonic()

@@ -460,7 +460,10 @@ def client_path() -> str:
         source = (_HERE / "zygote_client.py").read_text()
         line = 'REAL_PYTHON = os.environ.get("ZYGOTE_REAL_PYTHON", "")'
         assert line in source
-        text = f"#!{base} -IS\n" + source.replace(line, f"REAL_PYTHON = {sys.executable!r}")
+        tests = "TESTS_DIR = os.path.dirname(os.path.abspath(__file__))"
+        assert tests in source
+        source = source.replace(line, f"REAL_PYTHON = {sys.executable!r}").replace(tests, f"TESTS_DIR = {str(_HERE)!r}")
+        text = f"#!{base} -IS\n" + source
         tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.chmod(0o755)

@@ -4,7 +4,7 @@ Run by the base interpreter with ``-I -S`` (the standard library only; tests/zyg
 passes its standard streams, environment, working folder and autogroup nice to the server, relays the signals it
 gets to the forked child, and exits as the child did. A command line the server does not run (or a server that
 refuses this environment) is run by the real interpreter in its place (``exec``). ``REAL_PYTHON`` is set by the
-line tests/zygote.py writes above this file's text.
+line tests/zygote.py writes above this file's text, ``TESTS_DIR`` by the one after it.
 """
 
 import json
@@ -15,28 +15,12 @@ import struct
 import sys
 
 REAL_PYTHON = os.environ.get("ZYGOTE_REAL_PYTHON", "")
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _exec_real() -> None:
     os.execv(REAL_PYTHON, [REAL_PYTHON, *sys.argv[1:]])
-
-
-def _recv(sock: socket.socket):
-    buf = b""
-    while len(buf) < 4:
-        data = sock.recv(4 - len(buf))
-        if not data:
-            return None
-        buf += data
-    (size,) = struct.unpack("!I", buf)
-    body = b""
-    while len(body) < size:
-        chunk = sock.recv(size - len(body))
-        if not chunk:
-            return None
-        body += chunk
-    return json.loads(body)
 
 
 def _nice():
@@ -48,20 +32,10 @@ def _nice():
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    unbuffered, command, i = False, None, 0
-    while i < len(args):
-        if args[i] in ("-u", "-B"):
-            unbuffered |= args[i] == "-u"
-            i += 1
-        elif args[i] == "-m" and i + 1 < len(args):
-            command = {"unbuffered": unbuffered, "module": args[i + 1], "args": args[i + 2 :]}
-            break
-        elif args[i].startswith("-"):
-            break
-        else:
-            command = {"unbuffered": unbuffered, "script": args[i], "args": args[i + 1 :]}
-            break
+    sys.path.insert(0, TESTS_DIR)
+    from zygote import _recv, parse_command  # the server's own protocol (the standard library only)
+
+    command = parse_command(sys.argv[1:])
     if command is None or not os.environ.get("ZYGOTE_SOCKET"):
         _exec_real()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -80,7 +54,7 @@ def main() -> None:
     data = json.dumps(request).encode()
     fds = struct.pack("3i", 0, 1, 2)
     sock.sendmsg([struct.pack("!I", len(data)) + data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-    reply = _recv(sock)
+    reply, _ = _recv(sock)
     if reply is None or "pid" not in reply:
         sock.close()
         _exec_real()
@@ -96,7 +70,7 @@ def main() -> None:
         signal.signal(sig, relay)
     while True:
         try:
-            reply = _recv(sock)
+            reply, _ = _recv(sock)
             break
         except InterruptedError:
             continue
