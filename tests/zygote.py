@@ -664,6 +664,12 @@ def popen(
     where ``cmd`` is ``sys.executable`` with a command line it runs (:func:`parse_command`); a plain subprocess
     otherwise. ``nice``: the child's autogroup nice (it is in a session of its own either way)."""
     env = dict(os.environ if env is None else env)
+
+    def plain() -> subprocess.Popen:
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, env=env, cwd=cwd, start_new_session=True
+        )
+
     command = parse_command(cmd[1:]) if cmd and cmd[0] == sys.executable else None
     if not enabled() or command is None or kwargs:
         return subprocess.Popen(
@@ -678,26 +684,22 @@ def popen(
         )
     server = _server_for(env, at_request=2) if _extra_path(env) is not None else None
     if server is None:
-        return subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, env=env, cwd=cwd, start_new_session=True
-        )
-    sock = server[0]
+        return plain()
+    served = env
     if command.get("module") == "torch.distributed.run":  # its ranks forked by the same server (module docstring)
-        env = {**env, "PYTHON_EXEC": client_path(), _SOCKET_ENV: sock}
+        served = {**env, "PYTHON_EXEC": client_path(), _SOCKET_ENV: server[0]}
     request = {
         "command": command,
-        "env": env,
+        "env": served,
         "cwd": str(Path(cwd).resolve()) if cwd is not None else os.getcwd(),
         "executable": sys.executable,
         "nice": nice,
         "client_pid": None,
     }
     try:
-        return ZygotePopen(cmd, sock, request, text=text)
-    except _Refused:
-        return subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, env=env, cwd=cwd, start_new_session=True
-        )
+        return ZygotePopen(cmd, server[0], request, text=text)
+    except _Refused:  # a plain one has the caller's environment, not the client's for torchrun's ranks
+        return plain()
 
 
 def run(
