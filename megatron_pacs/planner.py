@@ -405,7 +405,7 @@ def plan_run(shape: ModelShape, cfg: TrainConfig, *, world_size: int, gpu_memory
         fp8=cfg.model.fp8_format,
         use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
         recompute_activations=cfg.model.recompute_activations,
-        reference_on_gpu=cfg.loss.needs_reference and not cfg.reference.ref_offload,
+        reference_on_gpu=cfg.needs_reference and not cfg.reference.ref_offload,
         num_engines=cfg.rollout.num_engines,
         rollout_tp=rollout_tp,
         responses_per_step=b.global_batch_size * b.group_size,

@@ -107,7 +107,7 @@ class Trainer(RunStops):
         torch.manual_seed(cfg.run.seed)
         self.actor = Actor(cfg.model, self.groups, cfg.optim)
         self.reference: ReferencePolicy | None = None
-        if cfg.loss.needs_reference:
+        if cfg.needs_reference:
             ref = cfg.reference
             self.reference = ReferencePolicy(cfg.model, self.groups, load=ref.ref_load, offload=ref.ref_offload)
         self.objective = build_objective(cfg.loss, cfg.batch)

@@ -10,7 +10,7 @@ the micro-batch, so the trainer divides once by the global response count (docs/
 scores are float64 (docs/algorithm.md §2.1).
 
 Registered names (``--loss``, :data:`~megatron_pacs.config.objectives.OBJECTIVES`): ``pacs`` (two-phase by default,
-direct with ``--keep-groups-in-microbatch``) and ``grpo``. Whenever a reference policy exists (``--kl-coef > 0`` or
+direct with ``--keep-groups-in-microbatch``), ``grpo`` and ``ppo`` (:mod:`megatron_pacs.algo.ppo`). Whenever a reference policy exists (``--kl-coef > 0`` or
 ``--pacs-score-reference ref``), :class:`KLRegularized` wraps the objective: it adds the KL term (if any) and reports
 ``ref/kl``. A new objective (a REAL- or NFT-style sequence loss) is one new class here (declare its needs, write
 ``prepare``) with a builder, and its :class:`~megatron_pacs.config.objectives.ObjectiveSpec` registered in
@@ -101,6 +101,8 @@ class MiniBatch:
         at_reference: ``fresh`` and the current parameters are the reference's exactly (step 1 from the reference's
             weights, or the first mini-batch after a reset): a reference-anchored score and the KL are then 0
             exactly, whatever rounding separate passes would give (docs/algorithm.md §2.2).
+        advantages: Per-token advantages of the step's responses from a learned critic (PPO's GAE, computed before
+            the update; last pipeline stage), when the objective takes them.
     """
 
     rows: torch.Tensor
@@ -113,6 +115,7 @@ class MiniBatch:
     ref: Logprobs | None = None
     importance: Logprobs | None = None
     at_reference: bool = False
+    advantages: TokenStore | None = None
 
 
 @dataclass

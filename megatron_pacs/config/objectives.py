@@ -132,3 +132,14 @@ OBJECTIVES.register(
         fp8_scores=True,  # the ratio's current term is the FP8 training pass
     ),
 )
+OBJECTIVES.register(
+    "ppo",
+    ObjectiveSpec(
+        title="PPO",
+        builder="megatron_pacs.algo.ppo:build_ppo",
+        tis_levels=("token",),
+        tis_levels_why="PPO weights its tokens by token-level ratios",
+        own_flags={"clip_ratio": "is PPO's clip; {title} has no clipped ratio: use --loss grpo or ppo, or drop it"},
+        fp8_scores=True,  # the ratio's current term is the FP8 training pass, as GRPO's
+    ),
+)

@@ -93,7 +93,9 @@ def test_nan_outside_the_mask_never_reaches_a_result():
     mask, rewards, values = _batch(3, holes=True)
     clean_adv, clean_ret = gae_advantages(rewards, values, mask, gamma=0.95, lam=0.9)
     nan = torch.full_like(rewards, float("nan"))
-    adv, ret = gae_advantages(torch.where(mask, rewards, nan), torch.where(mask, values, nan), mask, gamma=0.95, lam=0.9)
+    adv, ret = gae_advantages(
+        torch.where(mask, rewards, nan), torch.where(mask, values, nan), mask, gamma=0.95, lam=0.9
+    )
     assert torch.equal(adv, clean_adv) and torch.equal(ret, clean_ret)
     loss, clipped = clipped_value_loss(torch.where(mask, values, nan), nan, nan, torch.zeros_like(mask), clip=0.5)
     assert not loss.any() and not clipped.any()

@@ -55,7 +55,7 @@ def dummy():
 
 
 def test_a_registered_objective_is_a_loss_choice_and_validates(dummy):
-    assert "{pacs,grpo,dummy}" in build_parser().format_help()
+    assert "{pacs,grpo,ppo,dummy}" in build_parser().format_help()
     cfg = parse_config(["--loss", dummy, "--clip-ratio", "0.3", "--off-policy-correction", "tis"])
     assert cfg.validate(1, need_files=False) == 1
     assert cfg.loss.tis_ratio_level == "sequence"  # its first level is auto's

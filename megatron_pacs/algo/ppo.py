@@ -1,0 +1,65 @@
+"""The PPO baseline's actor objective (``--loss ppo``, docs/algorithm.md §6.2): GRPO's token-level clipped surrogate
+(:func:`~megatron_pacs.algo.grpo.grpo_token_loss`) with per-token advantages from GAE over a learned critic.
+
+The advantages are the step's, computed once before the update (:func:`~megatron_pacs.algo.gae.gae_advantages`
+over the critic's values, whitened over every response of the step) and handed in as a
+:class:`~megatron_pacs.algo.tokens.TokenStore` (:attr:`MiniBatch.advantages`), so micro-batches may split groups
+and responses freely. The loss is aggregated like GRPO's (``seq-mean-token-sum-norm``: per response, the token sum
+over T_max; ``count`` = responses), as the released run aggregates it.
+
+Legend: N scored tokens of a micro-batch, m its responses.
+"""
+
+from __future__ import annotations
+
+from megatron_pacs.algo.grpo import grpo_token_loss
+from megatron_pacs.algo.loss_contract import mean_entry
+from megatron_pacs.algo.objectives import MiniBatch, Objective, Prepared, _count, _StepTensors
+from megatron_pacs.algo.tokens import TokenLogprobs
+from megatron_pacs.config import BatchConfig, LossConfig
+
+__all__ = ["PpoObjective", "build_ppo"]
+
+
+class PpoObjective(Objective):
+    """PPO's actor: token-level PPO clip (``--clip-ratio``, dual clip as GRPO's) on the critic's GAE advantages."""
+
+    loss_key = "grpo/loss"
+    old_logprobs = "token"
+
+    def __init__(self, cfg: LossConfig, max_response_length: int) -> None:
+        self.clip_ratio, self.max_response_length = cfg.clip_ratio, max_response_length
+        self.correction = cfg.tis_ratio_level
+
+    def prepare(self, mb: MiniBatch) -> Prepared:
+        if mb.advantages is None:
+            raise ValueError("--loss ppo needs the critic's per-token advantages (MiniBatch.advantages)")
+        advantages = mb.advantages
+        old_tokens = None if mb.old is None else mb.old.tokens
+        ratios = None if mb.importance is None else mb.importance.tokens
+        step = _StepTensors(rewards=mb.rewards)
+
+        def loss(tokens: TokenLogprobs):
+            t, idx = step.on(tokens.logp.device), tokens.index
+            # No old log-probs means the parameters have not moved since the rollout: the ratio is 1, exactly.
+            old = tokens.logp.detach() if old_tokens is None else old_tokens.gather(tokens)
+            adv = advantages.gather(tokens)
+            out = grpo_token_loss(
+                tokens.logp,
+                old,
+                adv,
+                num_responses=tokens.num_sequences,
+                max_response_len=self.max_response_length,
+                clip_ratio=self.clip_ratio,
+                rewards=t["rewards"][idx],
+                token_weights=None if ratios is None else ratios.gather(tokens),
+            )
+            out.metrics["ppo/advantage/mean"] = mean_entry(adv.sum(), adv.numel(), adv)
+            return out.loss_sum, _count(tokens), out.metrics
+
+        return Prepared(loss)
+
+
+def build_ppo(loss: LossConfig, batch: BatchConfig) -> Objective:
+    """PPO (``--loss ppo``); the critic is the trainer's (:mod:`megatron_pacs.mcore.critic`)."""
+    return PpoObjective(loss, batch.max_response_length)
