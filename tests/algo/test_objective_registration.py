@@ -89,7 +89,7 @@ def test_registration_is_undone_cleanly_and_a_name_is_taken_once():
     with pytest.raises(KeyError, match="already registered"):
         OBJECTIVES.register("dummy", SPEC)
     OBJECTIVES.unregister("dummy")
-    assert list(OBJECTIVES) == ["pacs", "grpo"]
-    assert "{pacs,grpo}" in build_parser().format_help()
-    with pytest.raises(ValueError, match=r"^--loss: 'dummy' is not one of \['pacs', 'grpo'\]$"):
+    assert list(OBJECTIVES) == ["pacs", "grpo", "ppo"]
+    assert "{pacs,grpo,ppo}" in build_parser().format_help()
+    with pytest.raises(ValueError, match=r"^--loss: 'dummy' is not one of \['pacs', 'grpo', 'ppo'\]$"):
         LossConfig(loss="dummy")
