@@ -5,20 +5,26 @@ The advantages are the step's, computed once before the update (:func:`~megatron
 over the critic's values, whitened over every response of the step) and handed in as a
 :class:`~megatron_pacs.algo.tokens.TokenStore` (:attr:`MiniBatch.advantages`), so micro-batches may split groups
 and responses freely. The loss is aggregated like GRPO's (``seq-mean-token-sum-norm``: per response, the token sum
-over T_max; ``count`` = responses), as the released run aggregates it.
+over T_max; ``count`` = responses), as the released run aggregates it. :func:`value_loss` is the critic's loss in the
+same aggregation, so Megatron's one division by the global response count normalises it over the whole mini-batch,
+never per micro-batch (verl PR #6957: a per-micro-batch mean made the critic's effective rate follow the
+micro-batch count).
 
 Legend: N scored tokens of a micro-batch, m its responses.
 """
 
 from __future__ import annotations
 
+import torch
+
+from megatron_pacs.algo.gae import clipped_value_loss
 from megatron_pacs.algo.grpo import grpo_token_loss
 from megatron_pacs.algo.loss_contract import mean_entry
-from megatron_pacs.algo.objectives import MiniBatch, Objective, Prepared, _count, _StepTensors
-from megatron_pacs.algo.tokens import TokenLogprobs
+from megatron_pacs.algo.objectives import MicroBatchLoss, MiniBatch, Objective, Prepared, _count, _StepTensors
+from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, LossConfig
 
-__all__ = ["PpoObjective", "build_ppo"]
+__all__ = ["PpoObjective", "build_ppo", "value_loss"]
 
 
 class PpoObjective(Objective):
@@ -63,3 +69,35 @@ class PpoObjective(Objective):
 def build_ppo(loss: LossConfig, batch: BatchConfig) -> Objective:
     """PPO (``--loss ppo``); the critic is the trainer's (:mod:`megatron_pacs.mcore.critic`)."""
     return PpoObjective(loss, batch.max_response_length)
+
+
+def value_loss(old_values: TokenStore, returns: TokenStore, *, clip: float, max_response_length: int) -> MicroBatchLoss:
+    """The critic's micro-batch loss: :func:`~megatron_pacs.algo.gae.clipped_value_loss` per token, summed per
+    response over T_max, ``count`` = responses (the actor's aggregation).
+
+    Args:
+        old_values: The step's values V_old (those the returns were built from), per response token.
+        returns: The step's GAE returns R, per response token.
+        clip: ``--value-clip``.
+        max_response_length: T_max.
+
+    Returns:
+        ``(scored tokens whose logp holds the values v) -> (loss_sum, count, report)``; the report holds
+        ``critic/vf_loss``, ``critic/vf_clipfrac`` and ``critic/vpred_mean``.
+    """
+
+    def loss(tokens: TokenLogprobs):
+        v = tokens.logp
+        old, ret = old_values.gather(tokens), returns.gather(tokens)
+        mask = torch.ones_like(v, dtype=torch.bool)[None]
+        per_token, clipped = clipped_value_loss(v[None], old[None], ret[None], mask, clip=clip)
+        loss_sum = per_token.sum() / max_response_length
+        n, m = v.numel(), tokens.num_sequences
+        report = {
+            "critic/vf_loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(m))]),
+            "critic/vf_clipfrac": mean_entry(clipped.sum().float(), n, v),
+            "critic/vpred_mean": mean_entry(v.detach().sum(), n, v),
+        }
+        return loss_sum, _count(tokens), report
+
+    return loss

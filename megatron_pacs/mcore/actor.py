@@ -36,9 +36,27 @@ from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 
 if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["Actor", "policy_logprobs"]
+__all__ = ["Actor", "build_chunks", "policy_logprobs"]
+
+
+def build_chunks(model: ModelConfig, groups: ParallelGroups, hf_config: Any) -> list[GPTModel]:
+    """This rank's chunks of a model of ``hf_config``'s shape with ``model``'s settings (dtype, recompute, spec,
+    fusions, FP8, MoE, determinism), random weights; the actor's, the reference's and the critic's builder."""
+    return build_gpt_model(
+        hf_config,
+        groups,
+        dtype=torch.bfloat16 if model.bf16 else torch.float32,
+        recompute=model.recompute_activations,
+        spec=model.transformer_impl,
+        fusions=model.fusions,
+        calculate_per_token_loss=True,
+        deterministic_mode=model.deterministic_mode,
+        **(model.fp8 or {}),
+        **model.moe,
+    )
 
 
 class Actor:
@@ -56,19 +74,7 @@ class Actor:
         self.groups = groups
         self.logprob_impl: LogprobImpl = cast(LogprobImpl, model.logprob_impl)  # validated by ModelConfig
         self.hf_config = AutoConfig.from_pretrained(model.hf_model)
-        dtype = torch.bfloat16 if model.bf16 else torch.float32
-        self.models = build_gpt_model(
-            self.hf_config,
-            groups,
-            dtype=dtype,
-            recompute=model.recompute_activations,
-            spec=model.transformer_impl,
-            fusions=model.fusions,
-            calculate_per_token_loss=True,
-            deterministic_mode=model.deterministic_mode,
-            **(model.fp8 or {}),
-            **model.moe,
-        )
+        self.models = build_chunks(model, groups, self.hf_config)
         load_hf_weights(self.models, model.hf_model, groups, self.hf_config)
         self.trainable: Trainable | None = None
         if optim is not None:

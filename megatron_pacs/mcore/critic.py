@@ -1,0 +1,159 @@
+"""PPO's critic: a Megatron-Core ``GPTModel`` whose LM head is a one-output value head, with its own optimizer.
+
+Built like the actor (:func:`~megatron_pacs.mcore.actor.build_chunks`, on the actor's TP/PP/VPP layout and
+settings) from ``--critic-hf-model`` (default ``--hf-model``), with three differences:
+
+- **the value head** (:class:`ValueHead`) replaces ``output_layer`` on the last pipeline stage: ``[h] -> [1]``,
+  weight and bias zero, so every first value is exactly 0 (a fresh head's wild first values gave NaN losses in verl
+  #498) while the head's own gradient is not (it is the hidden state times dL/dv); the trunk starts learning from
+  the second optimizer step, once the head's weight has moved. Its input is the final norm's output; under sequence
+  parallelism each TP rank scores its own slice of the sequence, and only the ``[s, b, 1]`` values are gathered
+  (a backward split, not a reduce-scatter: every TP rank computes the same loss);
+- **untied embeddings**: a checkpoint that ties them still builds with ``share_embeddings_and_output_weights`` off,
+  so no embedding gradient is all-reduced between the first and the last stage over a head that no longer exists
+  (verl PR #6105: a critic that hangs under pipeline parallelism with tied embeddings);
+- **its own optimizer**: ``--critic-lr``, ``--critic-weight-decay``, ``--critic-clip-grad`` and the actor's schedule
+  and Adam settings (:func:`critic_optim`).
+
+Values are read with the log-probs' offset: V(s_t) of response token t is the head's output at position t - 1,
+the state before the token was chosen (the last prompt token for t = 0), so :meth:`MicroBatch.scored` on the
+``[b, L - 1]`` outputs gives one value per scored token, in the layout of the log-probs (verl #1758 was a one-token
+mask offset between the values and the loss). tests/mcore/test_critic.py guards it.
+
+Legend: b rows, L padded length, s sequence, h hidden size, S responses of the step, R_i response i's length.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_pacs.algo.objectives import MicroBatchLoss
+from megatron_pacs.algo.tokens import MicroBatch, TokenStore
+from megatron_pacs.config import ModelConfig, OptimConfig
+from megatron_pacs.config.critic import CriticConfig
+from megatron_pacs.mcore.actor import build_chunks
+from megatron_pacs.mcore.forward import run_schedule
+from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, optimizer_step
+from megatron_pacs.mcore.parallel import ParallelGroups
+from megatron_pacs.mcore.weights import load_hf_weights
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["HEAD_PREFIX", "Critic", "ValueHead", "critic_optim"]
+
+HEAD_PREFIX = "output_layer."
+"""The value head's parameter names start with this (the LM head's place); no HF tensor is loaded into it."""
+
+
+class ValueHead(torch.nn.Module):
+    """``[s, b, h] -> ([s, b, 1] float32, None)``, in place of ``GPTModel.output_layer`` (see the module docstring).
+
+    Args:
+        config: The model's ``TransformerConfig`` (hidden size, dtype, sequence parallelism).
+        tp_group: The tensor-parallel group (the sequence-parallel gather).
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group: Any) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(config.hidden_size, 1, bias=True, dtype=config.params_dtype)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+        self.sequence_parallel = bool(config.sequence_parallel)
+        self.tp_group = tp_group
+        if self.sequence_parallel:
+            # each TP rank sees its own sequence slice: finalize_model_grads sums these over TP (Megatron's tag)
+            for p in self.linear.parameters():
+                p.sequence_parallel = True  # pyright: ignore[reportAttributeAccessIssue]
+
+    def forward(
+        self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[torch.Tensor, None]:
+        del weight, runtime_gather_output  # GPTModel's output-layer call; the head has its own weight
+        values = self.linear(hidden).float()
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(values, False, self.tp_group)
+        return values, None
+
+
+def critic_optim(actor: OptimConfig, critic: CriticConfig) -> OptimConfig:
+    """The critic's optimizer settings: the actor's schedule, Adam and sharding with the critic's rate, decay and
+    clip."""
+    return replace(
+        actor, lr=critic.critic_lr, weight_decay=critic.critic_weight_decay, clip_grad=critic.critic_clip_grad
+    )
+
+
+class Critic:
+    """This rank's chunks of the value model, loaded from the critic's HF checkpoint, with their optimizer.
+
+    Args:
+        model: The actor's model settings (dtype, recompute, spec, FP8, determinism); ``hf_model`` is the default
+            checkpoint.
+        critic: The critic's settings (checkpoint, optimizer).
+        groups: The actor's parallel groups.
+        optim: The actor's optimizer settings (schedule and Adam; see :func:`critic_optim`).
+    """
+
+    def __init__(self, model: ModelConfig, critic: CriticConfig, groups: ParallelGroups, optim: OptimConfig) -> None:
+        from transformers import AutoConfig
+
+        self.groups = groups
+        self.hf_dir = critic.critic_hf_model or model.hf_model
+        self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
+        untied = copy.deepcopy(self.hf_config)
+        untied.tie_word_embeddings = False
+        self.models = build_chunks(model, groups, untied)
+        for chunk in self.models:
+            if chunk.post_process:
+                chunk.output_layer = ValueHead(chunk.config, groups.tp_group).to(next(chunk.parameters()).device)
+        # the checkpoint's own config: a tied one holds no lm_head, and the head is not loaded anyway
+        load_hf_weights(self.models, self.hf_dir, groups, self.hf_config, skip=(HEAD_PREFIX,))
+        self.trainable: Trainable = build_trainable(self.models, groups, critic_optim(optim, critic))
+
+    def values(self, micro_batches: list[MicroBatch], response_lens: torch.Tensor) -> TokenStore:
+        """V(s_t) of every response token of the micro-batches (forward only).
+
+        Args:
+            micro_batches: This rank's micro-batches (padded or packed).
+            response_lens: ``[S]`` response lengths of the step (the store's layout).
+
+        Returns:
+            A :class:`TokenStore` of float32 values, response i's ``[R_i]`` at its offsets (last pipeline stage; zeros
+            elsewhere and for responses not in the micro-batches).
+        """
+        device = next(self.models[0].parameters()).device
+        store = TokenStore.zeros(response_lens, device)
+
+        def collect(output: torch.Tensor, mb: MicroBatch):
+            scored = mb.scored(token_values(output))
+            store.put(scored, scored.logp)
+            return output.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+        for m in self.trainable.models:
+            m.eval()
+        with torch.no_grad():
+            run_schedule(self.trainable.models, micro_batches, collect, forward_only=True)
+        return store
+
+    def optimizer_step(self, micro_batches: list[MicroBatch], loss: MicroBatchLoss) -> StepResult:
+        """One optimizer step of the critic over this rank's micro-batches of a mini-batch (collective).
+
+        Args:
+            micro_batches: This rank's share of the mini-batch.
+            loss: The value loss of a micro-batch's scored tokens (``TokenLogprobs.logp`` holds the values v, with
+                grad), Megatron's ``(loss_sum, count, report)``.
+        """
+        return optimizer_step(self.trainable, micro_batches, lambda output, mb: loss(mb.scored(token_values(output))))
+
+
+def token_values(output: torch.Tensor) -> torch.Tensor:
+    """``[b, L - 1]``: the value head's ``[b, L, 1]`` output at positions 0..L-2; entry ``t`` is read for the token at
+    position ``t + 1`` (V before that token, the log-probs' offset)."""
+    return output[..., 0][:, :-1]
