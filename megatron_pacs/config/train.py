@@ -215,8 +215,8 @@ class TrainConfig:
         if critic.get("vocab_size") != actor.get("vocab_size"):
             raise bad(
                 "critic_hf_model",
-                f"vocab_size {critic.get('vocab_size')} differs from --hf-model's {actor.get('vocab_size')}: the critic "
-                "must embed the actor's token ids; pass a checkpoint with the actor's tokenizer",
+                f"vocab_size {critic.get('vocab_size')} differs from --hf-model's {actor.get('vocab_size')}: the "
+                "critic must embed the actor's token ids; pass a checkpoint with the actor's tokenizer",
             )
 
     @property
