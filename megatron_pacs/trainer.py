@@ -138,7 +138,7 @@ class Trainer(RunStops):
         self.exit_signal: ExitSignal | None = None
         if cfg.run.exit_signal_handler:  # after the fleet: ray.init installs a SIGTERM handler that this replaces
             self.exit_signal = ExitSignal(cfg.run.exit_signal_grace_seconds)
-        self.checkpoints = RunCheckpoints(cfg, self.actor, self.reference, driver=self.driver)
+        self.checkpoints = RunCheckpoints(cfg, self.actor, self.reference, driver=self.driver, critic=self.critic)
 
     def _colocation(self) -> Colocation | None:
         """The colocated cycle (``--colocate``); its engine is attached once the driver has started the fleet."""

@@ -60,21 +60,21 @@ class ValueHead(torch.nn.Module):
 
     def __init__(self, config: TransformerConfig, tp_group: Any) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(config.hidden_size, 1, bias=True, dtype=config.params_dtype)
-        torch.nn.init.zeros_(self.linear.weight)
-        torch.nn.init.zeros_(self.linear.bias)
+        # named as the LM head's (output_layer.weight / .bias): Megatron's sharded state dict expects those keys
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
         self.sequence_parallel = bool(config.sequence_parallel)
         self.tp_group = tp_group
         if self.sequence_parallel:
             # each TP rank sees its own sequence slice: finalize_model_grads sums these over TP (Megatron's tag)
-            for p in self.linear.parameters():
+            for p in (self.weight, self.bias):
                 p.sequence_parallel = True  # pyright: ignore[reportAttributeAccessIssue]
 
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[torch.Tensor, None]:
         del weight, runtime_gather_output  # GPTModel's output-layer call; the head has its own weight
-        values = self.linear(hidden).float()
+        values = torch.nn.functional.linear(hidden, self.weight, self.bias).float()
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 

@@ -103,7 +103,7 @@ def test_a_tied_checkpoint_loads_into_the_untied_critic_exactly(env):
     chunk = _critic(env).models[0]
     assert torch.equal(chunk.embedding.word_embeddings.weight, hf["model.embed_tokens.weight"])
     assert torch.equal(chunk.decoder.final_layernorm.weight, hf["model.norm.weight"])
-    assert tuple(chunk.output_layer.linear.weight.shape) == (1, env["cfg"].hidden_size)
+    assert tuple(chunk.output_layer.weight.shape) == (1, env["cfg"].hidden_size)
 
 
 def test_the_value_of_token_t_is_read_before_token_t(env):

@@ -1,0 +1,76 @@
+"""PPO through the real CLI (``--loss ppo``, synthetic rollouts, a tied tiny Qwen2; fp32 on CPU): one launch of 4 steps
+with a critic warm-up step and ``--async-save`` checkpoints at steps 2 and 4, and one launch resumed from the step-2
+checkpoint under ``--deterministic-mode``.
+
+It guards: step 1 (``--critic-warmup 1``) trains the critic only (no actor optimizer step, no weight sync), later
+steps train both; the critic's metrics and timings are logged and the critic learns (its values leave 0, its loss
+falls); the checkpoint holds the critic's weights and Adam state with fingerprints; the resumed steps 3 and 4 equal
+the continuous run's bit for bit, and so do the critic's saved weights and optimizer state.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+from helpers.runs import TINY_TRAIN_FLAGS, make_rl_setup, run_train
+
+from megatron_pacs.mcore.checkpoint_fingerprint import read_fingerprints
+
+SYNTHETIC = ["--rollout-source", "synthetic", "--synthetic-reward-rate", "0.5", "--micro-batch-size", "4"]
+PPO = ["--loss", "ppo", "--critic-warmup", "1", "--critic-lr", "1e-3", "--gae-lambda", "0.95", "--deterministic-mode"]
+
+
+def prepare(root: Path) -> Path:
+    return make_rl_setup(root, tied=True, num_problems=16)
+
+
+def _train(root: Path, name: str, *extra: str) -> list[dict]:
+    flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_TRAIN_FLAGS]
+    return run_train([*flags, *SYNTHETIC, *PPO, "--train-iters", "4", *extra], log_dir=root / name, cwd=root)
+
+
+def _continuous_and_resumed(root: Path) -> tuple[list[dict], list[dict], dict]:
+    straight = _train(root, "straight", "--save", str(root / "ckpt_a"), "--save-interval", "2", "--async-save")
+    mid = root / "ckpt_a" / "iter_0000002"
+    meta = json.loads((mid / "megatron_pacs.json").read_text())
+    shutil.copytree(mid, root / "ckpt_b" / mid.name)
+    (root / "ckpt_b" / "latest_checkpointed_iteration.txt").write_text("2\n")
+    resumed = _train(root, "resumed", "--save", str(root / "ckpt_b"), "--load", str(root / "ckpt_b"))
+    return straight, resumed, meta
+
+
+LAUNCHES = {"ppo": _continuous_and_resumed}  # queued for the session (tests/launch_queue.py)
+
+
+def test_the_warm_up_trains_the_critic_alone_then_both_learn(launched):
+    straight, _, _ = launched["ppo"].result()
+    assert [m["step"] for m in straight] == [1, 2, 3, 4]
+    first, *rest = straight
+    assert "train/optimizer_steps" not in first and "perf/time/sync" not in first  # the actor and engines wait
+    assert first["critic/values/mean"] == 0.0  # a fresh head's values are exactly 0
+    for m in rest:
+        assert m["train/optimizer_steps"] == 2.0 and "perf/time/sync" in m
+    for m in straight:
+        for key in ("vf_loss", "vf_clipfrac", "vf_explained_var", "vpred_mean", "grad_norm", "lr", "returns/mean"):
+            assert f"critic/{key}" in m, (m["step"], key)
+        assert m["critic/lr"] == 1e-3 and m["critic/skipped_steps"] == 0.0
+        assert m["perf/time/critic_values"] > 0 and m["perf/time/critic_update"] > 0
+    assert abs(straight[-1]["critic/values/mean"]) > 0.05  # the critic has learned the returns' level
+    assert straight[-1]["critic/vf_loss"] < straight[0]["critic/vf_loss"]
+
+
+def test_a_resume_holds_the_critic_and_equals_the_continuous_run(launched, launch_queue):
+    straight, resumed, meta = launched["ppo"].result()
+    root = launch_queue.root(__name__)
+    assert meta["critic"]["lr_schedule"]["num_steps"] == 4  # 2 steps x 2 mini-batches
+    assert [m["step"] for m in resumed] == [3, 4]
+    keys = ("rollout/reward_mean", "train/loss", "train/grad_norm", "critic/vf_loss", "critic/grad_norm")
+    keys += ("critic/values/mean", "critic/advantages/mean", "critic/vf_explained_var")
+    assert [{k: m[k] for k in keys} for m in resumed] == [{k: m[k] for k in keys} for m in straight[2:]]
+    saved = [read_fingerprints(root / ckpt / "iter_0000004" / "critic") for ckpt in ("ckpt_a", "ckpt_b")]
+    assert saved[0] is not None and saved[1] is not None
+    sums = saved[0][0]
+    assert "output_layer.weight" in sums and "optimizer.state.exp_avg.output_layer.weight" in sums
+    assert sums == saved[1][0]  # the critic's weights and Adam moments, bit for bit
+    before = read_fingerprints(root / "ckpt_a" / "iter_0000002" / "critic")
+    assert before is not None and before[0]["output_layer.weight"] != sums["output_layer.weight"]
