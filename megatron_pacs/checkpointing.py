@@ -351,7 +351,7 @@ class RunCheckpoints:
         elif critic is not None and self.driver:  # a policy's checkpoint (PACS, GRPO): the critic starts afresh
             log.warning("%s holds no critic: the critic starts from --critic-hf-model's weights", ckpt)
         meta = load_training_checkpoint(ckpt, trainable.models, trainable.optimizer, extra_models=extra)
-        if "critic" in extra:
+        if critic is not None and "critic" in extra:
             critic.schedule.load_state_dict(meta["critic"]["lr_schedule"])
         loader.load_state_dict(meta["loader"], allow_changed_rows=self.cfg.checkpoint.allow_changed_rows)
         trainable.schedule.load_state_dict(meta["lr_schedule"])

@@ -112,7 +112,8 @@ class Critic:
         self.models = build_chunks(model, groups, untied)
         for chunk in self.models:
             if chunk.post_process:
-                chunk.output_layer = ValueHead(chunk.config, groups.tp_group).to(next(chunk.parameters()).device)
+                head = ValueHead(chunk.config, groups.tp_group).to(next(chunk.parameters()).device)
+                chunk.output_layer = head  # pyright: ignore[reportAttributeAccessIssue] - GPTModel calls it alike
         # the checkpoint's own config: a tied one holds no lm_head, and the head is not loaded anyway
         load_hf_weights(self.models, self.hf_dir, groups, self.hf_config, skip=(HEAD_PREFIX,))
         self.trainable: Trainable = build_trainable(self.models, groups, critic_optim(optim, critic))

@@ -153,7 +153,7 @@ def test_clipped_value_loss_matches_verl(clip):
 def test_explained_variance():
     r = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert explained_variance(r, r).item() == 1.0
-    assert explained_variance(torch.full_like(r, r.mean()), r).item() == pytest.approx(0.0)
+    assert explained_variance(torch.full_like(r, float(r.mean())), r).item() == pytest.approx(0.0)
 
 
 def test_refusals():

@@ -73,6 +73,12 @@ def _targets(env, seed=0):
     return old, returns
 
 
+def _final_norm(chunk) -> torch.Tensor:
+    norm = chunk.decoder.final_layernorm
+    assert norm is not None
+    return norm.weight
+
+
 def test_first_values_are_zero_the_head_learns_and_the_trunk_follows(env):
     from megatron_pacs.algo.ppo import value_loss
 
@@ -83,14 +89,14 @@ def test_first_values_are_zero_the_head_learns_and_the_trunk_follows(env):
     assert first.values.numel() == int(env["mask"].sum()) and not first.values.any()
     old, returns = _targets(env)
     loss = value_loss(old, returns, clip=10.0, max_response_length=12)
-    trunk = chunk.decoder.final_layernorm.weight.detach().clone()
+    trunk = _final_norm(chunk).detach().clone()
     losses = []
     for _ in range(5):
         result = critic.optimizer_step(_mbs(env, 2), loss)
         assert not result.skipped and result.grad_norm > 0
         losses.append(float(sum(r["critic/vf_loss"][0] for r in result.reports)))
     assert losses[-1] < losses[0], losses
-    assert not torch.equal(chunk.decoder.final_layernorm.weight, trunk)  # the trunk moves once the head has
+    assert not torch.equal(_final_norm(chunk), trunk)  # the trunk moves once the head has
     after = critic.values(_mbs(env, 6), _lens(env))
     assert after.values.abs().min() > 0
 
@@ -98,12 +104,15 @@ def test_first_values_are_zero_the_head_learns_and_the_trunk_follows(env):
 def test_a_tied_checkpoint_loads_into_the_untied_critic_exactly(env):
     from safetensors.torch import load_file
 
+    from megatron_pacs.mcore.critic import ValueHead
+
     hf = load_file(os.path.join(env["dir"], "model.safetensors"))
     assert "lm_head.weight" not in hf  # the tiny checkpoint ties its embeddings
     chunk = _critic(env).models[0]
     assert torch.equal(chunk.embedding.word_embeddings.weight, hf["model.embed_tokens.weight"])
-    assert torch.equal(chunk.decoder.final_layernorm.weight, hf["model.norm.weight"])
-    assert tuple(chunk.output_layer.weight.shape) == (1, env["cfg"].hidden_size)
+    assert torch.equal(_final_norm(chunk), hf["model.norm.weight"])
+    assert isinstance(chunk.output_layer, ValueHead)
+    assert tuple(dict(chunk.named_parameters())["output_layer.weight"].shape) == (1, env["cfg"].hidden_size)
 
 
 def test_the_value_of_token_t_is_read_before_token_t(env):
