@@ -1,17 +1,19 @@
 """PPO through the real CLI (``--loss ppo``, synthetic rollouts, a tied tiny Qwen2; fp32 on CPU): one launch of 4 steps
-with a critic warm-up step and ``--async-save`` checkpoints at steps 2 and 4, and one launch resumed from the step-2
-checkpoint under ``--deterministic-mode``.
+with a critic warm-up step and ``--async-save`` checkpoints at steps 2 and 4, one launch resumed from the step-2
+checkpoint under ``--deterministic-mode``, and one resumed from it at another layout (two pipeline stages).
 
 It guards: step 1 (``--critic-warmup 1``) trains the critic only (no actor optimizer step, no weight sync), later
 steps train both; the critic's metrics and timings are logged and the critic learns (its values leave 0, its loss
 falls); the checkpoint holds the critic's weights and Adam state with fingerprints; the resumed steps 3 and 4 equal
-the continuous run's bit for bit, and so do the critic's saved weights and optimizer state.
+the continuous run's bit for bit, and so do the critic's saved weights and optimizer state; at PP=2 (the tied
+embeddings untied in the critic: verl PR #6105's hang) the checkpoint loads and the steps agree to float rounding.
 """
 
 import json
 import shutil
 from pathlib import Path
 
+import pytest
 from helpers.runs import TINY_TRAIN_FLAGS, make_rl_setup, run_train
 
 from megatron_pacs.mcore.checkpoint_fingerprint import read_fingerprints
@@ -24,26 +26,33 @@ def prepare(root: Path) -> Path:
     return make_rl_setup(root, tied=True, num_problems=16)
 
 
-def _train(root: Path, name: str, *extra: str) -> list[dict]:
+def _train(root: Path, name: str, *extra: str, world: int = 1) -> list[dict]:
     flags = ["--hf-model", str(root / "model"), "--train-data", str(root / "train.jsonl"), *TINY_TRAIN_FLAGS]
-    return run_train([*flags, *SYNTHETIC, *PPO, "--train-iters", "4", *extra], log_dir=root / name, cwd=root)
+    flags += [*SYNTHETIC, *PPO, "--train-iters", "4", *extra]
+    return run_train(flags, log_dir=root / name, cwd=root, world=world)
 
 
-def _continuous_and_resumed(root: Path) -> tuple[list[dict], list[dict], dict]:
+def _resume(root: Path, mid: Path, name: str, *extra: str, world: int = 1) -> list[dict]:
+    ckpt = root / f"ckpt_{name}"
+    shutil.copytree(mid, ckpt / mid.name)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2\n")
+    return _train(root, name, "--save", str(ckpt), "--load", str(ckpt), *extra, world=world)
+
+
+def _continuous_and_resumed(root: Path) -> tuple[list[dict], list[dict], list[dict], dict]:
     straight = _train(root, "straight", "--save", str(root / "ckpt_a"), "--save-interval", "2", "--async-save")
     mid = root / "ckpt_a" / "iter_0000002"
     meta = json.loads((mid / "megatron_pacs.json").read_text())
-    shutil.copytree(mid, root / "ckpt_b" / mid.name)
-    (root / "ckpt_b" / "latest_checkpointed_iteration.txt").write_text("2\n")
-    resumed = _train(root, "resumed", "--save", str(root / "ckpt_b"), "--load", str(root / "ckpt_b"))
-    return straight, resumed, meta
+    resumed = _resume(root, mid, "b")
+    pipelined = _resume(root, mid, "pp2", "--pipeline-model-parallel-size", "2", world=2)
+    return straight, resumed, pipelined, meta
 
 
 LAUNCHES = {"ppo": _continuous_and_resumed}  # queued for the session (tests/launch_queue.py)
 
 
 def test_the_warm_up_trains_the_critic_alone_then_both_learn(launched):
-    straight, _, _ = launched["ppo"].result()
+    straight, *_ = launched["ppo"].result()
     assert [m["step"] for m in straight] == [1, 2, 3, 4]
     first, *rest = straight
     assert "train/optimizer_steps" not in first and "perf/time/sync" not in first  # the actor and engines wait
@@ -60,7 +69,7 @@ def test_the_warm_up_trains_the_critic_alone_then_both_learn(launched):
 
 
 def test_a_resume_holds_the_critic_and_equals_the_continuous_run(launched, launch_queue):
-    straight, resumed, meta = launched["ppo"].result()
+    straight, resumed, _, meta = launched["ppo"].result()
     root = launch_queue.root(__name__)
     assert meta["critic"]["lr_schedule"]["num_steps"] == 4  # 2 steps x 2 mini-batches
     assert [m["step"] for m in resumed] == [3, 4]
@@ -74,3 +83,12 @@ def test_a_resume_holds_the_critic_and_equals_the_continuous_run(launched, launc
     assert sums == saved[1][0]  # the critic's weights and Adam moments, bit for bit
     before = read_fingerprints(root / "ckpt_a" / "iter_0000002" / "critic")
     assert before is not None and before[0]["output_layer.weight"] != sums["output_layer.weight"]
+
+
+def test_the_checkpoint_resumes_at_two_pipeline_stages(launched):
+    straight, _, pipelined, _ = launched["ppo"].result()
+    assert [m["step"] for m in pipelined] == [3, 4]
+    keys = ("train/loss", "train/grad_norm", "critic/vf_loss", "critic/grad_norm", "critic/values/mean")
+    for got, want in zip(pipelined, straight[2:], strict=True):
+        assert got["rollout/reward_mean"] == want["rollout/reward_mean"]
+        assert {k: got[k] for k in keys} == pytest.approx({k: want[k] for k in keys}, rel=1e-5, abs=1e-8)
