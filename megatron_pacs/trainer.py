@@ -38,7 +38,7 @@ from megatron_pacs.mcore.critic import Critic
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.producer import Generated, RolloutProducer
-from megatron_pacs.rollout.colocate import Colocation
+from megatron_pacs.rollout.colocate import Colocation, TrainingStates
 from megatron_pacs.sources.base import RolloutSource
 from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, tokenizer_fingerprint
 from megatron_pacs.sources.filtering import GroupFilter
@@ -145,7 +145,9 @@ class Trainer(RunStops):
         r = self.cfg.rollout
         if not r.colocate:
             return None
-        return Colocation(None, self.actor if r.offload_optimizer_during_rollout else None)
+        if not r.offload_optimizer_during_rollout:
+            return Colocation(None, None)
+        return Colocation(None, self.actor if self.critic is None else TrainingStates(self.actor, self.critic))
 
     def _open_source(self) -> RolloutSource:
         return open_source(self.cfg, tokenizer=self.tokenizer, log_dir=str(self.log_dir), context=self.dump_context)
@@ -241,7 +243,9 @@ class Trainer(RunStops):
         self.updated = (step, position)  # the weights now hold this step (its sync to the engines may still fail)
         self.unsynced = (step, {**metrics, **(gen.rollouts.metrics if gen is not None else {})})
         self.producer.drain()
-        if not self._critic_warmup(step):  # warming up the critic, the actor's weights have not moved
+        # warming up the critic, the actor's weights have not moved: the engines keep theirs, except colocated ones,
+        # which dropped them for the update (level-2 sleep) and take the same weights back
+        if not self._critic_warmup(step) or self.colocation is not None:
             metrics.update(self._sync(step, batch))
         self.unsynced = (0, {})  # synced: the step's row is logged with the rest
         metrics.update(self.timer.collect())

@@ -31,7 +31,14 @@ from megatron_pacs.mcore.forward import (
 )
 from megatron_pacs.mcore.logprobs import LogprobImpl
 from megatron_pacs.mcore.model import build_gpt_model
-from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, optimizer_step
+from megatron_pacs.mcore.optim import (
+    StepResult,
+    Trainable,
+    build_trainable,
+    offload_trainable,
+    onload_trainable,
+    optimizer_step,
+)
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 
@@ -205,19 +212,13 @@ class Actor:
 
     def offload_training_state(self) -> None:
         """Optimizer state and gradient buffers to host memory (Megatron's RL offload; GPU only, else a no-op)."""
-        if self.trainable is None or not torch.cuda.is_available():
-            return
-        self.trainable.optimizer.offload_to_cpu()
-        for m in self.trainable.models:
-            m.offload_grad_buffers()
+        if self.trainable is not None:
+            offload_trainable(self.trainable)
 
     def onload_training_state(self) -> None:
         """Undo :meth:`offload_training_state` before an update."""
-        if self.trainable is None or not torch.cuda.is_available():
-            return
-        for m in self.trainable.models:
-            m.restore_grad_buffers()
-        self.trainable.optimizer.restore_from_cpu()
+        if self.trainable is not None:
+            onload_trainable(self.trainable)
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the current weights under HF names (every rank must iterate to the end)."""

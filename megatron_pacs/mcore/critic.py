@@ -37,7 +37,14 @@ from megatron_pacs.config import ModelConfig, OptimConfig
 from megatron_pacs.config.critic import CriticConfig
 from megatron_pacs.mcore.actor import build_chunks
 from megatron_pacs.mcore.forward import run_schedule
-from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, optimizer_step
+from megatron_pacs.mcore.optim import (
+    StepResult,
+    Trainable,
+    build_trainable,
+    offload_trainable,
+    onload_trainable,
+    optimizer_step,
+)
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.weights import load_hf_weights
 
@@ -152,6 +159,15 @@ class Critic:
                 grad), Megatron's ``(loss_sum, count, report)``.
         """
         return optimizer_step(self.trainable, micro_batches, lambda output, mb: loss(mb.scored(token_values(output))))
+
+    def offload_training_state(self) -> None:
+        """The critic's optimizer state and gradient buffers to host memory while the engines generate
+        (``--colocate --offload-optimizer-during-rollout``; GPU only)."""
+        offload_trainable(self.trainable)
+
+    def onload_training_state(self) -> None:
+        """Undo :meth:`offload_training_state` before the critic's update."""
+        onload_trainable(self.trainable)
 
 
 def token_values(output: torch.Tensor) -> torch.Tensor:
