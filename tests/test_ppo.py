@@ -92,3 +92,36 @@ def test_the_checkpoint_resumes_at_two_pipeline_stages(launched):
     for got, want in zip(pipelined, straight[2:], strict=True):
         assert got["rollout/reward_mean"] == want["rollout/reward_mean"]
         assert {k: got[k] for k in keys} == pytest.approx({k: want[k] for k in keys}, rel=1e-5, abs=1e-8)
+
+
+def test_the_critic_exports_as_a_token_classification_model_with_the_trainers_values(launched, launch_queue):
+    """tools/convert_checkpoint.py mcore-to-hf --critic writes a one-label token-classification model that
+    transformers loads with no key missing; its values over step 3's rollouts, read at the position before each
+    response token, average to the critic/values/mean that step logged from the same (step-2) weights."""
+    import sys
+
+    import torch
+    import zygote
+    from safetensors.torch import load_file
+    from transformers import AutoModelForTokenClassification
+
+    straight, *_ = launched["ppo"].result()
+    root = launch_queue.root(__name__)
+    out = root / "critic_hf"
+    tool = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
+    cmd = [sys.executable, str(tool), "mcore-to-hf", "--critic", "--load", str(root / "ckpt_a" / "iter_0000002")]
+    proc = zygote.run([*cmd, "--hf-config", str(root / "model"), "--out", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and model.config.num_labels == 1
+    dump = load_file(root / "straight" / "rollouts" / "step_000003.safetensors")
+    values = []
+    for i in range(len(dump["prompt_lens"])):
+        ids = dump["token_ids"][dump["offsets"][i] : dump["offsets"][i + 1]].long()
+        prompt, response = int(dump["prompt_lens"][i]), int(dump["response_lens"][i])
+        with torch.no_grad():
+            values.append(model(input_ids=ids[None]).logits[0, prompt - 1 : prompt + response - 1, 0])
+    mean = torch.cat(values).double().mean().item()
+    assert mean == pytest.approx(straight[2]["critic/values/mean"], rel=1e-5)

@@ -26,16 +26,20 @@ Legend: b rows, L padded length, s sequence, h hidden size, S responses of the s
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 
 from megatron_pacs.algo.objectives import MicroBatchLoss
 from megatron_pacs.algo.tokens import MicroBatch, TokenStore
 from megatron_pacs.config import ModelConfig, OptimConfig
 from megatron_pacs.config.critic import CriticConfig
 from megatron_pacs.mcore.actor import build_chunks
+from megatron_pacs.mcore.cpu_support import cuda_to_cpu
 from megatron_pacs.mcore.forward import run_schedule
 from megatron_pacs.mcore.optim import (
     StepResult,
@@ -46,12 +50,22 @@ from megatron_pacs.mcore.optim import (
     optimizer_step,
 )
 from megatron_pacs.mcore.parallel import ParallelGroups
-from megatron_pacs.mcore.weights import load_hf_weights
+from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 
 if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["HEAD_PREFIX", "Critic", "ValueHead", "critic_optim"]
+__all__ = [
+    "HEAD_PREFIX",
+    "Critic",
+    "ValueHead",
+    "attach_value_heads",
+    "critic_optim",
+    "export_critic_hf_weights",
+    "token_classification_config",
+    "untied",
+]
 
 HEAD_PREFIX = "output_layer."
 """The value head's parameter names start with this (the LM head's place); no HF tensor is loaded into it."""
@@ -89,6 +103,23 @@ class ValueHead(torch.nn.Module):
         return values, None
 
 
+def untied(hf_config: Any) -> Any:
+    """A copy of ``hf_config`` with ``tie_word_embeddings`` off (the critic's build and export config)."""
+    out = copy.deepcopy(hf_config)
+    out.tie_word_embeddings = False
+    return out
+
+
+def attach_value_heads(chunks: list[GPTModel], groups: ParallelGroups) -> list[GPTModel]:
+    """Replace the LM head of the last stage's chunk by a :class:`ValueHead` (chunks built from an
+    :func:`untied` config); returns ``chunks``."""
+    for chunk in chunks:
+        if chunk.post_process:
+            head = ValueHead(chunk.config, groups.tp_group).to(next(chunk.parameters()).device)
+            chunk.output_layer = head  # pyright: ignore[reportAttributeAccessIssue] - GPTModel calls it alike
+    return chunks
+
+
 def critic_optim(actor: OptimConfig, critic: CriticConfig) -> OptimConfig:
     """The critic's optimizer settings: the actor's schedule, Adam and sharding with the critic's rate, decay and
     clip."""
@@ -114,13 +145,7 @@ class Critic:
         self.groups = groups
         self.hf_dir = critic.critic_hf_model or model.hf_model
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
-        untied = copy.deepcopy(self.hf_config)
-        untied.tie_word_embeddings = False
-        self.models = build_chunks(model, groups, untied)
-        for chunk in self.models:
-            if chunk.post_process:
-                head = ValueHead(chunk.config, groups.tp_group).to(next(chunk.parameters()).device)
-                chunk.output_layer = head  # pyright: ignore[reportAttributeAccessIssue] - GPTModel calls it alike
+        self.models = attach_value_heads(build_chunks(model, groups, untied(self.hf_config)), groups)
         # the checkpoint's own config: a tied one holds no lm_head, and the head is not loaded anyway
         load_hf_weights(self.models, self.hf_dir, groups, self.hf_config, skip=(HEAD_PREFIX,))
         self.trainable: Trainable = build_trainable(self.models, groups, critic_optim(optim, critic))
@@ -174,3 +199,55 @@ def token_values(output: torch.Tensor) -> torch.Tensor:
     """``[b, L - 1]``: the value head's ``[b, L, 1]`` output at positions 0..L-2; entry ``t`` is read for the token at
     position ``t + 1`` (V before that token, the log-probs' offset)."""
     return output[..., 0][:, :-1]
+
+
+@contextmanager
+def _without_heads(models: Sequence[GPTModel]) -> Iterator[None]:
+    """The value heads out of the chunks for the trunk's export (the bridge exports every parameter it finds)."""
+    heads = [(m, m.output_layer) for m in models if m.post_process]
+    for m, _ in heads:
+        m.output_layer = torch.nn.Identity()  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        yield
+    finally:
+        for m, head in heads:
+            m.output_layer = head
+
+
+def export_critic_hf_weights(
+    models: Sequence[GPTModel], groups: ParallelGroups, hf_config: Any
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The critic as a Hugging Face token-classification model with one label: the trunk under ``model.*`` (the
+    causal LM's names; embeddings untied), the value head as ``score.weight`` ``[1, h]`` and ``score.bias`` ``[1]``
+    (broadcast from the last pipeline stage). Every rank must iterate to the end (collectives).
+
+    Args:
+        models: The critic's chunks (:func:`attach_value_heads`), unwrapped.
+        groups: Their parallel groups.
+        hf_config: The critic's :func:`untied` config.
+    """
+    with _without_heads(models):
+        yield from export_hf_weights(models, groups, hf_config)
+    device = next(models[0].parameters()).device
+    dtype = models[0].config.params_dtype
+    head = torch.zeros(hf_config.hidden_size + 1, dtype=dtype, device=device)
+    for m in models:
+        if m.post_process:
+            value_head = cast(ValueHead, m.output_layer)
+            head.copy_(torch.cat([value_head.weight.detach()[0], value_head.bias.detach()]))
+    if groups.pp_size > 1:
+        with cuda_to_cpu():
+            dist.broadcast(head, src=groups.last_stage_global_rank, group=groups.pp_group)
+    yield "score.weight", head[:-1].reshape(1, -1).clone()
+    yield "score.bias", head[-1:].clone()
+
+
+def token_classification_config(hf_config: Any) -> Any:
+    """``hf_config`` as a one-label token-classification model's (``<Family>ForTokenClassification``, with the
+    ``score`` head's bias), the form transformers loads the exported critic in."""
+    out = untied(hf_config)
+    arch = (getattr(hf_config, "architectures", None) or ["ForCausalLM"])[0]
+    out.architectures = [arch.replace("ForCausalLM", "ForTokenClassification")]
+    out.num_labels = 1
+    out.token_classification_bias = True
+    return out
