@@ -375,7 +375,7 @@ bench: install
 demo: install
 	$(PY) -m megatron_pacs.demo --out runs/demo
 
-# PACS and GRPO from the same warm-up and seeds, both curves in runs/demo-compare/reward_curve.png.
+# PACS, GRPO and PPO from the same warm-up and seeds, all curves in runs/demo-compare/reward_curve.png.
 demo-compare: install
 	$(PY) -m megatron_pacs.demo --out runs/demo-compare --compare
 
