@@ -1,14 +1,16 @@
 """PPO through the real CLI (``--loss ppo``, synthetic rollouts, a tied tiny Qwen2; fp32 on CPU): one launch of 4 steps
 with a critic warm-up step and ``--async-save`` checkpoints at steps 2 and 4, one launch resumed from the step-2
-checkpoint under ``--deterministic-mode``, and two resumed from it at other layouts (two pipeline stages; two
-data-parallel ranks).
+checkpoint under ``--deterministic-mode``, and three resumed from it at other layouts (two pipeline stages; two
+data-parallel ranks; two tensor-parallel ranks with sequence parallelism).
 
 It guards: step 1 (``--critic-warmup 1``) trains the critic only (no actor optimizer step, no weight sync), later
 steps train both; the critic's metrics and timings are logged and the critic learns (its values leave 0, its loss
 falls); the checkpoint holds the critic's weights and Adam state with fingerprints; the resumed steps 3 and 4 equal
 the continuous run's bit for bit, and so do the critic's saved weights and optimizer state; at PP=2 (the tied
 embeddings untied in the critic: verl PR #6105's hang) the checkpoint loads and the steps agree to float rounding;
-at DP=2 too, which they do only if GAE's whitening takes the step's mean and variance over both ranks' responses.
+at DP=2 too, which they do only if GAE's whitening takes the step's mean and variance over both ranks' responses;
+and at TP=2 with sequence parallelism, where each rank's value head sees half the sequence (its gradient summed over
+TP) and is counted once in the gradient norm.
 """
 
 import json
@@ -46,9 +48,10 @@ def _continuous_and_resumed(root: Path) -> tuple[list[dict], list[dict], list[di
     mid = root / "ckpt_a" / "iter_0000002"
     meta = json.loads((mid / "megatron_pacs.json").read_text())
     resumed = _resume(root, mid, "b")
-    pipelined = _resume(root, mid, "pp2", "--pipeline-model-parallel-size", "2", world=2)
-    data_parallel = _resume(root, mid, "dp2", world=2)
-    return straight, resumed, pipelined, meta, data_parallel
+    others = {"pp2": _resume(root, mid, "pp2", "--pipeline-model-parallel-size", "2", world=2)}
+    others["dp2"] = _resume(root, mid, "dp2", world=2)
+    others["tp2"] = _resume(root, mid, "tp2", "--tensor-model-parallel-size", "2", "--sequence-parallel", world=2)
+    return straight, resumed, others, meta
 
 
 LAUNCHES = {"ppo": _continuous_and_resumed}  # queued for the session (tests/launch_queue.py)
@@ -72,7 +75,7 @@ def test_the_warm_up_trains_the_critic_alone_then_both_learn(launched):
 
 
 def test_a_resume_holds_the_critic_and_equals_the_continuous_run(launched, launch_queue):
-    straight, resumed, _, meta, _ = launched["ppo"].result()
+    straight, resumed, _, meta = launched["ppo"].result()
     root = launch_queue.root(__name__)
     assert meta["critic"]["lr_schedule"]["num_steps"] == 4  # 2 steps x 2 mini-batches
     assert [m["step"] for m in resumed] == [3, 4]
@@ -88,10 +91,10 @@ def test_a_resume_holds_the_critic_and_equals_the_continuous_run(launched, launc
     assert before is not None and before[0]["output_layer.weight"] != sums["output_layer.weight"]
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2", "tp2"])
 def test_the_checkpoint_resumes_at_another_layout(launched, layout):
-    straight, _, pipelined, _, data_parallel = launched["ppo"].result()
-    other = {"pp2": pipelined, "dp2": data_parallel}[layout]
+    straight, _, others, _ = launched["ppo"].result()
+    other = others[layout]
     assert [m["step"] for m in other] == [3, 4]
     keys = ("train/loss", "train/grad_norm", "critic/vf_loss", "critic/grad_norm", "critic/values/mean")
     keys += ("critic/vf_explained_var", "ppo/advantage/mean")
