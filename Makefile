@@ -368,6 +368,7 @@ bench: install
 	$(PY) benchmarks/bench_train_step.py
 	$(PY) benchmarks/bench_distribute.py
 	$(PY) benchmarks/bench_training_phase.py
+	$(PY) benchmarks/bench_ppo.py
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_async.py
 

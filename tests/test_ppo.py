@@ -54,7 +54,11 @@ def _continuous_and_resumed(root: Path) -> tuple[list[dict], list[dict], list[di
     return straight, resumed, others, meta
 
 
-LAUNCHES = {"ppo": _continuous_and_resumed}  # queued for the session (tests/launch_queue.py)
+def _reward_kl(root: Path) -> list[dict]:
+    return _train(root, "reward_kl", "--reward-kl-coef", "0.5", "--train-iters", "3")
+
+
+LAUNCHES = {"ppo": _continuous_and_resumed, "reward_kl": _reward_kl}  # queued for the session (tests/launch_queue.py)
 
 
 def test_the_warm_up_trains_the_critic_alone_then_both_learn(launched):
@@ -134,3 +138,15 @@ def test_the_critic_exports_as_a_token_classification_model_with_the_trainers_va
             values.append(model(input_ids=ids[None]).logits[0, prompt - 1 : prompt + response - 1, 0])
     mean = torch.cat(values).double().mean().item()
     assert mean == pytest.approx(straight[2]["critic/values/mean"], rel=1e-5)
+
+
+def test_the_reward_kl_enters_the_returns_once_the_actor_moves(launched):
+    """--reward-kl-coef: -coef * (log pi_old - log pi_ref) per token in the reward. While the actor is the reference
+    (step 1, and step 2 after the warm-up step, which does not update it) the penalty is exactly 0 and the returns
+    equal the run without it; after the actor's first update (step 2) the step-3 returns differ."""
+    straight, *_ = launched["ppo"].result()
+    with_kl = launched["reward_kl"].result()
+    assert [m["step"] for m in with_kl] == [1, 2, 3] and all("perf/time/ref_logprobs" in m for m in with_kl)
+    for step in (0, 1):
+        assert with_kl[step]["critic/returns/mean"] == straight[step]["critic/returns/mean"]
+    assert with_kl[2]["critic/returns/mean"] != straight[2]["critic/returns/mean"]
