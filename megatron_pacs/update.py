@@ -152,6 +152,7 @@ def update_policy(
                     ref=ref,
                     importance=importance,
                     at_reference=at_reference,
+                    batch_rows=torch.tensor([i for r in range(layout.dp_size) for i in layout.rows([k], r)]),
                 )
             )
             check = fresh and same_weights and batch.engine_logprobs is not None

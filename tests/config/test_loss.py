@@ -17,13 +17,18 @@ def test_every_registered_name_is_a_cli_choice_and_nothing_else():
     from megatron_pacs.config import BatchConfig, LossConfig
     from megatron_pacs.config.objectives import OBJECTIVES
 
-    assert OBJECTIVES.names() == ["grpo", "pacs"]
+    from megatron_pacs.algo.advantages import ADVANTAGE_ESTIMATORS
+    from megatron_pacs.algo.policy_losses import AGG_MODES
+
+    assert OBJECTIVES.names() == ["cispo", "grpo", "gspo", "pacs"]
     for name in OBJECTIVES:
         assert isinstance(OBJECTIVES.get(name).build(LossConfig(loss=name), BatchConfig()), Objective)
     assert sorted(CHOICES["pacs_advantage"]) == sorted(ADVANTAGES.names())
     assert sorted(CHOICES["pacs_weights"]) == sorted(WEIGHTS.names())
     assert sorted(CHOICES["pacs_score"]) == sorted(SCORES)
     assert sorted(CHOICES["kl_estimator"]) == sorted(KL_ESTIMATORS)
+    assert CHOICES["loss_agg_mode"] == ("auto", *AGG_MODES)
+    assert CHOICES["advantage_estimator"] == ADVANTAGE_ESTIMATORS
 
 
 @pytest.mark.parametrize("field", sorted([*CHOICES, "loss"]))

@@ -1,0 +1,159 @@
+"""The token-level objectives: GRPO and its field variants (DAPO, Dr. GRPO), GSPO and CISPO (docs/algorithm.md §6).
+
+One class, :class:`TokenObjective`, serves them all; what differs is the surrogate per token
+(:mod:`megatron_pacs.algo.policy_losses`) and the defaults the registry gives (``--loss-agg-mode auto``, the TIS
+level). Per optimizer step (``prepare``):
+
+1. the rewards, shaped by DAPO's overlong penalty when ``--overlong-buffer-len > 0``
+   (:func:`overlong_penalty`);
+2. one advantage per response over the step's groups (``--advantage-estimator``,
+   :func:`~megatron_pacs.algo.advantages.outcome_advantages`);
+3. one aggregation weight per response of the mini-batch, from every data-parallel rank's response lengths
+   (``--loss-agg-mode``, :func:`~megatron_pacs.algo.policy_losses.aggregation_weights`; 0 for truncated responses
+   with ``--mask-truncated``);
+
+then each micro-batch's loss is ``sum_t w_i(t) * l_t`` with ``count`` its responses: the trainer's single division
+by the global response count gives verl's ``agg_loss`` of the whole mini-batch, whatever the split.
+
+Legend: S responses of the step, M responses of the mini-batch on every rank, N scored tokens of a micro-batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_pacs.algo.advantages import outcome_advantages
+from megatron_pacs.algo.loss_contract import mean_entry, stat_entries
+from megatron_pacs.algo.objectives import MiniBatch, Objective, Prepared, StepTensors, TokenLogprobs, count_of
+from megatron_pacs.algo.policy_losses import ClipRange, aggregation_weights, policy_token_loss
+from megatron_pacs.config import BatchConfig, LossConfig
+
+__all__ = ["GrpoObjective", "TokenObjective", "build_cispo", "build_grpo", "build_gspo", "overlong_penalty"]
+
+
+def overlong_penalty(
+    response_lens: torch.Tensor, *, max_response_len: int, buffer_len: int, factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (arXiv 2503.14476 eq. 13; verl's DAPO reward manager), added to the reward.
+
+    ``min(0, -(R_i - (T_max - buffer_len)) / buffer_len * factor)``: 0 up to ``T_max - buffer_len`` tokens, then
+    falling linearly to ``-factor`` at ``T_max``.
+
+    Args:
+        response_lens: ``[S]`` response lengths in tokens.
+        max_response_len: T_max (``--max-response-length``).
+        buffer_len: The buffer's length (``--overlong-buffer-len``), > 0.
+        factor: The penalty at T_max (``--overlong-penalty-factor``).
+
+    Returns:
+        ``[S]`` float64 penalties (<= 0).
+    """
+    exceed = response_lens.double() - (max_response_len - buffer_len)
+    return (-exceed / buffer_len * factor).clamp(max=0.0)
+
+
+class TokenObjective(Objective):
+    """A token-level policy objective: ``surrogate`` per token, group outcome advantages, ``--loss-agg-mode``."""
+
+    old_logprobs = "token"
+    #: The per-token loss (:data:`~megatron_pacs.algo.policy_losses.SURROGATES`).
+    surrogate: str = "ppo_clip"
+    #: The metric namespace.
+    prefix: str = "grpo"
+
+    def __init__(self, cfg: LossConfig, max_response_length: int) -> None:
+        self.loss_key = f"{self.prefix}/loss"
+        self.clip = ClipRange(
+            low=cfg.clip_low, high=cfg.clip_high, c=cfg.clip_ratio_c if self.surrogate == "ppo_clip" else None
+        )
+        self.agg_mode, self.max_response_length = cfg.agg_mode, max_response_length
+        self.estimator, self.norm_by_std = cfg.advantage_estimator, cfg.norm_adv_by_std
+        self.buffer_len, self.penalty_factor = cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+        self.mask_truncated = cfg.mask_truncated
+        self.correction = cfg.tis_ratio_level
+
+    def prepare(self, mb: MiniBatch) -> Prepared:
+        lens = mb.response_lens.long()
+        rewards = mb.rewards.double()
+        metrics: dict[str, torch.Tensor] = {}
+        rows = mb.rows
+        if self.buffer_len > 0:
+            penalty = overlong_penalty(
+                lens, max_response_len=self.max_response_length, buffer_len=self.buffer_len, factor=self.penalty_factor
+            )
+            rewards = rewards + penalty
+            metrics[f"{self.prefix}/overlong_penalty"] = mean_entry(penalty[rows].sum(), len(rows), mb.rewards)
+        advantages = outcome_advantages(
+            rewards, group_size=mb.group_size, estimator=self.estimator, norm_by_std=self.norm_by_std, response_lens=lens
+        )
+        batch_rows = mb.rows if mb.batch_rows is None else mb.batch_rows
+        truncated = lens >= self.max_response_length
+        keep = ~truncated[batch_rows] if self.mask_truncated else None
+        scale = torch.zeros(lens.numel(), dtype=torch.float32)
+        scale[batch_rows] = aggregation_weights(
+            lens[batch_rows], mode=self.agg_mode, max_response_len=self.max_response_length, keep=keep
+        ).float()
+        if self.mask_truncated:
+            metrics[f"{self.prefix}/truncated_frac"] = mean_entry(truncated[rows].sum(), len(rows), mb.rewards)
+        step = StepTensors(advantages=advantages, rewards=mb.rewards, scale=scale)
+        old_tokens = None if mb.old is None else mb.old.tokens
+        importance = mb.importance
+
+        def loss(tokens: TokenLogprobs):
+            t, idx = step.on(tokens.logp.device), tokens.index
+            # No old log-probs means the parameters have not moved since the rollout: the ratio is 1, exactly.
+            old = tokens.logp.detach() if old_tokens is None else old_tokens.gather(tokens)
+            weights = None
+            if importance is not None:  # token ratios, or one per response (GSPO's geometric level)
+                if importance.tokens is not None:
+                    weights = importance.tokens.gather(tokens)
+                else:
+                    weights = importance.seq.to(tokens.logp.device)[idx][tokens.seq]
+            out = policy_token_loss(
+                self.surrogate,
+                tokens.logp,
+                old,
+                t["advantages"][idx][tokens.seq],
+                seq=tokens.seq,
+                lengths=tokens.lengths,
+                token_scale=t["scale"][idx][tokens.seq],
+                clip=self.clip,
+                prefix=self.prefix,
+                token_weights=weights,
+            )
+            out.metrics.update(stat_entries(f"{self.prefix}/advantage", t["advantages"][idx]))
+            out.metrics[f"{self.prefix}/reward_mean"] = mean_entry(t["rewards"][idx].sum(), len(idx), tokens.logp)
+            return out.loss_sum, count_of(tokens), out.metrics
+
+        return Prepared(loss, metrics)
+
+
+class GrpoObjective(TokenObjective):
+    """GRPO (``--loss grpo``; DAPO and Dr. GRPO by its flags): PPO's clipped surrogate per token."""
+
+
+class GspoObjective(TokenObjective):
+    """GSPO (``--loss gspo``): the clip on the response's geometric-mean ratio, token-level stop-gradient form."""
+
+    surrogate, prefix = "gspo", "gspo"
+
+
+class CispoObjective(TokenObjective):
+    """CISPO (``--loss cispo``): REINFORCE weighted by clipped, stop-gradient token importance ratios."""
+
+    surrogate, prefix = "cispo", "cispo"
+
+
+def build_grpo(loss: LossConfig, batch: BatchConfig) -> Objective:
+    """GRPO (``--loss grpo``)."""
+    return GrpoObjective(loss, batch.max_response_length)
+
+
+def build_gspo(loss: LossConfig, batch: BatchConfig) -> Objective:
+    """GSPO (``--loss gspo``)."""
+    return GspoObjective(loss, batch.max_response_length)
+
+
+def build_cispo(loss: LossConfig, batch: BatchConfig) -> Objective:
+    """CISPO (``--loss cispo``)."""
+    return CispoObjective(loss, batch.max_response_length)
