@@ -232,7 +232,9 @@ def policy_token_loss(
         m = {
             f"{prefix}/loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(num))]),
             f"{prefix}/clip_frac": mean_entry(clipped.sum().float(), n_tok, tok_loss),
-            f"{prefix}/approx_kl": mean_entry((token_old_logp.float() - token_logp.detach().float()).sum(), n_tok, tok_loss),
+            f"{prefix}/approx_kl": mean_entry(
+                (token_old_logp.float() - token_logp.detach().float()).sum(), n_tok, tok_loss
+            ),
         }
         if lower is not None:
             m[f"{prefix}/clip_frac_lower"] = mean_entry(lower.sum().float(), n_tok, tok_loss)

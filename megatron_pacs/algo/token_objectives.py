@@ -84,7 +84,11 @@ class TokenObjective(Objective):
             rewards = rewards + penalty
             metrics[f"{self.prefix}/overlong_penalty"] = mean_entry(penalty[rows].sum(), len(rows), mb.rewards)
         advantages = outcome_advantages(
-            rewards, group_size=mb.group_size, estimator=self.estimator, norm_by_std=self.norm_by_std, response_lens=lens
+            rewards,
+            group_size=mb.group_size,
+            estimator=self.estimator,
+            norm_by_std=self.norm_by_std,
+            response_lens=lens,
         )
         batch_rows = mb.rows if mb.batch_rows is None else mb.batch_rows
         truncated = lens >= self.max_response_length

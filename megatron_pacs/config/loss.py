@@ -169,7 +169,9 @@ class LossConfig:
         if self.overlong_buffer_len < 0:
             raise bad("overlong_buffer_len", "must be >= 0 (0: no overlong shaping)")
         if is_set(self, "overlong_penalty_factor") and self.overlong_buffer_len == 0:
-            raise bad("overlong_penalty_factor", "only means something with --overlong-buffer-len > 0; add it or drop this")
+            raise bad(
+                "overlong_penalty_factor", "only means something with --overlong-buffer-len > 0; add it or drop this"
+            )
         if self.overlong_penalty_factor < 0:
             raise bad("overlong_penalty_factor", "must be >= 0")
 

@@ -72,7 +72,10 @@ def test_a_registered_objective_refuses_what_it_does_not_read(dummy):
     with pytest.raises(ValueError, match=r"^--tis-level: token: a dummy loss is per response; use sequence or geo"):
         LossConfig(loss=dummy, off_policy_correction="tis", tis_level="token")
     # a flag two objectives read is refused by the third, with the first owner's reason
-    with pytest.raises(ValueError, match=r"^--clip-ratio: is a setting of the token-level objectives \(grpo, gspo, cispo\); PACS has none"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--clip-ratio: is a setting of the token-level objectives \(grpo, gspo, cispo\); PACS has none",
+    ):
         LossConfig(clip_ratio=0.3)
 
 

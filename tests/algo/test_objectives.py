@@ -162,7 +162,9 @@ def test_registry_builds_the_configured_objective_and_names_the_choices():
     assert isinstance(direct, PacsDirect) and direct.whole_groups
     assert isinstance(build_objective(*_config(loss="grpo")), GrpoObjective)
     assert OBJECTIVES.names() == ["cispo", "grpo", "gspo", "pacs"]
-    with pytest.raises(ValueError, match=r"loss='ppo' is not a valid option; choose one of \['cispo', 'grpo', 'gspo', 'pacs'\]"):
+    with pytest.raises(
+        ValueError, match=r"loss='ppo' is not a valid option; choose one of \['cispo', 'grpo', 'gspo', 'pacs'\]"
+    ):
         OBJECTIVES.get("ppo")
     assert build_objective(*_config()).loss_key == "pacs/loss"
     assert build_objective(*_config(loss="grpo")).loss_key == "grpo/loss"
