@@ -139,6 +139,8 @@ class Objective(ABC):
     #: The level of the off-policy importance weights it takes (``--off-policy-correction tis``): ``token``,
     #: ``geometric`` or ``sequence`` (``--tis-level``), or None.
     correction: str | None = None
+    #: The loss differentiates the tokens' entropies (``TokenLogprobs.entropy``: an entropy bonus).
+    entropy_grad: bool = False
 
     @property
     def loss_keys(self) -> tuple[str, ...]:
@@ -327,7 +329,7 @@ class KLRegularized(Objective):
     def __init__(self, inner: Objective, coef: float, estimator: str, max_response_length: int) -> None:
         self.inner, self.coef, self.estimator, self.max_response_length = inner, coef, estimator, max_response_length
         self.loss_key, self.old_logprobs, self.whole_groups = inner.loss_key, inner.old_logprobs, inner.whole_groups
-        self.correction = inner.correction
+        self.correction, self.entropy_grad = inner.correction, inner.entropy_grad
 
     @property
     def loss_keys(self) -> tuple[str, ...]:

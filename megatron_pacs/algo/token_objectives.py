@@ -71,6 +71,12 @@ class TokenObjective(Objective):
         self.buffer_len, self.penalty_factor = cfg.overlong_buffer_len, cfg.overlong_penalty_factor
         self.mask_truncated = cfg.mask_truncated
         self.correction = cfg.tis_ratio_level
+        self.entropy_coef = cfg.entropy_coef
+        self.entropy_grad = cfg.entropy_coef > 0
+
+    @property
+    def loss_keys(self) -> tuple[str, ...]:
+        return (self.loss_key, "actor/entropy_loss") if self.entropy_grad else (self.loss_key,)
 
     def prepare(self, mb: MiniBatch) -> Prepared:
         lens = mb.response_lens.long()
@@ -127,7 +133,13 @@ class TokenObjective(Objective):
             )
             out.metrics.update(stat_entries(f"{self.prefix}/advantage", t["advantages"][idx]))
             out.metrics[f"{self.prefix}/reward_mean"] = mean_entry(t["rewards"][idx].sum(), len(idx), tokens.logp)
-            return out.loss_sum, count_of(tokens), out.metrics
+            loss_sum = out.loss_sum
+            if self.entropy_grad:  # verl: pg_loss - entropy_coeff * agg_loss(entropy), the same aggregation
+                assert tokens.entropy is not None, "the training pass computes the tokens' entropies"
+                term = -self.entropy_coef * (tokens.entropy.float() * t["scale"][idx][tokens.seq]).sum()
+                out.metrics["actor/entropy_loss"] = torch.stack([term.detach(), term.new_tensor(float(len(idx)))])
+                loss_sum = loss_sum + term
+            return loss_sum, count_of(tokens), out.metrics
 
         return Prepared(loss, metrics)
 

@@ -65,6 +65,9 @@ class LossConfig:
     many tokens before --max-response-length (0: off)."""
     overlong_penalty_factor: float = 1.0
     """With --overlong-buffer-len: the penalty at --max-response-length."""
+    entropy_coef: float = 0.0
+    """The token-level objectives' entropy bonus: minus this times the tokens' entropy, aggregated as the loss
+    (--loss-agg-mode), is added to the loss (verl's entropy_coeff; 0: none; actor/entropy is reported anyway)."""
     mask_truncated: bool = False
     """Keep responses that reach --max-response-length (truncated) out of the loss and its normaliser (their
     rewards still enter their group's advantages)."""
@@ -166,6 +169,8 @@ class LossConfig:
                 f"--no-norm-adv-by-std only applies to --advantage-estimator grpo; "
                 f"--advantage-estimator {self.advantage_estimator} does not divide by a group std: drop one",
             )
+        if self.entropy_coef < 0:
+            raise bad("entropy_coef", "must be >= 0 (the bonus rewards entropy; 0: none)")
         if self.overlong_buffer_len < 0:
             raise bad("overlong_buffer_len", "must be >= 0 (0: no overlong shaping)")
         if is_set(self, "overlong_penalty_factor") and self.overlong_buffer_len == 0:

@@ -136,6 +136,7 @@ _TOKEN_FLAGS = {
         "overlong_buffer_len",
         "overlong_penalty_factor",
         "mask_truncated",
+        "entropy_coef",
     )
 }
 _TOKEN_FLAGS["advantage_estimator"] = (

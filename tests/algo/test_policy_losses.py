@@ -85,22 +85,23 @@ def _tensors(seed: int):
     return theta, mask, lens, rewards, old
 
 
-def _scored(theta, mask, rows) -> TokenLogprobs:
+def _scored(theta, mask, rows, entropy=None) -> TokenLogprobs:
     idx = torch.tensor(rows, dtype=torch.long)
     m = mask[idx]
     lengths = m.sum(-1)
     seq = torch.repeat_interleave(torch.arange(len(rows)), lengths)
     rank = torch.cat([torch.arange(int(n)) for n in lengths])
-    return TokenLogprobs(logp=theta[idx][m], seq=seq, rank=rank, index=idx, lengths=lengths)
+    ent = None if entropy is None else entropy[idx][m]
+    return TokenLogprobs(logp=theta[idx][m], seq=seq, rank=rank, index=idx, lengths=lengths, entropy=ent)
 
 
-def _contract_loss(loss_cfg: LossConfig, theta, mask, lens, rewards, old, gen):
+def _contract_loss(loss_cfg: LossConfig, theta, mask, lens, rewards, old, gen, entropy=None):
     """The objective's loss over two DP ranks' halves of the mini-batch, each cut at random: sum / sum of counts."""
     objective = build_objective(loss_cfg, BatchConfig(group_size=N, max_response_length=T))
     offsets = torch.zeros(S + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(lens, 0)
     store = Logprobs(torch.zeros(S), tokens=TokenStore(old[mask].float(), offsets))
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64), 0
     for rank_rows in (list(range(S // 2)), list(range(S // 2, S))):  # whole groups per rank
         prepared = objective.prepare(
             MiniBatch(
@@ -115,7 +116,7 @@ def _contract_loss(loss_cfg: LossConfig, theta, mask, lens, rewards, old, gen):
         )
         cuts = sorted(torch.randperm(len(rank_rows) - 1, generator=gen)[:2].add(1).tolist())
         for a, b in itertools.pairwise([0, *cuts, len(rank_rows)]):
-            loss_sum, cnt, _ = prepared.loss(_scored(theta, mask, rank_rows[a:b]))
+            loss_sum, cnt, _ = prepared.loss(_scored(theta, mask, rank_rows[a:b], entropy))
             total = total + loss_sum.double()
             count += int(cnt)
     return total / count
@@ -169,7 +170,6 @@ def test_the_default_grpo_aggregation_is_the_released_one():
 
 
 # --- advantages and DAPO's shaping ----------------------------------------------------------------------------------
-
 
 
 def verl_rloo(scores, n):
@@ -260,3 +260,24 @@ def test_shaping_and_masking_enter_the_objective_as_verl_with_the_truncated_mask
         (g,) = torch.autograd.grad(got, theta)
         torch.testing.assert_close(g, ref_grad, rtol=1e-4, atol=1e-6)
         assert g[3].abs().sum() == 0 and g[10].abs().sum() == 0  # the truncated responses
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_entropy_bonus_is_verls_under_any_split(mode):
+    """--entropy-coef: verl's ``pg_loss - entropy_coeff * agg_loss(entropy, mask, loss_agg_mode)``, value and
+    gradient through the entropies, under any split; the objective asks the pass for the entropy's gradient."""
+    theta, mask, lens, rewards, old = _tensors(seed=21)
+    old = old.float().double()
+    entropy = torch.rand(S, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64).requires_grad_()
+    adv_bt = outcome_advantages(rewards, group_size=N).double()[:, None].expand(S, T)
+    coef = 0.01
+    ref = verl_cispo(old, theta, adv_bt, mask, 0.2, 4.0, mode, T) - coef * verl_agg_loss(entropy, mask, mode, T)
+    ref_grads = torch.autograd.grad(ref, (theta, entropy))
+    cfg = LossConfig(loss="cispo", loss_agg_mode=mode, clip_ratio_high=4.0, entropy_coef=coef)
+    objective = build_objective(cfg, BatchConfig(group_size=N, max_response_length=T))
+    assert objective.entropy_grad and objective.loss_keys == ("cispo/loss", "actor/entropy_loss")
+    assert not build_objective(LossConfig(loss="cispo"), BatchConfig()).entropy_grad
+    got = _contract_loss(cfg, theta, mask, lens, rewards, old, torch.Generator().manual_seed(3), entropy)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+    for g, r in zip(torch.autograd.grad(got, (theta, entropy)), ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
