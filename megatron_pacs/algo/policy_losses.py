@@ -194,8 +194,9 @@ def policy_token_loss(
     clip: ClipRange,
     prefix: str,
     token_weights: torch.Tensor | None = None,
+    token_norm: float = 1.0,
 ) -> LossOutput:
-    """One micro-batch's ``surrogate`` loss under the loss contract: ``loss_sum = sum_t scale_t * w_t * l_t``.
+    """One micro-batch's ``surrogate`` loss under the loss contract: ``loss_sum = sum_t scale_t * w_t * l_t / norm``.
 
     Args:
         surrogate: One of :data:`SURROGATES`.
@@ -208,6 +209,8 @@ def policy_token_loss(
         clip: The clip range.
         prefix: Metric namespace (``grpo``).
         token_weights: ``[N]`` truncated importance ratios of off-policy rollouts, or None.
+        token_norm: A constant divided out after the sum (T_max for ``seq-mean-token-sum-norm``, with
+            ``token_scale`` multiplied by it: exactly 1 per token when nothing is masked).
 
     Returns:
         ``LossOutput(loss_sum, count=m, metrics)``: ``<prefix>/loss``, ``/clip_frac``, ``/clip_frac_lower``,
@@ -225,7 +228,7 @@ def policy_token_loss(
         raise ValueError(f"surrogate {surrogate!r} is not one of {list(SURROGATES)}")
     if token_weights is not None:
         tok_loss = tok_loss * token_weights.to(tok_loss)
-    loss_sum = (tok_loss * token_scale.to(tok_loss)).sum()
+    loss_sum = (tok_loss * token_scale.to(tok_loss)).sum() / token_norm
     num = int(lengths.numel())
     with torch.no_grad():
         n_tok = token_logp.numel()

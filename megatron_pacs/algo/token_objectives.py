@@ -99,9 +99,15 @@ class TokenObjective(Objective):
         batch_rows = mb.rows if mb.batch_rows is None else mb.batch_rows
         truncated = lens >= self.max_response_length
         keep = ~truncated[batch_rows] if self.mask_truncated else None
+        # T_max is divided out last (w * T_max is exactly 1 without masking), so the default GRPO loss is the
+        # released one bit for bit: sum(l) / T_max
+        norm = float(self.max_response_length) if self.agg_mode == "seq-mean-token-sum-norm" else 1.0
         scale = torch.zeros(lens.numel(), dtype=torch.float32)
-        scale[batch_rows] = aggregation_weights(
-            lens[batch_rows], mode=self.agg_mode, max_response_len=self.max_response_length, keep=keep
+        scale[batch_rows] = (
+            aggregation_weights(
+                lens[batch_rows], mode=self.agg_mode, max_response_len=self.max_response_length, keep=keep
+            )
+            * norm
         ).float()
         if self.mask_truncated:
             metrics[f"{self.prefix}/truncated_frac"] = mean_entry(truncated[rows].sum(), len(rows), mb.rewards)
@@ -127,6 +133,7 @@ class TokenObjective(Objective):
                 seq=tokens.seq,
                 lengths=tokens.lengths,
                 token_scale=t["scale"][idx][tokens.seq],
+                token_norm=norm,
                 clip=self.clip,
                 prefix=self.prefix,
                 token_weights=weights,
@@ -136,7 +143,7 @@ class TokenObjective(Objective):
             loss_sum = out.loss_sum
             if self.entropy_grad:  # verl: pg_loss - entropy_coeff * agg_loss(entropy), the same aggregation
                 assert tokens.entropy is not None, "the training pass computes the tokens' entropies"
-                term = -self.entropy_coef * (tokens.entropy.float() * t["scale"][idx][tokens.seq]).sum()
+                term = -self.entropy_coef * (tokens.entropy.float() * t["scale"][idx][tokens.seq]).sum() / norm
                 out.metrics["actor/entropy_loss"] = torch.stack([term.detach(), term.new_tensor(float(len(idx)))])
                 loss_sum = loss_sum + term
             return loss_sum, count_of(tokens), out.metrics
