@@ -28,7 +28,16 @@ from megatron_pacs.algo.objectives import MiniBatch, Objective, Prepared, StepTe
 from megatron_pacs.algo.policy_losses import ClipRange, aggregation_weights, policy_token_loss
 from megatron_pacs.config import BatchConfig, LossConfig
 
-__all__ = ["GrpoObjective", "TokenObjective", "build_cispo", "build_grpo", "build_gspo", "overlong_penalty"]
+__all__ = [
+    "CispoObjective",
+    "GrpoObjective",
+    "GspoObjective",
+    "TokenObjective",
+    "build_cispo",
+    "build_grpo",
+    "build_gspo",
+    "overlong_penalty",
+]
 
 
 def overlong_penalty(

@@ -5,7 +5,8 @@ TIS level, reference need, FP8 score policy and own flags from the spec, ``--hel
 import pytest
 import torch
 
-from megatron_pacs.algo.objectives import GrpoObjective, KLRegularized, MiniBatch, Objective, Prepared, build_objective
+from megatron_pacs.algo.objectives import KLRegularized, MiniBatch, Objective, Prepared, build_objective
+from megatron_pacs.algo.token_objectives import GrpoObjective
 from megatron_pacs.config import BatchConfig, LossConfig, build_parser, parse_config
 from megatron_pacs.config.objectives import OBJECTIVES, ObjectiveSpec
 

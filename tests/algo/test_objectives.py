@@ -16,7 +16,6 @@ import torch
 from megatron_pacs.algo.grpo import grpo_advantages, grpo_loss
 from megatron_pacs.algo.objectives import (
     OBJECTIVES,
-    GrpoObjective,
     Logprobs,
     MiniBatch,
     PacsDirect,
@@ -24,6 +23,7 @@ from megatron_pacs.algo.objectives import (
     build_objective,
 )
 from megatron_pacs.algo.pacs import pacs_loss
+from megatron_pacs.algo.token_objectives import GrpoObjective
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, LossConfig
 
