@@ -115,7 +115,7 @@ def _stop_handlers_deferred() -> Iterator[None]:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         for sig in dict.fromkeys(received):
-            handler = handlers[sig]
+            handler = handlers[signal.Signals(sig)]
             if callable(handler):
                 handler(sig, None)
             elif handler == signal.SIG_DFL:
