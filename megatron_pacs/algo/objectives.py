@@ -119,10 +119,21 @@ class MiniBatch:
 
 @dataclass
 class Prepared:
-    """An objective ready for one optimizer step: the micro-batch loss and metrics computed up front."""
+    """An objective ready for one optimizer step: the micro-batch loss and metrics computed up front.
+
+    Attributes:
+        loss: The micro-batch loss.
+        metrics: Metrics of the step computed in ``prepare``.
+        token_scale: ``(scored tokens) -> [N]`` each token's weight in the objective's aggregation, for a per-token
+            term added to its loss (the KL): the term is ``sum_t scale_t * k_t / token_norm`` with the objective's
+            count. None: weight 1 and ``token_norm`` T_max (GRPO's and the KL's default aggregation).
+        token_norm: The constant divided out after ``token_scale``'s sum.
+    """
 
     loss: MicroBatchLoss
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    token_scale: Callable[[TokenLogprobs], torch.Tensor] | None = None
+    token_norm: float = 1.0
 
 
 class Objective(ABC):
@@ -320,7 +331,8 @@ class KLRegularized(Objective):
     """An objective plus ``kl_coef`` x the per-token KL to the reference policy (docs/algorithm.md §2.7).
 
     The term is ``kl_coef * sum_t k_t / T_max`` per response with the inner objective's count (responses), so it
-    obeys the same global normalisation. ``ref/kl`` (the per-token estimate's mean) is reported even at
+    obeys the same global normalisation; a token-level objective's ``--loss-agg-mode`` aggregates it as its own
+    loss (verl's ``kl_loss_coef * agg_loss(kld, loss_agg_mode)``; :attr:`Prepared.token_scale`). ``ref/kl`` (the per-token estimate's mean) is reported even at
     ``kl_coef = 0``; ``ref/kl_loss`` is the term's value, part of ``train/loss``.
     """
 
@@ -350,12 +362,15 @@ class KLRegularized(Objective):
             value, surrogate = kl_estimate(tokens.logp, ref_logp, self.estimator)
             report = {**report, "ref/kl": torch.stack([value.sum(), value.new_tensor(float(value.numel()))])}
             if self.coef > 0:
-                term = self.coef * surrogate.sum() / self.max_response_length
+                if prepared.token_scale is None:
+                    term = self.coef * surrogate.sum() / self.max_response_length
+                else:  # the objective's own aggregation (--loss-agg-mode)
+                    term = self.coef * (surrogate * prepared.token_scale(tokens)).sum() / prepared.token_norm
                 report["ref/kl_loss"] = torch.stack([term.detach(), term.new_tensor(float(tokens.num_sequences))])
                 loss_sum = loss_sum + term
             return loss_sum, count, report
 
-        return Prepared(loss, prepared.metrics)
+        return Prepared(loss, prepared.metrics, prepared.token_scale, prepared.token_norm)
 
 
 def build_pacs(loss: LossConfig, batch: BatchConfig) -> Objective:

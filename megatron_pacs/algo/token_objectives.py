@@ -157,7 +157,10 @@ class TokenObjective(Objective):
                 loss_sum = loss_sum + term
             return loss_sum, count_of(tokens), out.metrics
 
-        return Prepared(loss, metrics)
+        def token_scale(tokens: TokenLogprobs) -> torch.Tensor:
+            return step.on(tokens.logp.device)["scale"][tokens.index][tokens.seq]
+
+        return Prepared(loss, metrics, token_scale, norm)
 
 
 class GrpoObjective(TokenObjective):

@@ -281,3 +281,44 @@ def test_entropy_bonus_is_verls_under_any_split(mode):
     assert got.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
     for g, r in zip(torch.autograd.grad(got, (theta, entropy)), ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_kl_term_takes_the_objectives_aggregation_as_verls_kl_loss(mode):
+    """--kl-coef with a token-level objective: verl's ``kl_loss_coef * agg_loss(kld, mask, loss_agg_mode)`` (k3,
+    ``low_var_kl``, clamped to +-10), added to the policy loss, under any split."""
+    theta, mask, lens, rewards, old = _tensors(seed=31)
+    old = old.float().double()
+    ref_logp = (theta.detach() + 0.2 * torch.randn(S, T, generator=torch.Generator().manual_seed(4))).float().double()
+    adv_bt = outcome_advantages(rewards, group_size=N).double()[:, None].expand(S, T)
+    kl = torch.exp(ref_logp - theta) - (ref_logp - theta) - 1
+    want = verl_vanilla(old, theta, adv_bt, mask, 0.2, 0.28, 3.0, mode, T) + 0.1 * verl_agg_loss(
+        kl.clamp(-10, 10), mask, mode, T
+    )
+    (want_grad,) = torch.autograd.grad(want, theta)
+    cfg = LossConfig(loss="grpo", loss_agg_mode=mode, clip_ratio_high=0.28, kl_coef=0.1, kl_estimator="k3")
+    objective = build_objective(cfg, BatchConfig(group_size=N, max_response_length=T))
+    offsets = torch.zeros(S + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lens, 0)
+    store = Logprobs(torch.zeros(S), tokens=TokenStore(old[mask].float(), offsets))
+    ref = Logprobs(torch.zeros(S), tokens=TokenStore(ref_logp[mask].float(), offsets))
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for rank_rows in (list(range(S // 2)), list(range(S // 2, S))):
+        mb = MiniBatch(
+            rows=torch.tensor(rank_rows),
+            rewards=rewards.float(),
+            response_lens=lens,
+            group_size=N,
+            fresh=False,
+            old=store,
+            ref=ref,
+            batch_rows=torch.arange(S),
+        )
+        prepared = objective.prepare(mb)
+        for a, b in itertools.pairwise([0, 3, len(rank_rows)]):
+            loss_sum, cnt, _ = prepared.loss(_scored(theta, mask, rank_rows[a:b]))
+            total, count = total + loss_sum.double(), count + int(cnt)
+    got = total / count
+    assert got.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    (g,) = torch.autograd.grad(got, theta)
+    torch.testing.assert_close(g, want_grad, rtol=1e-4, atol=1e-6)
