@@ -3,7 +3,8 @@ each advantage estimator and aggregation mode, the entropy bonus and DAPO's over
 
 Tiny launches of ``python -m megatron_pacs.train`` (2 steps, 2 optimizer steps each): three without the fleet
 (``--rollout-source synthetic``; GSPO at two data-parallel ranks, where token- and sequence-mean normalisers span
-both ranks' responses) and DAPO with the fleet (the real engines, reward pool and dynamic sampling). Each run's
+both ranks' responses), DAPO with the fleet (the real engines, reward pool and dynamic sampling) and GSPO with the
+fleet and the off-policy correction (its geometric-mean importance ratio against the engines' log-probs). Each run's
 ``metrics.jsonl`` must hold, every step, a finite loss made of its objective's terms, a gradient, the objective's
 own metrics and ``actor/entropy``, which also reaches TensorBoard.
 """
@@ -56,6 +57,15 @@ RUNS = {
             *("--filter-groups", "zero-variance", "--overlong-buffer-len", "4", "--micro-batch-size", "3"),
         ],
         ("grpo/loss", "grpo/overlong_penalty", "grpo/clip_frac"),
+    ),
+    "gspo_tis_fleet": (
+        1,
+        True,
+        [
+            *("--loss", "gspo", "--loss-agg-mode", "seq-mean-token-sum-norm", "--micro-batch-size", "3"),
+            *("--off-policy-correction", "tis"),  # GSPO's geometric-mean ratio against the engines' log-probs
+        ],
+        ("gspo/loss", "gspo/clip_frac", "offpolicy/is_ratio_mean"),
     ),
 }
 

@@ -322,3 +322,60 @@ def test_kl_term_takes_the_objectives_aggregation_as_verls_kl_loss(mode):
     assert got.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
     (g,) = torch.autograd.grad(got, theta)
     torch.testing.assert_close(g, want_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("loss", "level"), [("grpo", "token"), ("gspo", "geometric"), ("cispo", "token")])
+def test_off_policy_weights_multiply_the_token_losses_as_verls_rollout_is_weights(loss, level):
+    """--off-policy-correction tis: verl multiplies ``pg_losses`` by ``rollout_is_weights`` before ``agg_loss``;
+    token ratios per token, GSPO's default geometric ratio once per response (on each of its tokens)."""
+    theta, mask, lens, rewards, old = _tensors(seed=41)
+    old = old.float().double()
+    gen = torch.Generator().manual_seed(5)
+    is_tokens = (0.5 + torch.rand(S, T, generator=gen, dtype=torch.float64)).float().double()
+    is_seq = (0.5 + torch.rand(S, generator=gen, dtype=torch.float64)).float().double()
+    w_bt = is_tokens if level == "token" else is_seq[:, None].expand(S, T)
+    adv_bt = outcome_advantages(rewards, group_size=N).double()[:, None].expand(S, T)
+    mode = "token-mean"
+    if loss == "grpo":
+        ratio = torch.exp((theta - old).clamp(-20.0, 20.0))
+        l1 = torch.maximum(-adv_bt * ratio, -adv_bt * ratio.clamp(0.8, 1.2))
+        losses = torch.where(adv_bt < 0, torch.minimum(l1, -adv_bt * 3.0), l1)
+    elif loss == "gspo":
+        m = mask.double()
+        seq = ((theta - old) * m).sum(-1) / m.sum(-1)
+        s = torch.exp((theta - theta.detach() + seq.detach()[:, None]).clamp(max=10.0))
+        losses = torch.maximum(-adv_bt * s, -adv_bt * s.clamp(0.8, 1.2))
+    else:
+        ratio = torch.exp((theta.detach() - old).clamp(-20.0, 20.0))
+        losses = -ratio.clamp(0.8, 1.2) * adv_bt * theta
+    want = verl_agg_loss(losses * w_bt, mask, mode, T)
+    (want_grad,) = torch.autograd.grad(want, theta)
+    cfg = LossConfig(loss=loss, loss_agg_mode=mode, off_policy_correction="tis", tis_level=level)
+    objective = build_objective(cfg, BatchConfig(group_size=N, max_response_length=T))
+    assert objective.correction == level
+    offsets = torch.zeros(S + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lens, 0)
+    store = Logprobs(torch.zeros(S), tokens=TokenStore(old[mask].float(), offsets))
+    if level == "token":
+        importance = Logprobs(torch.ones(S, dtype=torch.float64), TokenStore(is_tokens[mask].float(), offsets))
+    else:
+        importance = Logprobs(is_seq)
+    prepared = objective.prepare(
+        MiniBatch(
+            rows=torch.arange(S),
+            rewards=rewards.float(),
+            response_lens=lens,
+            group_size=N,
+            fresh=False,
+            old=store,
+            importance=importance,
+        )
+    )
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for a, b in itertools.pairwise([0, 5, 11, S]):
+        loss_sum, cnt, _ = prepared.loss(_scored(theta, mask, list(range(a, b))))
+        total, count = total + loss_sum.double(), count + int(cnt)
+    got = total / count
+    assert got.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    (g,) = torch.autograd.grad(got, theta)
+    torch.testing.assert_close(g, want_grad, rtol=1e-4, atol=1e-6)
