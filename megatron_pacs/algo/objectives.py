@@ -332,8 +332,9 @@ class KLRegularized(Objective):
 
     The term is ``kl_coef * sum_t k_t / T_max`` per response with the inner objective's count (responses), so it
     obeys the same global normalisation; a token-level objective's ``--loss-agg-mode`` aggregates it as its own
-    loss (verl's ``kl_loss_coef * agg_loss(kld, loss_agg_mode)``; :attr:`Prepared.token_scale`). ``ref/kl`` (the per-token estimate's mean) is reported even at
-    ``kl_coef = 0``; ``ref/kl_loss`` is the term's value, part of ``train/loss``.
+    loss (verl's ``kl_loss_coef * agg_loss(kld, loss_agg_mode)``; :attr:`Prepared.token_scale`). ``ref/kl`` (the
+    per-token estimate's mean) is reported even at ``kl_coef = 0``; ``ref/kl_loss`` is the term's value, part of
+    ``train/loss``.
     """
 
     ref_logprobs = "token"
