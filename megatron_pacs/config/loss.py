@@ -51,10 +51,8 @@ class LossConfig:
     clip_ratio_c: float = 3.0
     """GRPO's dual clip: the token loss of a negative advantage is at most -A * clip-ratio-c (> 1; verl's 3.0)."""
     loss_agg_mode: str = option("auto", choices=CHOICES["loss_agg_mode"])
-    """How the token-level objectives aggregate token losses over the mini-batch (verl's agg_loss, global over
-    micro-batches and ranks): token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (/
-    --max-response-length); auto: the objective's (grpo seq-mean-token-sum-norm, gspo seq-mean-token-mean, cispo
-    token-mean); docs/algorithm.md §6.1."""
+    """The token-level objectives' aggregation over the mini-batch, verl's agg_loss; auto: the objective's (grpo
+    seq-mean-token-sum-norm, gspo seq-mean-token-mean, cispo token-mean); docs/algorithm.md §6.1."""
     advantage_estimator: str = option("grpo", choices=CHOICES["advantage_estimator"])
     """The token-level objectives' outcome advantage: grpo, rloo, reinforce_plus_plus_baseline or opo
     (docs/algorithm.md §6.2); PACS has --pacs-advantage."""
