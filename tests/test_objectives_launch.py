@@ -3,8 +3,9 @@ each advantage estimator and aggregation mode, the entropy bonus and DAPO's over
 
 Tiny launches of ``python -m megatron_pacs.train`` (2 steps, 2 optimizer steps each): three without the fleet
 (``--rollout-source synthetic``; GSPO at two data-parallel ranks, where token- and sequence-mean normalisers span
-both ranks' responses), DAPO with the fleet (the real engines, reward pool and dynamic sampling) and GSPO with the
-fleet and the off-policy correction (its geometric-mean importance ratio against the engines' log-probs). Each run's
+both ranks' responses), DAPO with the fleet (the real engines, reward pool and dynamic sampling) GSPO with the
+fleet and the off-policy correction (its geometric-mean importance ratio against the engines' log-probs), and CISPO
+with the fleet (MiniMax-M1's one-sided clip). Each run's
 ``metrics.jsonl`` must hold, every step, a finite loss made of its objective's terms, a gradient, the objective's
 own metrics and ``actor/entropy``, which also reaches TensorBoard.
 """
@@ -66,6 +67,16 @@ RUNS = {
             *("--off-policy-correction", "tis"),  # GSPO's geometric-mean ratio against the engines' log-probs
         ],
         ("gspo/loss", "gspo/clip_frac", "offpolicy/is_ratio_mean"),
+    ),
+    "cispo_rpp_fleet": (
+        1,
+        True,
+        [
+            *("--loss", "cispo", "--advantage-estimator", "reinforce_plus_plus_baseline"),
+            *("--loss-agg-mode", "seq-mean-token-mean", "--clip-ratio-low", "1.0", "--clip-ratio-high", "4.0"),
+            *("--micro-batch-size", "3"),
+        ],
+        ("cispo/loss", "cispo/clip_frac"),
     ),
 }
 
