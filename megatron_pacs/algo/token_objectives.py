@@ -88,52 +88,21 @@ class TokenObjective(Objective):
         return (self.loss_key, "actor/entropy_loss") if self.entropy_grad else (self.loss_key,)
 
     def prepare(self, mb: MiniBatch) -> Prepared:
-        lens = mb.response_lens.long()
-        rewards = mb.rewards.double()
-        metrics: dict[str, torch.Tensor] = {}
-        rows = mb.rows
-        if self.buffer_len > 0:
-            penalty = overlong_penalty(
-                lens, max_response_len=self.max_response_length, buffer_len=self.buffer_len, factor=self.penalty_factor
-            )
-            rewards = rewards + penalty
-            metrics[f"{self.prefix}/overlong_penalty"] = mean_entry(penalty[rows].sum(), len(rows), mb.rewards)
-        advantages = outcome_advantages(
-            rewards,
-            group_size=mb.group_size,
-            estimator=self.estimator,
-            norm_by_std=self.norm_by_std,
-            response_lens=lens,
-        )
-        batch_rows = mb.rows if mb.batch_rows is None else mb.batch_rows
-        truncated = lens >= self.max_response_length
-        keep = ~truncated[batch_rows] if self.mask_truncated else None
-        # T_max is divided out last (w * T_max is exactly 1 without masking), so the default GRPO loss is the
-        # released one bit for bit: sum(l) / T_max
-        norm = float(self.max_response_length) if self.agg_mode == "seq-mean-token-sum-norm" else 1.0
-        scale = torch.zeros(lens.numel(), dtype=torch.float32)
-        scale[batch_rows] = (
-            aggregation_weights(
-                lens[batch_rows], mode=self.agg_mode, max_response_len=self.max_response_length, keep=keep
-            )
-            * norm
-        ).float()
-        if self.mask_truncated:
-            metrics[f"{self.prefix}/truncated_frac"] = mean_entry(truncated[rows].sum(), len(rows), mb.rewards)
-        step = StepTensors(advantages=advantages, rewards=mb.rewards, scale=scale)
+        advantages, metrics = self._advantages(mb)
+        scale, norm = self._aggregation(mb, metrics)
         old_tokens = None if mb.old is None else mb.old.tokens
-        importance = mb.importance
+        token_ratios = None if mb.importance is None else mb.importance.tokens
+        # one importance ratio per response (GSPO's geometric level), else per token (token_ratios)
+        seq_ratios = mb.importance.seq if mb.importance is not None and token_ratios is None else None
+        step = StepTensors(advantages=advantages, rewards=mb.rewards, scale=scale, seq_ratios=seq_ratios)
 
         def loss(tokens: TokenLogprobs):
             t, idx = step.on(tokens.logp.device), tokens.index
             # No old log-probs means the parameters have not moved since the rollout: the ratio is 1, exactly.
             old = tokens.logp.detach() if old_tokens is None else old_tokens.gather(tokens)
-            weights = None
-            if importance is not None:  # token ratios, or one per response (GSPO's geometric level)
-                if importance.tokens is not None:
-                    weights = importance.tokens.gather(tokens)
-                else:
-                    weights = importance.seq.to(tokens.logp.device)[idx][tokens.seq]
+            weights = token_ratios.gather(tokens) if token_ratios is not None else None
+            if seq_ratios is not None:
+                weights = t["seq_ratios"][idx][tokens.seq]
             out = policy_token_loss(
                 self.surrogate,
                 tokens.logp,
@@ -161,6 +130,45 @@ class TokenObjective(Objective):
             return step.on(tokens.logp.device)["scale"][tokens.index][tokens.seq]
 
         return Prepared(loss, metrics, token_scale, norm)
+
+    def _advantages(self, mb: MiniBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``[S]`` advantages of the step's (shaped) rewards, and the shaping's metric on this rank's rows."""
+        lens, rewards = mb.response_lens.long(), mb.rewards.double()
+        metrics: dict[str, torch.Tensor] = {}
+        if self.buffer_len > 0:
+            penalty = overlong_penalty(
+                lens, max_response_len=self.max_response_length, buffer_len=self.buffer_len, factor=self.penalty_factor
+            )
+            rewards = rewards + penalty
+            metrics[f"{self.prefix}/overlong_penalty"] = mean_entry(penalty[mb.rows].sum(), len(mb.rows), mb.rewards)
+        advantages = outcome_advantages(
+            rewards,
+            group_size=mb.group_size,
+            estimator=self.estimator,
+            norm_by_std=self.norm_by_std,
+            response_lens=lens,
+        )
+        return advantages, metrics
+
+    def _aggregation(self, mb: MiniBatch, metrics: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """``[S]`` float32 aggregation weights times ``norm`` (0 outside the mini-batch), and ``norm``.
+
+        T_max is divided out last (``w * T_max`` is exactly 1 without masking), so the default GRPO loss is the
+        released one bit for bit: ``sum(l) / T_max``.
+        """
+        lens = mb.response_lens.long()
+        batch_rows = mb.rows if mb.batch_rows is None else mb.batch_rows
+        truncated = lens >= self.max_response_length
+        keep = ~truncated[batch_rows] if self.mask_truncated else None
+        if self.mask_truncated:
+            metrics[f"{self.prefix}/truncated_frac"] = mean_entry(truncated[mb.rows].sum(), len(mb.rows), mb.rewards)
+        norm = float(self.max_response_length) if self.agg_mode == "seq-mean-token-sum-norm" else 1.0
+        weights = aggregation_weights(
+            lens[batch_rows], mode=self.agg_mode, max_response_len=self.max_response_length, keep=keep
+        )
+        scale = torch.zeros(lens.numel(), dtype=torch.float32)
+        scale[batch_rows] = (weights * norm).float()
+        return scale, norm
 
 
 class GrpoObjective(TokenObjective):
