@@ -23,14 +23,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 GOLDEN = Path(__file__).parent / "golden"
 
 SYNTHETIC = ["--rollout-source", "synthetic", "--synthetic-reward-rate", "0.5", "--micro-batch-size", "3"]
+GSPO_TOKEN_MEAN = [
+    *("--loss", "gspo", "--advantage-estimator", "reinforce_plus_plus_baseline", "--loss-agg-mode", "token-mean"),
+    *("--clip-ratio-low", "3e-4"),
+]
 # name -> (world size, fleet, flags, the metrics the objective reports every step)
 RUNS = {
-    "gspo_rpp_dp2": (
-        2,
-        False,
-        ["--loss", "gspo", "--advantage-estimator", "reinforce_plus_plus_baseline", "--clip-ratio-low", "3e-4"],
-        ("gspo/loss", "gspo/clip_frac", "gspo/advantage/mean"),
-    ),
+    "gspo_rpp_dp2": (2, False, GSPO_TOKEN_MEAN, ("gspo/loss", "gspo/clip_frac", "gspo/advantage/mean")),
+    "gspo_rpp_dp1": (1, False, GSPO_TOKEN_MEAN, ("gspo/loss", "gspo/clip_frac", "gspo/advantage/mean")),
     "cispo_rloo_entropy_kl": (
         1,
         False,
@@ -120,6 +120,16 @@ def test_objective_trains_and_reports_its_terms_and_the_entropy(launched, name):
             assert m["grpo/overlong_penalty"] <= 0
         if "actor/entropy_loss" in m:  # -coef x the entropy's aggregate: negative
             assert m["actor/entropy_loss"] < 0
+
+
+def test_token_mean_is_global_over_data_parallel_ranks(launched):
+    """The same synthetic rollouts at DP=2 and DP=1 (other micro-batch cuts): token-mean's normaliser is the whole
+    mini-batch's token count, so loss and gradient agree to rounding (a per-rank mean would not)."""
+    dp2, dp1 = ([m for m in launched[n].result() if "train/loss" in m] for n in ("gspo_rpp_dp2", "gspo_rpp_dp1"))
+    for a, b in zip(dp2, dp1, strict=True):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+        for key in ("train/loss", "train/grad_norm", "actor/entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
 
 
 def test_entropy_reaches_tensorboard(launch_queue, launched):
