@@ -192,16 +192,16 @@ class Actor:
         def loss_fn(logits: torch.Tensor, mb: MicroBatch):
             logp, entropy = model_token_logprobs(logits, mb, tp_group, temperature, impl=impl, entropy=True)
             scored: TokenLogprobs = mb.scored(logp, entropy if entropy_grad else entropy.detach())
+            assert scored.entropy is not None  # handed to scored() above
+            flat_entropy = scored.entropy.detach().float()
             if raw_logprobs:
                 raw = (
                     logp if temperature == 1.0 else model_token_logprobs(logits.detach(), mb, tp_group, 1.0, impl=impl)
                 )
                 scored.raw = mb.scored(raw.detach()).logp
             loss_sum, count, report = loss(scored)
-            assert scored.entropy is not None
-            ent = scored.entropy.detach().float()
-            report = {**report, "actor/entropy": torch.stack([ent.sum(), ent.new_tensor(float(ent.numel()))])}
-            return loss_sum, count, report
+            n = flat_entropy.new_tensor(float(flat_entropy.numel()))
+            return loss_sum, count, {**report, "actor/entropy": torch.stack([flat_entropy.sum(), n])}
 
         return optimizer_step(self.trainable, micro_batches, loss_fn)
 
