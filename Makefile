@@ -1,5 +1,5 @@
 # megatron_pacs: the two commands are `make demo` (install + the embedded tiny CPU run) and `make test`
-# (install if needed + the whole suite). `make test-quick` is the inner-loop subset (no tests marked slow).
+# (install if needed + the whole suite). `make test-quick` is the inner-loop subset (QUICK_MARKS).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -32,6 +32,8 @@ TRITON_INTERPRET_DIR := $(VENV)/triton-interpret
 TRITON_VERSION ?= 3.9.0
 LINT_PATHS := megatron_pacs tools tests benchmarks examples
 PYTEST_ARGS ?=
+# The inner loop's selection: no test that is slow or mostly waits out a timeout, but one real fleet step (`quick`).
+QUICK_MARKS := quick or not (slow or waits)
 
 .PHONY: install slurm-packages test test-quick test-compat test-compat-mcore lint lock lock-gpu lock-gpu-torch2.11 check-gpu-torch2.11 wheelhouse install-offline test-offline gpu-check bench demo demo-compare clean
 
@@ -73,7 +75,7 @@ test: install slurm-packages
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-quick: install
-	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "$(QUICK_MARKS)" $(PYTEST_ARGS)
 
 # All five run; the target fails if any of them does. pyright (its PyPI wheel bundles the checker; it runs on the
 # machine's node) reads [tool.pyright] in pyproject.toml: megatron_pacs/ only, basic mode, against .venv. Then the

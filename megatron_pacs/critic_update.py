@@ -1,4 +1,4 @@
-"""PPO's critic phase of a training step, on every rank: values, GAE, the critic's update (docs/algorithm.md §6.2).
+"""PPO's critic phase of a training step, on every rank: values, GAE, the critic's update (docs/algorithm.md §6.5).
 
 :func:`update_critic` runs before the actor's update (:func:`megatron_pacs.update.update_policy`), on the same
 micro-batches the actor will use (the step's :class:`~megatron_pacs.data.layout.StepLayout`):

@@ -20,6 +20,7 @@ from megatron_pacs.outputs import check_outputs, describe_outputs, resolve_log_d
 from megatron_pacs.rollout.lost import RolloutClusterLost
 from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError
 from megatron_pacs.utils.interrupts import (
+    end_process,
     exiting,
     interrupted_line,
     interruption_of,
@@ -141,4 +142,4 @@ def cli(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     raise_on_sigterm()  # SIGTERM and Ctrl-C end the run with one line (cli); --exit-signal-handler replaces it
     raise_on_sigint()
-    sys.exit(cli())
+    end_process(cli())

@@ -155,6 +155,7 @@ def update_policy(
                     ref=ref,
                     importance=importance,
                     at_reference=at_reference,
+                    batch_rows=torch.tensor([i for r in range(layout.dp_size) for i in layout.rows([k], r)]),
                     advantages=advantages,
                 )
             )
@@ -172,7 +173,9 @@ def update_policy(
                         engine = TokenStore(batch.engine_logprobs, batch.engine_offsets)
                         parts.append(actor.routing_report(mbs, engine))
             with timer.phase("train"):
-                result = actor.optimizer_step(mbs, loss, temperature=temperature, raw_logprobs=check)
+                result = actor.optimizer_step(
+                    mbs, loss, temperature=temperature, raw_logprobs=check, entropy_grad=objective.entropy_grad
+                )
             parts.extend(r for r in (prepared.metrics, *result.reports) if r)
             results.append(result)
             if reference is not None and not result.skipped:

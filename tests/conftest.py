@@ -71,9 +71,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     launching = sorted((i for i in items if _launches(i)), key=lambda i: _LONGEST_FIRST.get(i.path.stem, 0))
     early = [i for i in items if _early(i)]
     items[:] = early + [i for i in items if not _launches(i) and not _early(i)] + launching
-    if launching:
-        # the fixture's closure read by pytest's setup (Function.fixturenames), extended after collection
-        items[0].fixturenames.insert(0, "launch_queue")  # type: ignore[attr-defined]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -101,13 +98,19 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The selected modules that declare trainer launches (``LAUNCHES``), in the order pytest runs them."""
+    """The modules whose selected tests read their trainer launches (``LAUNCHES``), in the order pytest runs them;
+    the queue starts with the first test. A module's fast tests alone (``make test-quick``) launch nothing: the
+    quick run once ran three deselected MoE launches (82 s) before the one it waited for."""
     modules = []
     for item in session.items:
         module = getattr(item, "module", None)
-        if module is not None and hasattr(module, "LAUNCHES") and module not in modules:
+        uses = {"launched", "launch_queue"} & set(getattr(item, "fixturenames", ()))
+        if module is not None and hasattr(module, "LAUNCHES") and uses and module not in modules:
             modules.append(module)
     session.config.stash[_LAUNCHING] = modules
+    if modules:
+        # the fixture's closure read by pytest's setup (Function.fixturenames), extended after collection
+        session.items[0].fixturenames.insert(0, "launch_queue")  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,8 @@ import zygote
 from helpers.cpu import PINNED_CPU_ENV
 from helpers.runs import NO_FLEET_STACK
 
-pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="MEGATRON_PACS_ZYGOTE=0")
+# slow: it serves the trainer launches, which make test-quick leaves out (~15 s of fork servers and launches)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not zygote.enabled(), reason="MEGATRON_PACS_ZYGOTE=0")]
 
 SCRIPT = """
 import atexit, os, sys

@@ -3,7 +3,7 @@
 # configs/ppo_trainer.yaml on its verl), GAE over a learned critic, with the data, batches, lengths and schedule of
 # pacs.sh beside it, on 8 nodes x 8 GPUs. Run the same command on every training node with its NODE_RANK; the
 # rollouts run on a separate Ray cluster (RAY_ADDRESS). See docs/cluster.md for the fleet, the data and resuming,
-# docs/algorithm.md §6.2 for PPO.
+# docs/algorithm.md §6.5 for PPO.
 #
 #   NODE_RANK=0 MASTER_ADDR=train-node0 RAY_ADDRESS=ray://rollout-head:10001 HF_MODEL=/models/Qwen2.5-7B \
 #       bash examples/qwen2.5-7b/ppo.sh

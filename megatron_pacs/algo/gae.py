@@ -1,4 +1,4 @@
-"""PPO's critic maths (docs/algorithm.md §6.2): generalised advantage estimation and the clipped value loss.
+"""PPO's critic maths (docs/algorithm.md §6.5): generalised advantage estimation and the clipped value loss.
 
     delta_t = r_t + gamma * V_{t+1} - V_t                  # V_{T} = 0 past the response's last token
     A_t     = delta_t + gamma * lam * A_{t+1}               # GAE (Schulman et al. 2016, eq. 16), backwards

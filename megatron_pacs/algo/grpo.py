@@ -2,7 +2,7 @@
 
     adv_i  = (R_i - mean_g R) / (std_g R + 1e-6)            # per group, std unbiased; no std: R_i - mean_g R
     ratio  = exp(logp - logp_old)                           # per token
-    l_t    = max(-adv * ratio, -adv * clip(ratio, 1 - eps, 1 + eps))   (dual clip at c for adv < 0)
+    l_t    = max(-adv * ratio, -adv * clip(ratio, 1 - eps_low, 1 + eps_high))   (dual clip at c for adv < 0)
     L      = (1 / S) * sum_i sum_t mask_it * l_it / T_max  # "seq-mean-token-sum-norm" (Dr. GRPO)
 
 T_max is a constant (the configured maximum response length), so the value does not depend on the padding of a
@@ -20,6 +20,7 @@ import torch
 
 from megatron_pacs.algo.checks import as_float_vector, check_1d, check_finite, check_groups, check_rewards
 from megatron_pacs.algo.loss_contract import LossOutput, mean_entry, stat_entries
+from megatron_pacs.algo.policy_losses import ClipRange, ppo_clip_losses
 
 __all__ = ["grpo_advantages", "grpo_loss", "grpo_token_loss"]
 
@@ -59,6 +60,9 @@ def grpo_token_loss(
     clip_ratio_c: float | None = 3.0,
     rewards: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    token_scale: torch.Tensor | None = None,
 ) -> LossOutput:
     """PPO clipped surrogate with GRPO advantages over flat response tokens, as a global sum over responses.
 
@@ -76,6 +80,10 @@ def grpo_token_loss(
         rewards: Optional ``[S]`` rewards in [0, 1], only for the reward metric.
         token_weights: ``[N]`` multipliers of the token losses (truncated importance ratios of off-policy
             rollouts, docs/algorithm.md §5.1), or None.
+        clip_ratio_low: The lower clip, ``ratio >= 1 - clip_ratio_low`` (DAPO's clip-higher); None: ``clip_ratio``.
+        clip_ratio_high: The upper clip, ``ratio <= 1 + clip_ratio_high``; None: ``clip_ratio``.
+        token_scale: ``[N]`` each token's aggregation weight (``--loss-agg-mode``,
+            :func:`~megatron_pacs.algo.policy_losses.aggregation_weights`) in place of ``1 / max_response_len``.
 
     Returns:
         ``LossOutput(loss_sum, count=S, metrics)``; ``loss_sum / count`` is L in the module docstring.
@@ -86,26 +94,25 @@ def grpo_token_loss(
         raise ValueError(f"clip_ratio={clip_ratio} must lie in (0, 1); PPO's usual value is 0.2")
     if clip_ratio_c is not None and clip_ratio_c <= 1:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (dual clip) or None to disable it")
+    clip = ClipRange(
+        low=clip_ratio if clip_ratio_low is None else clip_ratio_low,
+        high=clip_ratio if clip_ratio_high is None else clip_ratio_high,
+        c=clip_ratio_c,
+    )
     log_ratio = (token_logp.float() - token_old_logp.float()).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    a = token_advantages.float()
-    surr = -a * ratio
-    surr_clipped = -a * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
-    tok_loss = torch.maximum(surr, surr_clipped)
-    lower_clipped = torch.zeros_like(tok_loss, dtype=torch.bool)
-    if clip_ratio_c is not None:
-        bound = -a * clip_ratio_c
-        lower_clipped = (a < 0) & (tok_loss > bound)
-        tok_loss = torch.where(a < 0, torch.minimum(tok_loss, bound), tok_loss)
+    tok_loss, clipped, lower_clipped = ppo_clip_losses(log_ratio, token_advantages.float(), clip)
     if token_weights is not None:
         tok_loss = tok_loss * token_weights.to(tok_loss)
-    loss_sum = tok_loss.sum() / max_response_len
+    if token_scale is None:
+        loss_sum = tok_loss.sum() / max_response_len
+    else:
+        loss_sum = (tok_loss * token_scale.to(tok_loss)).sum()
 
     with torch.no_grad():
         n_tok = token_logp.numel()
         m = {
             "grpo/loss": torch.stack([loss_sum.detach(), loss_sum.new_tensor(float(num_responses))]),
-            "grpo/clip_frac": mean_entry((surr_clipped > surr).sum().float(), n_tok, tok_loss),
+            "grpo/clip_frac": mean_entry(clipped.sum().float(), n_tok, tok_loss),
             "grpo/clip_frac_lower": mean_entry(lower_clipped.sum().float(), n_tok, tok_loss),
             "grpo/approx_kl": mean_entry((-log_ratio).sum(), n_tok, tok_loss),
         }

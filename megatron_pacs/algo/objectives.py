@@ -10,10 +10,11 @@ the micro-batch, so the trainer divides once by the global response count (docs/
 scores are float64 (docs/algorithm.md §2.1).
 
 Registered names (``--loss``, :data:`~megatron_pacs.config.objectives.OBJECTIVES`): ``pacs`` (two-phase by default,
-direct with ``--keep-groups-in-microbatch``), ``grpo`` and ``ppo`` (:mod:`megatron_pacs.algo.ppo`). Whenever a
-reference policy exists (``--kl-coef > 0`` or ``--pacs-score-reference ref``), :class:`KLRegularized` wraps the
-objective: it adds the KL term (if any) and reports ``ref/kl``. A new objective (a REAL- or NFT-style sequence loss)
-is one new class here (declare its needs, write ``prepare``) with a builder, and its
+direct with ``--keep-groups-in-microbatch``), the token-level ``grpo``, ``gspo`` and ``cispo``
+(:mod:`megatron_pacs.algo.token_objectives`) and ``ppo`` (:mod:`megatron_pacs.algo.ppo`). Whenever a reference
+policy exists (``--kl-coef > 0`` or ``--pacs-score-reference ref``), :class:`KLRegularized` wraps the objective: it
+adds the KL term (if any) and reports ``ref/kl``. A new objective (a REAL- or NFT-style sequence loss) is one new
+class here (declare its needs, write ``prepare``) with a builder, and its
 :class:`~megatron_pacs.config.objectives.ObjectiveSpec` registered in ``config/objectives.py`` (its default TIS
 level, its reference need, its FP8 score policy, its own flags).
 
@@ -31,9 +32,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from megatron_pacs.algo.grpo import grpo_advantages, grpo_token_loss
 from megatron_pacs.algo.kl import kl_estimate
-from megatron_pacs.algo.loss_contract import stat_entries
 from megatron_pacs.algo.metrics import pacs_metrics
 from megatron_pacs.algo.pacs import (
     compute_scores,
@@ -50,7 +49,6 @@ from megatron_pacs.config.objectives import OBJECTIVES
 
 __all__ = [
     "OBJECTIVES",
-    "GrpoObjective",
     "KLRegularized",
     "Logprobs",
     "MicroBatchLoss",
@@ -59,10 +57,11 @@ __all__ = [
     "PacsDirect",
     "PacsTwoPhase",
     "Prepared",
+    "StepTensors",
     "TokenLogprobs",
-    "build_grpo",
     "build_objective",
     "build_pacs",
+    "count_of",
 ]
 
 #: ``(scored tokens of a micro-batch) -> (loss_sum, count, report)``, Megatron's 3-tuple.
@@ -102,6 +101,8 @@ class MiniBatch:
         at_reference: ``fresh`` and the current parameters are the reference's exactly (step 1 from the reference's
             weights, or the first mini-batch after a reset): a reference-anchored score and the KL are then 0
             exactly, whatever rounding separate passes would give (docs/algorithm.md §2.2).
+        batch_rows: ``[M]`` every data-parallel rank's responses of this mini-batch (what a token- or
+            sequence-mean aggregation divides by); None: ``rows`` (one rank).
         advantages: Per-token advantages of the step's responses from a learned critic (PPO's GAE, computed before
             the update; last pipeline stage), when the objective takes them.
     """
@@ -116,15 +117,27 @@ class MiniBatch:
     ref: Logprobs | None = None
     importance: Logprobs | None = None
     at_reference: bool = False
+    batch_rows: torch.Tensor | None = None
     advantages: TokenStore | None = None
 
 
 @dataclass
 class Prepared:
-    """An objective ready for one optimizer step: the micro-batch loss and metrics computed up front."""
+    """An objective ready for one optimizer step: the micro-batch loss and metrics computed up front.
+
+    Attributes:
+        loss: The micro-batch loss.
+        metrics: Metrics of the step computed in ``prepare``.
+        token_scale: ``(scored tokens) -> [N]`` each token's weight in the objective's aggregation, for a per-token
+            term added to its loss (the KL): the term is ``sum_t scale_t * k_t / token_norm`` with the objective's
+            count. None: weight 1 and ``token_norm`` T_max (GRPO's and the KL's default aggregation).
+        token_norm: The constant divided out after ``token_scale``'s sum.
+    """
 
     loss: MicroBatchLoss
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    token_scale: Callable[[TokenLogprobs], torch.Tensor] | None = None
+    token_norm: float = 1.0
 
 
 class Objective(ABC):
@@ -141,6 +154,8 @@ class Objective(ABC):
     #: The level of the off-policy importance weights it takes (``--off-policy-correction tis``): ``token``,
     #: ``geometric`` or ``sequence`` (``--tis-level``), or None.
     correction: str | None = None
+    #: The loss differentiates the tokens' entropies (``TokenLogprobs.entropy``: an entropy bonus).
+    entropy_grad: bool = False
 
     @property
     def loss_keys(self) -> tuple[str, ...]:
@@ -159,11 +174,12 @@ class Objective(ABC):
         ``whole_groups``)."""
 
 
-def _count(tokens: TokenLogprobs) -> torch.Tensor:
+def count_of(tokens: TokenLogprobs) -> torch.Tensor:
+    """A micro-batch loss's ``count``: its responses, as Megatron's int tensor."""
     return torch.tensor(tokens.num_sequences, dtype=torch.int)
 
 
-class _StepTensors:
+class StepTensors:
     """A step's ``[S]`` tensors, copied to the device of the micro-batch losses once.
 
     Micro-batch losses index them with the micro-batch's device-side response indices; copying per micro-batch (or
@@ -258,13 +274,13 @@ class PacsTwoPhase(_Pacs):
         return Prepared(self._loss(anchor, coeffs, mb.response_lens), self._phase1_metrics(scores, mb, idx))
 
     def _loss(self, anchor: torch.Tensor | None, coeffs: torch.Tensor, lens: torch.Tensor) -> MicroBatchLoss:
-        step = _StepTensors(anchor=anchor, coeffs=coeffs, lens=lens)
+        step = StepTensors(anchor=anchor, coeffs=coeffs, lens=lens)
 
         def loss(tokens: TokenLogprobs):
             seq = tokens.sequence_sums()
             t = step.on(seq.device)
             surrogate = pacs_surrogate(self._scores(seq, t, tokens.index), t["coeffs"][tokens.index])
-            return surrogate.float(), _count(tokens), {}
+            return surrogate.float(), count_of(tokens), {}
 
         return loss
 
@@ -290,7 +306,7 @@ class PacsDirect(_Pacs):
     def prepare(self, mb: MiniBatch) -> Prepared:
         anchor = self._anchor(mb)
         importance = None if mb.importance is None else mb.importance.seq
-        step = _StepTensors(anchor=anchor, rewards=mb.rewards, lens=mb.response_lens, importance=importance)
+        step = StepTensors(anchor=anchor, rewards=mb.rewards, lens=mb.response_lens, importance=importance)
 
         def loss(tokens: TokenLogprobs):
             seq = tokens.sequence_sums()
@@ -310,42 +326,7 @@ class PacsDirect(_Pacs):
                 response_lens=t["lens"][idx],
                 sample_weights=t["importance"][idx] if importance is not None else None,
             )
-            return out.loss_sum.float(), _count(tokens), out.metrics
-
-        return Prepared(loss)
-
-
-class GrpoObjective(Objective):
-    """The GRPO baseline (docs/algorithm.md §6): group-normalised advantages, token-level PPO clip."""
-
-    loss_key = "grpo/loss"
-    old_logprobs = "token"
-
-    def __init__(self, cfg: LossConfig, max_response_length: int) -> None:
-        self.clip_ratio, self.max_response_length = cfg.clip_ratio, max_response_length
-        self.correction = cfg.tis_ratio_level
-
-    def prepare(self, mb: MiniBatch) -> Prepared:
-        old_tokens = None if mb.old is None else mb.old.tokens
-        ratios = None if mb.importance is None else mb.importance.tokens
-        step = _StepTensors(advantages=grpo_advantages(mb.rewards, group_size=mb.group_size), rewards=mb.rewards)
-
-        def loss(tokens: TokenLogprobs):
-            t, idx = step.on(tokens.logp.device), tokens.index
-            # No old log-probs means the parameters have not moved since the rollout: the ratio is 1, exactly.
-            old = tokens.logp.detach() if old_tokens is None else old_tokens.gather(tokens)
-            out = grpo_token_loss(
-                tokens.logp,
-                old,
-                t["advantages"][idx][tokens.seq],
-                num_responses=tokens.num_sequences,
-                max_response_len=self.max_response_length,
-                clip_ratio=self.clip_ratio,
-                rewards=t["rewards"][idx],
-                token_weights=None if ratios is None else ratios.gather(tokens),
-            )
-            out.metrics.update(stat_entries("grpo/advantage", t["advantages"][idx]))
-            return out.loss_sum, _count(tokens), out.metrics
+            return out.loss_sum.float(), count_of(tokens), out.metrics
 
         return Prepared(loss)
 
@@ -354,8 +335,10 @@ class KLRegularized(Objective):
     """An objective plus ``kl_coef`` x the per-token KL to the reference policy (docs/algorithm.md §2.7).
 
     The term is ``kl_coef * sum_t k_t / T_max`` per response with the inner objective's count (responses), so it
-    obeys the same global normalisation. ``ref/kl`` (the per-token estimate's mean) is reported even at
-    ``kl_coef = 0``; ``ref/kl_loss`` is the term's value, part of ``train/loss``.
+    obeys the same global normalisation; a token-level objective's ``--loss-agg-mode`` aggregates it as its own
+    loss (verl's ``kl_loss_coef * agg_loss(kld, loss_agg_mode)``; :attr:`Prepared.token_scale`). ``ref/kl`` (the
+    per-token estimate's mean) is reported even at ``kl_coef = 0``; ``ref/kl_loss`` is the term's value, part of
+    ``train/loss``.
     """
 
     ref_logprobs = "token"
@@ -363,7 +346,7 @@ class KLRegularized(Objective):
     def __init__(self, inner: Objective, coef: float, estimator: str, max_response_length: int) -> None:
         self.inner, self.coef, self.estimator, self.max_response_length = inner, coef, estimator, max_response_length
         self.loss_key, self.old_logprobs, self.whole_groups = inner.loss_key, inner.old_logprobs, inner.whole_groups
-        self.correction = inner.correction
+        self.correction, self.entropy_grad = inner.correction, inner.entropy_grad
 
     @property
     def loss_keys(self) -> tuple[str, ...]:
@@ -384,22 +367,20 @@ class KLRegularized(Objective):
             value, surrogate = kl_estimate(tokens.logp, ref_logp, self.estimator)
             report = {**report, "ref/kl": torch.stack([value.sum(), value.new_tensor(float(value.numel()))])}
             if self.coef > 0:
-                term = self.coef * surrogate.sum() / self.max_response_length
+                if prepared.token_scale is None:
+                    term = self.coef * surrogate.sum() / self.max_response_length
+                else:  # the objective's own aggregation (--loss-agg-mode)
+                    term = self.coef * (surrogate * prepared.token_scale(tokens)).sum() / prepared.token_norm
                 report["ref/kl_loss"] = torch.stack([term.detach(), term.new_tensor(float(tokens.num_sequences))])
                 loss_sum = loss_sum + term
             return loss_sum, count, report
 
-        return Prepared(loss, prepared.metrics)
+        return Prepared(loss, prepared.metrics, prepared.token_scale, prepared.token_norm)
 
 
 def build_pacs(loss: LossConfig, batch: BatchConfig) -> Objective:
     """PACS (``--loss pacs``): direct with ``--keep-groups-in-microbatch``, else two-phase."""
     return PacsDirect(loss) if batch.keep_groups_in_microbatch else PacsTwoPhase(loss)
-
-
-def build_grpo(loss: LossConfig, batch: BatchConfig) -> Objective:
-    """GRPO (``--loss grpo``)."""
-    return GrpoObjective(loss, batch.max_response_length)
 
 
 def build_objective(loss: LossConfig, batch: BatchConfig) -> Objective:
@@ -409,3 +390,12 @@ def build_objective(loss: LossConfig, batch: BatchConfig) -> Objective:
     if loss.needs_reference:
         objective = KLRegularized(objective, loss.kl_coef, loss.kl_estimator, batch.max_response_length)
     return objective
+
+
+def __getattr__(name: str):
+    # The token-level objectives live in their own module, which imports this one; their old names resolve lazily.
+    if name in ("GrpoObjective", "build_grpo"):
+        from megatron_pacs.algo import token_objectives
+
+        return getattr(token_objectives, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The PPO baseline's actor objective (``--loss ppo``, docs/algorithm.md §6.2): GRPO's token-level clipped surrogate
+"""The PPO baseline's actor objective (``--loss ppo``, docs/algorithm.md §6.5): GRPO's token-level clipped surrogate
 (:func:`~megatron_pacs.algo.grpo.grpo_token_loss`) with per-token advantages from GAE over a learned critic.
 
 The advantages are the step's, computed once before the update (:func:`~megatron_pacs.algo.gae.gae_advantages`
@@ -20,7 +20,7 @@ import torch
 from megatron_pacs.algo.gae import clipped_value_loss
 from megatron_pacs.algo.grpo import grpo_token_loss
 from megatron_pacs.algo.loss_contract import mean_entry
-from megatron_pacs.algo.objectives import MicroBatchLoss, MiniBatch, Objective, Prepared, _count, _StepTensors
+from megatron_pacs.algo.objectives import MicroBatchLoss, MiniBatch, Objective, Prepared, StepTensors, count_of
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, LossConfig
 
@@ -28,13 +28,15 @@ __all__ = ["PpoObjective", "build_ppo", "value_loss"]
 
 
 class PpoObjective(Objective):
-    """PPO's actor: token-level PPO clip (``--clip-ratio``, dual clip as GRPO's) on the critic's GAE advantages."""
+    """PPO's actor: token-level PPO clip (``--clip-ratio``, dual clip ``--clip-ratio-c``) on the critic's GAE
+    advantages."""
 
     loss_key = "grpo/loss"
     old_logprobs = "token"
 
     def __init__(self, cfg: LossConfig, max_response_length: int) -> None:
-        self.clip_ratio, self.max_response_length = cfg.clip_ratio, max_response_length
+        self.clip_ratio, self.clip_ratio_c = cfg.clip_ratio, cfg.clip_ratio_c
+        self.max_response_length = max_response_length
         self.correction = cfg.tis_ratio_level
 
     def prepare(self, mb: MiniBatch) -> Prepared:
@@ -43,7 +45,7 @@ class PpoObjective(Objective):
         advantages = mb.advantages
         old_tokens = None if mb.old is None else mb.old.tokens
         ratios = None if mb.importance is None else mb.importance.tokens
-        step = _StepTensors(rewards=mb.rewards)
+        step = StepTensors(rewards=mb.rewards)
 
         def loss(tokens: TokenLogprobs):
             t, idx = step.on(tokens.logp.device), tokens.index
@@ -57,11 +59,12 @@ class PpoObjective(Objective):
                 num_responses=tokens.num_sequences,
                 max_response_len=self.max_response_length,
                 clip_ratio=self.clip_ratio,
+                clip_ratio_c=self.clip_ratio_c,
                 rewards=t["rewards"][idx],
                 token_weights=None if ratios is None else ratios.gather(tokens),
             )
             out.metrics["ppo/advantage/mean"] = mean_entry(adv.sum(), adv.numel(), adv)
-            return out.loss_sum, _count(tokens), out.metrics
+            return out.loss_sum, count_of(tokens), out.metrics
 
         return Prepared(loss)
 
@@ -98,6 +101,6 @@ def value_loss(old_values: TokenStore, returns: TokenStore, *, clip: float, max_
             "critic/vf_clipfrac": mean_entry(clipped.sum().float(), n, v),
             "critic/vpred_mean": mean_entry(v.detach().sum(), n, v),
         }
-        return loss_sum, _count(tokens), report
+        return loss_sum, count_of(tokens), report
 
     return loss

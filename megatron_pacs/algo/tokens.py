@@ -40,6 +40,8 @@ class TokenLogprobs:
         lengths: ``[m]`` scored tokens per sequence (``R_i``), on ``logp``'s device.
         raw: ``[N]`` the same tokens' log-probs at temperature 1 (detached), when asked for: what the rollout
             engines report, for the train/rollout consistency check.
+        entropy: ``[N]`` the entropy of each scored position's distribution (from the same log-prob pass; with
+            grad when an objective has an entropy bonus), in training passes.
     """
 
     logp: torch.Tensor
@@ -48,6 +50,7 @@ class TokenLogprobs:
     index: torch.Tensor
     lengths: torch.Tensor
     raw: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -203,11 +206,15 @@ class MicroBatch:
             self._on_device[device] = cached
         return cached
 
-    def scored(self, logp: torch.Tensor) -> TokenLogprobs:
-        """This micro-batch's scored tokens from its ``[b, L - 1]`` token log-probs (gradients flow back)."""
+    def scored(self, logp: torch.Tensor, entropy: torch.Tensor | None = None) -> TokenLogprobs:
+        """This micro-batch's scored tokens from its ``[b, L - 1]`` token log-probs (and entropies; gradients flow
+        back)."""
         lay = self._layout_on(logp.device)
         flat = logp.reshape(-1).index_select(0, lay["flat_pos"])
-        return TokenLogprobs(logp=flat, seq=lay["seq"], rank=lay["rank"], index=lay["index"], lengths=lay["lengths"])
+        ent = None if entropy is None else entropy.reshape(-1).index_select(0, lay["flat_pos"])
+        return TokenLogprobs(
+            logp=flat, seq=lay["seq"], rank=lay["rank"], index=lay["index"], lengths=lay["lengths"], entropy=ent
+        )
 
 
 def make_micro_batches(tokens: torch.Tensor, score_mask: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:

@@ -1,4 +1,4 @@
-"""PPO's learned critic (``--loss ppo``): its model, its optimizer, GAE and the value loss (docs/algorithm.md §6.2).
+"""PPO's learned critic (``--loss ppo``): its model, its optimizer, GAE and the value loss (docs/algorithm.md §6.5).
 
 The defaults are the released PPO baseline's (the PACS repository's ``scripts/baseline/ppo.sh`` on its verl): the
 critic starts from the actor's checkpoint with a new one-output head, AdamW at 1e-5 with weight decay 0.01 and a

@@ -20,6 +20,8 @@ CHOICES = {
     "tis_mode": ("truncate", "mask"),
     "pacs_advantage": ("rloo", "grpo", "grpo_no_std", "naive"),
     "pacs_weights": ("balanced", "none", "only_positive", "only_negative"),
+    "loss_agg_mode": ("auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "advantage_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo"),
 }
 
 
@@ -41,7 +43,32 @@ class LossConfig:
     pacs_weights: str = option("balanced", choices=CHOICES["pacs_weights"])
     """BCE weights: balanced, none, only_positive or only_negative."""
     clip_ratio: float = 0.2
-    """GRPO's PPO clip epsilon."""
+    """The token-level objectives' clip epsilon (both sides unless --clip-ratio-low / --clip-ratio-high)."""
+    clip_ratio_low: float | None = None
+    """The lower clip, ratio >= 1 - clip-ratio-low, in (0, 1] (default --clip-ratio)."""
+    clip_ratio_high: float | None = None
+    """The upper clip, ratio <= 1 + clip-ratio-high (default --clip-ratio; DAPO's clip-higher: 0.28)."""
+    clip_ratio_c: float = 3.0
+    """GRPO's dual clip: the token loss of a negative advantage is at most -A * clip-ratio-c (> 1; verl's 3.0)."""
+    loss_agg_mode: str = option("auto", choices=CHOICES["loss_agg_mode"])
+    """The token-level objectives' aggregation over the mini-batch, verl's agg_loss; auto: the objective's (grpo
+    seq-mean-token-sum-norm, gspo seq-mean-token-mean, cispo token-mean); docs/algorithm.md §6.1."""
+    advantage_estimator: str = option("grpo", choices=CHOICES["advantage_estimator"])
+    """The token-level objectives' outcome advantage: grpo, rloo, reinforce_plus_plus_baseline or opo
+    (docs/algorithm.md §6.2); PACS has --pacs-advantage."""
+    norm_adv_by_std: bool = True
+    """--advantage-estimator grpo: divide by the group's reward std (--no-norm-adv-by-std: Dr. GRPO)."""
+    overlong_buffer_len: int = 0
+    """DAPO's overlong shaping: the reward falls linearly by up to --overlong-penalty-factor over the last this
+    many tokens before --max-response-length (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """With --overlong-buffer-len: the penalty at --max-response-length."""
+    entropy_coef: float = 0.0
+    """The token-level objectives' entropy bonus: minus this times the tokens' entropy, aggregated as the loss
+    (--loss-agg-mode), is added to the loss (verl's entropy_coeff; 0: none; actor/entropy is reported anyway)."""
+    mask_truncated: bool = False
+    """Keep responses that reach --max-response-length (truncated) out of the loss and its normaliser (their
+    rewards still enter their group's advantages)."""
     kl_coef: float = 0.0
     """KL penalty to the frozen reference policy: kl-coef x mean over responses of (sum of per-token estimates) /
     --max-response-length, added to the loss (0: none; a reference is then built only for the ref anchor)."""
@@ -78,6 +105,23 @@ class LossConfig:
         return OBJECTIVES.get(self.loss).tis_levels[0]
 
     @property
+    def agg_mode(self) -> str:
+        """``--loss-agg-mode`` resolved (``auto``: the objective's)."""
+        if self.loss_agg_mode != "auto":
+            return self.loss_agg_mode
+        return OBJECTIVES.get(self.loss).loss_agg_mode or "seq-mean-token-sum-norm"
+
+    @property
+    def clip_low(self) -> float:
+        """The lower clip epsilon (``--clip-ratio-low``, default ``--clip-ratio``)."""
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip epsilon (``--clip-ratio-high``, default ``--clip-ratio``)."""
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    @property
     def needs_reference(self) -> bool:
         """A KL term or the objective (e.g. PACS's reference anchor) needs the reference policy's log-probs."""
         return self.kl_coef > 0 or OBJECTIVES.get(self.loss).needs_reference(self)
@@ -95,6 +139,7 @@ class LossConfig:
             raise bad("clip_ratio", f"{self.clip_ratio} must lie in (0, 1); PPO's usual value is 0.2")
         if self.kl_coef < 0:
             raise bad("kl_coef", "must be >= 0")
+        self._check_token_level()
         self._check_tis_bounds()
         if self.tis_level != "auto" and self.tis_level not in spec.tis_levels:
             levels = " or ".join(spec.tis_levels)
@@ -107,6 +152,31 @@ class LossConfig:
                     raise bad(name, problem.format(loss=self.loss, title=spec.title))
         if self.pacs_score_reference == "ref" and self.pacs_score != "log_ratio":
             raise bad("pacs_score_reference", "needs --pacs-score log_ratio (mean_logp has no anchor)")
+
+    def _check_token_level(self) -> None:
+        """The token-level objectives' clip, estimator and shaping flags."""
+        if self.clip_ratio_low is not None and not 0 < self.clip_ratio_low <= 1:
+            raise bad("clip_ratio_low", f"{self.clip_ratio_low} must lie in (0, 1] (the ratio's floor is 1 - it)")
+        if self.clip_ratio_high is not None and not self.clip_ratio_high > 0:
+            raise bad("clip_ratio_high", f"{self.clip_ratio_high} must be > 0 (DAPO's clip-higher is 0.28)")
+        if not self.clip_ratio_c > 1:
+            raise bad("clip_ratio_c", f"{self.clip_ratio_c} must be > 1 (the dual clip bounds -A * ratio; verl: 3.0)")
+        if not self.norm_adv_by_std and self.advantage_estimator != "grpo":
+            raise bad(
+                "norm_adv_by_std",
+                f"--no-norm-adv-by-std only applies to --advantage-estimator grpo; "
+                f"--advantage-estimator {self.advantage_estimator} does not divide by a group std: drop one",
+            )
+        if self.entropy_coef < 0:
+            raise bad("entropy_coef", "must be >= 0 (the bonus rewards entropy; 0: none)")
+        if self.overlong_buffer_len < 0:
+            raise bad("overlong_buffer_len", "must be >= 0 (0: no overlong shaping)")
+        if is_set(self, "overlong_penalty_factor") and self.overlong_buffer_len == 0:
+            raise bad(
+                "overlong_penalty_factor", "only means something with --overlong-buffer-len > 0; add it or drop this"
+            )
+        if self.overlong_penalty_factor < 0:
+            raise bad("overlong_penalty_factor", "must be >= 0")
 
     def _check_tis_bounds(self) -> None:
         """The importance-ratio flags: only with tis, --tis-cap as --tis-high, 0 <= --tis-low < 1 < --tis-high."""

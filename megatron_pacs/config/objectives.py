@@ -50,6 +50,8 @@ class ObjectiveSpec:
     the ``--loss`` in use, ``{title}`` its title."""
     needs_reference: Callable[[LossConfig], bool] = _no_reference
     """Whether it needs the reference policy's log-probs given the loss config (a KL term needs them anyway)."""
+    loss_agg_mode: str | None = None
+    """What ``--loss-agg-mode auto`` resolves to for a token-level objective (None: it aggregates by itself)."""
     fp8_scores: bool = False
     """With ``--fp8-score-precision auto``: whether its score passes run in FP8, because its scores or ratios take a
     term from the FP8 training pass anyway (direct mode, ``--keep-groups-in-microbatch``, does for any objective)."""
@@ -121,15 +123,63 @@ OBJECTIVES.register(
         fp8_scores=False,  # the two-phase gradient takes every score from bf16 passes
     ),
 )
+_TOKEN_LEVEL = "is a setting of the token-level objectives (grpo, gspo, cispo); {title} has none: drop it"
+_TOKEN_FLAGS = {
+    name: _TOKEN_LEVEL
+    for name in (
+        "clip_ratio",
+        "clip_ratio_low",
+        "clip_ratio_high",
+        "loss_agg_mode",
+        "advantage_estimator",
+        "norm_adv_by_std",
+        "overlong_buffer_len",
+        "overlong_penalty_factor",
+        "mask_truncated",
+        "entropy_coef",
+    )
+}
+_TOKEN_FLAGS["advantage_estimator"] = (
+    "picks the advantage of the token-level objectives (grpo, gspo, cispo); --loss {loss} has its own "
+    "(PACS: --pacs-advantage): drop it"
+)
 OBJECTIVES.register(
     "grpo",
     ObjectiveSpec(
         title="GRPO",
-        builder="megatron_pacs.algo.objectives:build_grpo",
+        builder="megatron_pacs.algo.token_objectives:build_grpo",
         tis_levels=("token",),
         tis_levels_why="GRPO weights its tokens by token-level ratios",
-        own_flags={"clip_ratio": "is GRPO's PPO clip; {title} has no clipped ratio: use --loss grpo or drop it"},
+        own_flags={
+            **_TOKEN_FLAGS,
+            "clip_ratio_c": "is PPO's dual clip, GRPO's alone; {title} has none: use --loss grpo or drop it",
+        },
+        loss_agg_mode="seq-mean-token-sum-norm",  # the released GRPO baseline's (Dr. GRPO's constant T_max)
         fp8_scores=True,  # the ratio's current term is the FP8 training pass
+    ),
+)
+OBJECTIVES.register(
+    "gspo",
+    ObjectiveSpec(
+        title="GSPO",
+        builder="megatron_pacs.algo.token_objectives:build_gspo",
+        tis_levels=("geometric", "sequence", "token"),
+        tis_levels_why="GSPO's ratio is the response's geometric mean",
+        own_flags=_TOKEN_FLAGS,
+        loss_agg_mode="seq-mean-token-mean",  # the GSPO paper's (and verl's) per-response mean
+        fp8_scores=True,  # the ratio's current term is the FP8 training pass
+    ),
+)
+OBJECTIVES.register(
+    "cispo",
+    ObjectiveSpec(
+        title="CISPO",
+        builder="megatron_pacs.algo.token_objectives:build_cispo",
+        tis_levels=("token",),
+        tis_levels_why="CISPO weights its tokens by token-level ratios",
+        own_flags=_TOKEN_FLAGS,
+        loss_agg_mode="token-mean",  # MiniMax-M1's token-level normalisation
+        fp8_scores=True,  # the importance weight's current term is the FP8 training pass
     ),
 )
 OBJECTIVES.register(
@@ -139,7 +189,12 @@ OBJECTIVES.register(
         builder="megatron_pacs.algo.ppo:build_ppo",
         tis_levels=("token",),
         tis_levels_why="PPO weights its tokens by token-level ratios",
-        own_flags={"clip_ratio": "is PPO's clip; {title} has no clipped ratio: use --loss grpo or ppo, or drop it"},
+        # GRPO's surrogate (clip and dual clip) on the critic's advantages; the released run's aggregation
+        own_flags={
+            "clip_ratio": _TOKEN_LEVEL,
+            "clip_ratio_c": "is PPO's dual clip (grpo, ppo); {title} has none: drop it",
+        },
+        loss_agg_mode="seq-mean-token-sum-norm",
         fp8_scores=True,  # the ratio's current term is the FP8 training pass, as GRPO's
     ),
 )

@@ -89,6 +89,12 @@ class TrainConfig:
                         "no reference policy is built without --kl-coef > 0 or --pacs-score-reference ref; drop it "
                         "or ask for one of those",
                     )
+        if self.loss.overlong_buffer_len >= b.max_response_length:
+            raise bad(
+                "overlong_buffer_len",
+                f"{self.loss.overlong_buffer_len} must be < --max-response-length {b.max_response_length} (the "
+                "penalty grows over the buffer's last tokens before it)",
+            )
         sections = {"rollout": self.rollout, "loss": self.loss, "reward": self.reward, "eval": self.eval}
         check_source_flags(self.source, {**sections, "data": self.data, "model": self.model, "run": self.run})
         check_reconnect_window(self.rollout, self.parallel.distributed_timeout_minutes)

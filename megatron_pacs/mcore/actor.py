@@ -182,8 +182,12 @@ class Actor:
         *,
         temperature: float = 1.0,
         raw_logprobs: bool = False,
+        entropy_grad: bool = False,
     ) -> StepResult:
         """One optimizer step over this rank's micro-batches of a mini-batch (collective over all ranks).
+
+        Every micro-batch's pass also computes its tokens' entropies (``TokenLogprobs.entropy``, no extra read of the
+        logits) and reports their token mean, ``actor/entropy``.
 
         Args:
             micro_batches: This rank's share of the mini-batch (padded or packed).
@@ -191,20 +195,26 @@ class Actor:
             temperature: The sampling temperature the log-probs refer to.
             raw_logprobs: Also hand the loss the tokens' log-probs at temperature 1 (``TokenLogprobs.raw``, what
                 the engines report; one more vocabulary pass when the temperature is not 1).
+            entropy_grad: The loss differentiates the entropies (an entropy bonus); otherwise they are detached and
+                the backward costs what it did without them.
         """
         if self.trainable is None:
             raise ValueError("this Actor is frozen (built without an OptimConfig) and cannot train")
         tp_group, impl = self.groups.tp_group, self.logprob_impl
 
         def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-            logp = model_token_logprobs(logits, mb, tp_group, temperature, impl=impl)
-            scored: TokenLogprobs = mb.scored(logp)
+            logp, entropy = model_token_logprobs(logits, mb, tp_group, temperature, impl=impl, entropy=True)
+            scored: TokenLogprobs = mb.scored(logp, entropy if entropy_grad else entropy.detach())
+            assert scored.entropy is not None  # handed to scored() above
+            flat_entropy = scored.entropy.detach().float()
             if raw_logprobs:
                 raw = (
                     logp if temperature == 1.0 else model_token_logprobs(logits.detach(), mb, tp_group, 1.0, impl=impl)
                 )
                 scored.raw = mb.scored(raw.detach()).logp
-            return loss(scored)
+            loss_sum, count, report = loss(scored)
+            n = flat_entropy.new_tensor(float(flat_entropy.numel()))
+            return loss_sum, count, {**report, "actor/entropy": torch.stack([flat_entropy.sum(), n])}
 
         return optimizer_step(self.trainable, micro_batches, loss_fn)
 

@@ -10,7 +10,7 @@ Shapes: N sequences, L padded length, b rows, T packed length, Vp = V / TP.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ def token_alignment(config: TransformerConfig) -> int:
     return sp * get_fp8_align_size(recipe)  # with both, each rank's T / TP tokens must be aligned
 
 
+@overload
 def model_token_logprobs(
     output: torch.Tensor,
     mb: MicroBatch,
@@ -61,9 +62,34 @@ def model_token_logprobs(
     temperature: float = 1.0,
     *,
     impl: LogprobImpl = "auto",
-) -> torch.Tensor:
+    entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def model_token_logprobs(
+    output: torch.Tensor,
+    mb: MicroBatch,
+    tp_group: dist.ProcessGroup,
+    temperature: float = 1.0,
+    *,
+    impl: LogprobImpl = "auto",
+    entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def model_token_logprobs(
+    output: torch.Tensor,
+    mb: MicroBatch,
+    tp_group: dist.ProcessGroup,
+    temperature: float = 1.0,
+    *,
+    impl: LogprobImpl = "auto",
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``[b, L - 1]`` log-prob of ``tokens[:, 1:]`` from the last stage's logits ``[b, L, Vp]`` (``impl``: the
-    kernel, ``--logprob-impl``, as :func:`~megatron_pacs.mcore.logprobs.vocab_parallel_logprobs`).
+    kernel, ``--logprob-impl``, as :func:`~megatron_pacs.mcore.logprobs.vocab_parallel_logprobs`), and with
+    ``entropy`` the ``[b, L - 1]`` entropy of each of those positions' distributions (same pass, differentiable).
 
     Every position is scored against the next token (the last one against a placeholder, cut off): slicing the
     logits to ``L - 1`` positions instead would copy them (non-contiguous) and make the backward allocate a zeroed
@@ -72,6 +98,11 @@ def model_token_logprobs(
     """
     tokens = mb.tokens.to(output.device)
     labels = torch.roll(tokens, -1, dims=1)  # labels[:, t] = tokens[:, t + 1]; the wrap-around at L - 1 is dropped
+    if entropy:
+        logp, ent = vocab_parallel_logprobs(
+            output, labels, tp_group, temperature=temperature, impl=impl, return_entropy=True
+        )
+        return logp[:, :-1], ent[:, :-1]
     return vocab_parallel_logprobs(output, labels, tp_group, temperature=temperature, impl=impl)[:, :-1]
 
 

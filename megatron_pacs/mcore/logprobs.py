@@ -74,6 +74,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 entropy[s:e] = log_z - ex_shifted
                 mean_x[s:e] = ex_shifted + m
         ctx.save_for_backward(logits, labels, lse, *(() if mean_x is None else (mean_x,)))
+        ctx.set_materialize_grads(False)  # an entropy only reported (detached) adds nothing to the backward
         ctx.vocab_start, ctx.chunk_size, ctx.temperature, ctx.cdt = vocab_start, chunk_size, temperature, cdt
         ctx.with_entropy = with_entropy
         if with_entropy:
@@ -85,6 +86,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logits, labels, lse, *rest = ctx.saved_tensors
         mean_x = rest[0] if rest else None
         use_entropy = ctx.with_entropy and grad_entropy is not None
+        if grad_logp is None:  # only the entropy reaches the loss
+            grad_logp = torch.zeros_like(lse)
         num_tokens, vp = logits.shape
         grad = torch.empty_like(logits)
         rows = min(ctx.chunk_size, num_tokens)
@@ -135,6 +138,7 @@ class _FusedVocabParallelLogProbs(torch.autograd.Function):
             shifted = stats[2] / stats[0]  # E_p[x - m]
             saved, outputs = (shifted + m,), (logp, log_z - shifted)
         ctx.save_for_backward(logits, labels, lse, *saved)
+        ctx.set_materialize_grads(False)  # an entropy only reported (detached) adds nothing to the backward
         ctx.vocab_start, ctx.temperature, ctx.with_entropy = vocab_start, temperature, with_entropy
         return outputs if with_entropy else logp
 
@@ -144,6 +148,8 @@ class _FusedVocabParallelLogProbs(torch.autograd.Function):
         mean_x = rest[0] if rest else None
         if not (ctx.with_entropy and grad_entropy is not None):
             grad_entropy = None
+        if grad_logp is None:  # only the entropy reaches the loss
+            grad_logp = torch.zeros_like(lse)
         grad = fused_logprobs.shard_grad(
             logits, labels, ctx.vocab_start, ctx.temperature, lse, grad_logp, grad_entropy, mean_x
         )

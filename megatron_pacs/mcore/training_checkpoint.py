@@ -349,10 +349,11 @@ def _start_write_results_queue() -> None:
     if _write_results_manager is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))  # spawn, as Megatron's: this process has threads
-    with stop_signals_blocked():  # a SIGTERM during its start-up must not end it
+    # a SIGTERM or Ctrl-C during its start-up must not end it, nor leave it unregistered (its stop at the exit)
+    with stop_signals_blocked():
         manager.start(ignore_stop_signals, (os.getpid(),))
-    _write_results_queue = manager.Queue()
-    _write_results_manager = manager  # the queue's server lives as long as the manager object
+        _write_results_manager = manager  # the queue's server lives as long as the manager object
+        _write_results_queue = manager.Queue()
 
 
 def _write_failure(save: str | os.PathLike, step: int, error: OSError) -> str:

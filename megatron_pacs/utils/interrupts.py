@@ -19,6 +19,7 @@ then stops the run at a step boundary (:mod:`megatron_pacs.utils.exit_signal`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -26,11 +27,13 @@ import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import NoReturn
 
 __all__ = [
     "EXIT_CODES",
     "SIGTERM_GRACE_S",
     "Terminated",
+    "end_process",
     "exiting",
     "interrupt_received",
     "interrupted_line",
@@ -167,6 +170,37 @@ def interruption_of(exc: BaseException) -> BaseException | None:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
+
+
+def _recorded(signum: int, frame: FrameType | None) -> None:
+    """A stop signal once the run has ended: recorded (the watchdog bounds the exit), nothing raised."""
+    name = signal.Signals(signum).name
+    if _first(name):
+        print(f"{name} while the process exits; the run had ended", file=sys.stderr)
+
+
+def end_process(code: int) -> NoReturn:
+    """End the process with ``code``: the interpreter's own exit (join the non-daemon threads, run ``atexit``, as
+    ``Py_FinalizeEx`` does first) under the watchdog's bound, then ``os._exit``.
+
+    Not ``sys.exit``, for two causes the Ctrl-C probe found (tools/ctrl_c_probe.py, 4 of 50 trials exited -2, i.e.
+    by SIGINT): a ``KeyboardInterrupt`` that passed through a library's ``PyRun_String`` (pybind11's ``py::exec``)
+    sets CPython's flag for an unhandled Ctrl-C even when the run caught it later, and the interpreter then kills
+    itself with SIGINT after its teardown, whatever status the run chose; and once the teardown has reset the signal
+    handlers, a Ctrl-C ends a run that had finished by SIGINT, silently. From here on a stop signal only starts the
+    watchdog.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _recorded)
+    exiting()
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def interrupted_line(exc: BaseException) -> tuple[str, int]:

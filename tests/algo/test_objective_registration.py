@@ -5,7 +5,8 @@ TIS level, reference need, FP8 score policy and own flags from the spec, ``--hel
 import pytest
 import torch
 
-from megatron_pacs.algo.objectives import GrpoObjective, KLRegularized, MiniBatch, Objective, Prepared, build_objective
+from megatron_pacs.algo.objectives import KLRegularized, MiniBatch, Objective, Prepared, build_objective
+from megatron_pacs.algo.token_objectives import GrpoObjective
 from megatron_pacs.config import BatchConfig, LossConfig, build_parser, parse_config
 from megatron_pacs.config.objectives import OBJECTIVES, ObjectiveSpec
 
@@ -55,7 +56,7 @@ def dummy():
 
 
 def test_a_registered_objective_is_a_loss_choice_and_validates(dummy):
-    assert "{pacs,grpo,ppo,dummy}" in build_parser().format_help()
+    assert "{pacs,grpo,gspo,cispo,ppo,dummy}" in build_parser().format_help()
     cfg = parse_config(["--loss", dummy, "--clip-ratio", "0.3", "--off-policy-correction", "tis"])
     assert cfg.validate(1, need_files=False) == 1
     assert cfg.loss.tis_ratio_level == "sequence"  # its first level is auto's
@@ -72,7 +73,10 @@ def test_a_registered_objective_refuses_what_it_does_not_read(dummy):
     with pytest.raises(ValueError, match=r"^--tis-level: token: a dummy loss is per response; use sequence or geo"):
         LossConfig(loss=dummy, off_policy_correction="tis", tis_level="token")
     # a flag two objectives read is refused by the third, with the first owner's reason
-    with pytest.raises(ValueError, match=r"^--clip-ratio: is GRPO's PPO clip; PACS has no clipped ratio"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--clip-ratio: is a setting of the token-level objectives \(grpo, gspo, cispo\); PACS has none",
+    ):
         LossConfig(clip_ratio=0.3)
 
 
@@ -89,7 +93,7 @@ def test_registration_is_undone_cleanly_and_a_name_is_taken_once():
     with pytest.raises(KeyError, match="already registered"):
         OBJECTIVES.register("dummy", SPEC)
     OBJECTIVES.unregister("dummy")
-    assert list(OBJECTIVES) == ["pacs", "grpo", "ppo"]
-    assert "{pacs,grpo,ppo}" in build_parser().format_help()
-    with pytest.raises(ValueError, match=r"^--loss: 'dummy' is not one of \['pacs', 'grpo', 'ppo'\]$"):
+    assert list(OBJECTIVES) == ["pacs", "grpo", "gspo", "cispo", "ppo"]
+    assert "{pacs,grpo,gspo,cispo,ppo}" in build_parser().format_help()
+    with pytest.raises(ValueError, match=r"^--loss: 'dummy' is not one of \['pacs', 'grpo', 'gspo', 'cispo', 'ppo'\]$"):
         LossConfig(loss="dummy")

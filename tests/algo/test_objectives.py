@@ -16,7 +16,6 @@ import torch
 from megatron_pacs.algo.grpo import grpo_advantages, grpo_loss
 from megatron_pacs.algo.objectives import (
     OBJECTIVES,
-    GrpoObjective,
     Logprobs,
     MiniBatch,
     PacsDirect,
@@ -24,6 +23,7 @@ from megatron_pacs.algo.objectives import (
     build_objective,
 )
 from megatron_pacs.algo.pacs import pacs_loss
+from megatron_pacs.algo.token_objectives import GrpoObjective
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, LossConfig
 
@@ -161,8 +161,10 @@ def test_registry_builds_the_configured_objective_and_names_the_choices():
     direct = build_objective(loss, batch)
     assert isinstance(direct, PacsDirect) and direct.whole_groups
     assert isinstance(build_objective(*_config(loss="grpo")), GrpoObjective)
-    assert OBJECTIVES.names() == ["grpo", "pacs", "ppo"]
-    with pytest.raises(ValueError, match=r"loss='a2c' is not a valid option; choose one of \['grpo', 'pacs', 'ppo'\]"):
+    assert OBJECTIVES.names() == ["cispo", "grpo", "gspo", "pacs", "ppo"]
+    with pytest.raises(
+        ValueError, match=r"loss='a2c' is not a valid option; choose one of \['cispo', 'grpo', 'gspo', 'pacs', 'ppo'\]"
+    ):
         OBJECTIVES.get("a2c")
     assert build_objective(*_config()).loss_key == "pacs/loss"
     assert build_objective(*_config(loss="grpo")).loss_key == "grpo/loss"

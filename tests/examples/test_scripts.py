@@ -132,3 +132,53 @@ def test_pacs_v2_recipes_follow_the_papers_appendix_c(script, steps, tmp_path):
     }
     assert {flag: last(flag) for flag in expected} == expected
     assert "--ref-reset-optimizer" in args
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        (
+            "qwen2.5-7b/dapo.sh",  # DAPO (arXiv 2503.14476) as verl's recipe/dapo 7B script sets it
+            {
+                "--loss": "grpo",
+                "--clip-ratio-low": "0.2",
+                "--clip-ratio-high": "0.28",
+                "--clip-ratio-c": "10.0",
+                "--loss-agg-mode": "token-mean",
+                "--filter-groups": "zero-variance",
+                "--overlong-buffer-len": "4096",
+                "--overlong-penalty-factor": "1.0",
+                "--max-response-length": "8192",
+                "--group-size": "16",
+                "--global-batch-size": "512",
+                "--ppo-mini-batch-size": "32",
+                "--kl-coef": "0.0",
+            },
+        ),
+        (
+            "qwen3-30b-a3b/gspo.sh",  # GSPO (arXiv 2507.18071): sequence-level clip 3e-4 / 4e-4, four mini-batches
+            {
+                "--loss": "gspo",
+                "--clip-ratio-low": "3e-4",
+                "--clip-ratio-high": "4e-4",
+                "--loss-agg-mode": "seq-mean-token-mean",
+                "--kl-coef": "0.0",
+                "--global-batch-size": "1024",
+                "--ppo-mini-batch-size": "256",
+            },
+        ),
+    ],
+)
+def test_field_recipes_carry_the_published_settings(script, expected, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "fakepython").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (bin_dir / "fakepython").chmod(0o755)
+    env = _env(tmp_path, PYTHON=str(bin_dir / "fakepython"), DRY_RUN="1")
+    out = subprocess.run(["bash", str(EXAMPLES / script)], env=env, capture_output=True, text=True, check=True)
+    args = out.stdout.splitlines()
+
+    def last(flag: str) -> str:  # argparse keeps the last occurrence
+        return args[len(args) - 1 - args[::-1].index(flag) + 1]
+
+    assert {flag: last(flag) for flag in expected} == expected

@@ -35,6 +35,8 @@ def check(device: torch.device, group: dist.ProcessGroup | None, tag: str) -> di
             ref = torch.log_softmax(ref_in / temp, -1)
             ref_lp = ref.gather(1, labels[:, None]).squeeze(1)
             ref_ent = -(ref.exp() * ref).sum(-1)
+            (ref_ent_grad,) = torch.autograd.grad((ref_ent * w_h).sum(), ref_in, retain_graph=True)
+            ref_ent_grad = ref_ent_grad[:, rank * vp : (rank + 1) * vp]
             (ref_lp * w_lp + ref_ent * w_h).sum().backward()
             assert ref_in.grad is not None
             ref_grad = ref_in.grad[:, rank * vp : (rank + 1) * vp]
@@ -55,6 +57,22 @@ def check(device: torch.device, group: dist.ProcessGroup | None, tag: str) -> di
             out[f"{name}/grad_rel"] = ((grad - ref_grad).abs().max() / ref_grad.abs().max()).item()
             out[f"{name}/vs_chunked_logp"] = (lp - got["chunked"][0]).abs().max().item()
             out[f"{name}/vs_chunked_entropy"] = (ent - got["chunked"][1]).abs().max().item()
+            # An entropy bonus alone (the log-probs detached) and an entropy only reported (detached): the latter's
+            # backward is the log-prob-only one exactly.
+            shard = x[:, rank * vp : (rank + 1) * vp].to(device).requires_grad_(True)
+            lp, ent = vocab_parallel_logprobs(
+                shard, labels.to(device), group, temperature=temp, return_entropy=True, impl="fused"
+            )
+            (g_ent,) = torch.autograd.grad((ent * w_h.to(device)).sum(), shard, retain_graph=True)
+            (g_detached,) = torch.autograd.grad((lp * w_lp.to(device)).sum() + ent.detach().sum(), shard)
+            shard2 = x[:, rank * vp : (rank + 1) * vp].to(device).requires_grad_(True)
+            lp2 = vocab_parallel_logprobs(shard2, labels.to(device), group, temperature=temp, impl="fused")
+            (g_plain,) = torch.autograd.grad((lp2 * w_lp.to(device)).sum(), shard2)
+            g_ent = g_ent.double().cpu()
+            out[f"{name}/entropy_only/grad_rel"] = (
+                (g_ent - ref_ent_grad).abs().max() / ref_ent_grad.abs().max()
+            ).item()
+            out[f"{name}/detached_equal"] = (g_detached.double() - g_plain.double()).abs().max().item()
     # Leading dims, a strided (sliced) input and an empty input take the same path.
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(0)).to(device)
     labels = torch.randint(0, 64 * tp, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)

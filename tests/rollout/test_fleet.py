@@ -29,6 +29,7 @@ from fleet_fixtures import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.quick  # make test-quick's real fleet step: generation, then the weight update below
 def test_generate_returns_n_responses_in_prompt_order_with_hf_logprobs(fleet, models):
     from megatron_pacs.rollout.types import SamplingConfig
 
@@ -46,6 +47,7 @@ def test_generate_returns_n_responses_in_prompt_order_with_hf_logprobs(fleet, mo
     assert [[r.token_ids for r in g.responses] for g in again] == [[r.token_ids for r in g.responses] for g in groups]
 
 
+@pytest.mark.quick
 def test_update_weights_then_outputs_and_logprobs_are_the_new_models(fleet, models):
     from megatron_pacs.rollout.types import SamplingConfig
 

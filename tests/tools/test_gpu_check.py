@@ -276,6 +276,7 @@ def test_the_resume_comparison_gives_the_weights_gap_and_every_metric(tmp_path):
     assert differs["metrics"]["train/grad_norm"] == [1.0, 1.5]
 
 
+@pytest.mark.slow  # a whole pytest collection in a subprocess, ~10 s
 def test_the_gpu_tests_are_collected_on_a_machine_without_the_fleet_stack():
     """The trainer tier's ``pytest tests -m gpu`` on an image without Ray, vLLM or math-verify: every test module
     is collected (one that needs the fleet skips with its reason), so no collection error fails the whole step

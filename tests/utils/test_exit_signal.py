@@ -69,3 +69,38 @@ def test_a_helper_started_with_stop_signals_blocked_survives_a_sigterm_during_it
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "served 1 True" in out.stdout and "latched" in out.stdout, (out.stdout, out.stderr[-3000:])
+
+
+CTRL_C_SCRIPT = """
+import multiprocessing as mp, os, signal, threading, time
+from multiprocessing.managers import SyncManager
+from megatron_pacs.utils.exit_signal import ignore_stop_signals, stop_signals_blocked
+
+def start_then_ctrl_c(parent):  # the server, once it ignores the signal: Ctrl-C while the caller awaits its address
+    ignore_stop_signals(parent)
+    os.killpg(os.getpgid(parent), signal.SIGINT)
+
+if __name__ == "__main__":
+    os.setpgrp()
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a thread to take the signal
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    try:
+        with stop_signals_blocked():
+            manager.start(start_then_ctrl_c, (os.getpid(),))
+            time.sleep(0.5)
+            print("started", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted after the start", flush=True)
+"""
+
+
+def test_a_ctrl_c_during_a_helpers_start_is_raised_after_it_and_the_exit_stops_the_helper(tmp_path):
+    """Issue 53's Ctrl-C probe: a Ctrl-C taken by another thread while the checkpoint writer's results server
+    started raised inside ``SyncManager.start``, before its stop at the exit was registered; the server ignores
+    stop signals, so the rank joined it forever at its exit (the 60 s watchdog ended it). Now the handler runs when
+    the block ends: the server is registered, and the interpreter's exit stops it. About 2 s."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.splitlines() == ["started", "interrupted after the start"], out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]

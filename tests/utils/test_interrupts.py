@@ -4,6 +4,7 @@ Each case runs in a fresh interpreter (the handlers are process-wide): the signa
 while a bare ``except:`` (as some libraries have) is running, and :func:`raise_if_swallowed` must raise it again.
 """
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -76,3 +77,50 @@ def test_a_stuck_shutdown_ends_after_the_grace_naming_what_it_waited_for(sig, co
         f"{sig} again: still stopping (the shutdown ends within 2s)",
         f"{line} (the shutdown took over 2s, waiting for step 3's checkpoint writer); exiting {code}",
     ]
+
+
+LIBRARY_CTRL_C = textwrap.dedent(
+    """
+    import atexit, ctypes, os, signal, sys, time
+    from megatron_pacs.utils.interrupts import end_process, raise_on_sigint
+
+    raise_on_sigint()
+    # a library running Python code through PyRun_String (pybind11's py::exec) that a Ctrl-C passes through
+    run = ctypes.pythonapi.PyRun_String
+    run.restype, run.argtypes = ctypes.py_object, [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object]
+    if sys.argv[1] == "late":  # a run that ended, and Ctrl-C while the process exits
+        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))
+    else:
+        try:
+            run(b"import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(5)", 257, {{}}, {{}})
+        except KeyboardInterrupt:
+            print("caught", flush=True)
+    {end}(int(sys.argv[2]))
+    """
+)
+
+
+def _run_module(tmp_path, source, *args):
+    """``python -m`` of ``source`` (the entry point's form: a module run ends through ``Py_RunMain``'s check)."""
+    (tmp_path / "entry.py").write_text(source)
+    return subprocess.run(
+        [sys.executable, "-m", "entry", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_the_entry_points_exit_status_is_the_runs_whatever_a_ctrl_c_passed_through(tmp_path, late):
+    """Issue 53's Ctrl-C probe: 4 of 50 runs printed "exiting 130" (or had ended) and exited by SIGINT (-2). A Ctrl-C
+    that passed through a library's ``PyRun_String`` sets CPython's flag for an unhandled Ctrl-C, and the interpreter
+    then kills itself with SIGINT after its exit; and a Ctrl-C during the teardown, once the handlers are reset,
+    ends the process by SIGINT. ``end_process`` (train.py's exit) exits with the run's status, one line for a late
+    Ctrl-C; ``sys.exit``, the control, shows the flag's effect. Fresh interpreters, about 2 s."""
+    args = ["late", "0"] if late else ["-", "130"]
+    ours = _run_module(tmp_path, LIBRARY_CTRL_C.format(end="end_process"), *args)
+    assert ours.stdout.strip() == ("" if late else "caught"), ours.stderr
+    assert ours.returncode == int(args[1]), ours.stderr
+    expected = ["SIGINT while the process exits; the run had ended"] if late else []
+    assert ours.stderr.splitlines() == expected
+    if not late:
+        plain = _run_module(tmp_path, LIBRARY_CTRL_C.format(end="sys.exit"), *args)
+        assert plain.returncode == -signal.SIGINT, plain.stderr
