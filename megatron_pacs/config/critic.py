@@ -22,8 +22,9 @@ class CriticConfig:
     """PPO's value model and its training (only with --loss ppo)."""
 
     critic_hf_model: str | None = None
-    """Hugging Face directory the critic starts from (its LM head replaced by a one-output value head); default:
-    --hf-model. Its vocabulary and architecture must score the actor's tokens."""
+    """Hugging Face directory the critic starts from (its LM head replaced by a one-output value head, or an exported
+    critic's score head kept: tools/convert_checkpoint.py mcore-to-hf --critic); default: --hf-model. Its vocabulary
+    and architecture must score the actor's tokens."""
     critic_lr: float = 1e-5
     """The critic's peak learning rate (AdamW; it follows the actor's --lr-warmup-steps / --lr-decay-steps)."""
     critic_weight_decay: float = 0.01

@@ -4,7 +4,8 @@ Built like the actor (:func:`~megatron_pacs.mcore.actor.build_chunks`, on the ac
 settings) from ``--critic-hf-model`` (default ``--hf-model``), with three differences:
 
 - **the value head** (:class:`ValueHead`) replaces ``output_layer`` on the last pipeline stage: ``[h] -> [1]``,
-  weight and bias zero, so every first value is exactly 0 (a fresh head's wild first values gave NaN losses in verl
+  weight and bias zero (unless the checkpoint is an exported critic, :func:`export_critic_hf_weights`, whose
+  ``score`` head it loads), so every first value is exactly 0 (a fresh head's wild first values gave NaN losses in verl
   #498) while the head's own gradient is not (it is the hidden state times dL/dv); the trunk starts learning from
   the second optimizer step, once the head's weight has moved. Its input is the final norm's output; under sequence
   parallelism each TP rank scores its own slice of the sequence, and only the ``[s, b, 1]`` values are gathered
@@ -26,6 +27,8 @@ Legend: b rows, L padded length, s sequence, h hidden size, S responses of the s
 from __future__ import annotations
 
 import copy
+import json
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -63,6 +66,7 @@ __all__ = [
     "attach_value_heads",
     "critic_optim",
     "export_critic_hf_weights",
+    "is_token_classifier",
     "token_classification_config",
     "untied",
 ]
@@ -101,6 +105,12 @@ class ValueHead(torch.nn.Module):
 
             values = gather_from_sequence_parallel_region(values, False, self.tp_group)
         return values, None
+
+
+def is_token_classifier(hf_config: Any) -> bool:
+    """``hf_config`` is an exported critic's (:func:`token_classification_config`): one label, a ``score`` head."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    return any(a.endswith("ForTokenClassification") for a in architectures) and hf_config.num_labels == 1
 
 
 def untied(hf_config: Any) -> Any:
@@ -146,9 +156,36 @@ class Critic:
         self.hf_dir = critic.critic_hf_model or model.hf_model
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
         self.models = attach_value_heads(build_chunks(model, groups, untied(self.hf_config)), groups)
-        # the checkpoint's own config: a tied one holds no lm_head, and the head is not loaded anyway
-        load_hf_weights(self.models, self.hf_dir, groups, self.hf_config, skip=(HEAD_PREFIX,))
+        trained = is_token_classifier(self.hf_config)
+        # a tied checkpoint holds no lm_head, and an exported critic none either: the trunk is checked as a tied one's
+        trunk = copy.deepcopy(self.hf_config)
+        trunk.tie_word_embeddings = bool(trunk.tie_word_embeddings) or trained
+        load_hf_weights(self.models, self.hf_dir, groups, trunk, skip=(HEAD_PREFIX,))
+        if trained:  # an exported critic (export_critic_hf_weights) resumes with its own value head
+            self._load_head()
         self.trainable: Trainable = build_trainable(self.models, groups, critic_optim(optim, critic))
+
+    @torch.no_grad()
+    def _load_head(self) -> None:
+        """``score.weight`` / ``score.bias`` of an exported critic into the value head (last stage)."""
+        from safetensors import safe_open
+
+        index = os.path.join(self.hf_dir, "model.safetensors.index.json")
+        files = ["model.safetensors"]
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        found: dict[str, torch.Tensor] = {}
+        for name in files:
+            with safe_open(os.path.join(self.hf_dir, name), "pt") as f:
+                found.update({k: f.get_tensor(k) for k in ("score.weight", "score.bias") if k in f.keys()})
+        if "score.weight" not in found:
+            raise ValueError(f"--critic-hf-model: {self.hf_dir} is a token-classification model without score.weight")
+        for chunk in self.models:
+            if chunk.post_process:
+                head = cast(ValueHead, chunk.output_layer)
+                head.weight.copy_(found["score.weight"].reshape(head.weight.shape))
+                head.bias.copy_(found.get("score.bias", torch.zeros(1)).reshape(head.bias.shape))
 
     def values(self, micro_batches: list[MicroBatch], response_lens: torch.Tensor) -> TokenStore:
         """V(s_t) of every response token of the micro-batches (forward only).

@@ -150,3 +150,23 @@ def test_micro_batch_count_changes_neither_the_critics_gradient_nor_its_update(e
         assert norms == pytest.approx(ref_norms, rel=1e-5)
         for name, p in params.items():
             torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_exported_critic_loads_back_with_its_values(env, tmp_path):
+    """export_critic_hf_weights writes a one-label token-classification model; a critic built from it
+    (--critic-hf-model) takes its trunk and its score head back: the same values, bit for bit."""
+    from megatron_pacs.algo.ppo import value_loss
+    from megatron_pacs.mcore.critic import export_critic_hf_weights, token_classification_config, untied
+    from megatron_pacs.mcore.model_checkpoint import save_hf_checkpoint
+
+    critic = _critic(env)
+    old, returns = _targets(env)
+    for _ in range(2):
+        critic.optimizer_step(_mbs(env, 6), value_loss(old, returns, clip=10.0, max_response_length=12))
+    trained = critic.values(_mbs(env, 6), _lens(env))
+    out = tmp_path / "critic_hf"
+    weights = export_critic_hf_weights(critic.models, env["groups"], untied(critic.hf_config))
+    save_hf_checkpoint(weights, out, side_files_from=env["dir"], hf_config=token_classification_config(env["cfg"]))
+    again = _critic(env, critic_hf_model=str(out))
+    assert torch.equal(again.values(_mbs(env, 6), _lens(env)).values, trained.values)
+    assert trained.values.abs().min() > 0
