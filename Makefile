@@ -370,6 +370,7 @@ bench: install
 	$(PY) benchmarks/bench_train_step.py
 	$(PY) benchmarks/bench_distribute.py
 	$(PY) benchmarks/bench_training_phase.py
+	$(PY) benchmarks/bench_ppo.py
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_async.py
 
@@ -377,7 +378,7 @@ bench: install
 demo: install
 	$(PY) -m megatron_pacs.demo --out runs/demo
 
-# PACS and GRPO from the same warm-up and seeds, both curves in runs/demo-compare/reward_curve.png.
+# PACS, GRPO and PPO from the same warm-up and seeds, all curves in runs/demo-compare/reward_curve.png.
 demo-compare: install
 	$(PY) -m megatron_pacs.demo --out runs/demo-compare --compare
 

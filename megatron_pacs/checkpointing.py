@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from megatron_pacs.data.loader import PromptLoader
     from megatron_pacs.mcore.actor import Actor
     from megatron_pacs.mcore.async_checkpoint import PendingCheckpoint
+    from megatron_pacs.mcore.critic import Critic
     from megatron_pacs.mcore.optim import Trainable
     from megatron_pacs.mcore.reference import ReferencePolicy
 
@@ -173,10 +174,19 @@ class RunCheckpoints:
         actor: This rank's actor (with its optimizer).
         reference: The reference policy, when the objective has one.
         driver: This rank is the driver (global rank 0), which alone holds rollouts generated ahead.
+        critic: PPO's critic, saved beside the policy (weights, optimizer, schedule) in ``critic/``.
     """
 
-    def __init__(self, cfg: TrainConfig, actor: Actor, reference: ReferencePolicy | None, *, driver: bool) -> None:
-        self.cfg, self.actor, self.reference, self.driver = cfg, actor, reference, driver
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        actor: Actor,
+        reference: ReferencePolicy | None,
+        *,
+        driver: bool,
+        critic: Critic | None = None,
+    ) -> None:
+        self.cfg, self.actor, self.reference, self.driver, self.critic = cfg, actor, reference, driver, critic
         self.resumed_from: Path | None = None  # the checkpoint this run resumed from
         self.parent: Path | None = None  # the newest checkpoint of this run's lineage (resumed or saved)
         self.in_flight: PendingCheckpoint | None = None  # --async-save: the save whose writes may go on
@@ -250,7 +260,7 @@ class RunCheckpoints:
         """
         from megatron_pacs.mcore.async_checkpoint import start_training_checkpoint
         from megatron_pacs.mcore.model_checkpoint import save_hf_checkpoint
-        from megatron_pacs.mcore.training_checkpoint import os_error_of, save_training_checkpoint
+        from megatron_pacs.mcore.training_checkpoint import ExtraModel, os_error_of, save_training_checkpoint
 
         ck, trainable = self.cfg.checkpoint, self._trainable
         meta: dict[str, Any] = {
@@ -271,6 +281,10 @@ class RunCheckpoints:
             meta["reference"] = {"resets": self.reference.resets, "equals_actor": self.reference.equals_actor}
             if self.reference.resets:  # the weights differ from --ref-load only after a reset
                 extra["reference"] = self.reference.models
+        if self.critic is not None:
+            critic = self.critic.trainable
+            meta["critic"] = {"lr_schedule": critic.schedule.state_dict()}
+            extra["critic"] = ExtraModel(critic.models, critic.optimizer)
         assert ck.save is not None
         self.wait()  # at most one save in flight
         args = (ck.save, step, trainable.models, trainable.optimizer, meta)
@@ -317,7 +331,7 @@ class RunCheckpoints:
         """
         import torch
 
-        from megatron_pacs.mcore.training_checkpoint import load_training_checkpoint
+        from megatron_pacs.mcore.training_checkpoint import ExtraModel, load_training_checkpoint
 
         plan = plan_resume(self.cfg, loader)
         if self.driver:
@@ -330,8 +344,15 @@ class RunCheckpoints:
         self.resumed_from = self.parent = ckpt
         trainable = self._trainable
         resets = int(saved.get("reference", {}).get("resets", 0))
-        extra = {"reference": self.reference.models} if self.reference is not None and resets else {}
+        extra: dict[str, Any] = {"reference": self.reference.models} if self.reference is not None and resets else {}
+        critic = self.critic.trainable if self.critic is not None else None
+        if critic is not None and "critic" in saved:
+            extra["critic"] = ExtraModel(critic.models, critic.optimizer)
+        elif critic is not None and self.driver:  # a policy's checkpoint (PACS, GRPO): the critic starts afresh
+            log.warning("%s holds no critic: the critic starts from --critic-hf-model's weights", ckpt)
         meta = load_training_checkpoint(ckpt, trainable.models, trainable.optimizer, extra_models=extra)
+        if critic is not None and "critic" in extra:
+            critic.schedule.load_state_dict(meta["critic"]["lr_schedule"])
         loader.load_state_dict(meta["loader"], allow_changed_rows=self.cfg.checkpoint.allow_changed_rows)
         trainable.schedule.load_state_dict(meta["lr_schedule"])
         trainable.reset_pending = bool(meta.get("optimizer_reset_pending", False))

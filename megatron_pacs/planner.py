@@ -17,7 +17,10 @@ with sequence parallelism (``s*b*h * (10 + 24/TP)`` without it); full recompute 
 for a 4h GELU MLP; a SwiGLU MLP of ~5.3h (Qwen2.5) holds up to ~40% more per layer, so read activations as a lower
 bound. Each stage holds one set per micro-batch in flight under 1F1B (Megatron's warm-up counts, interleaved
 included). The last stage also holds the output layer's logits shard ``[s*b, V/TP]`` and its gradient, and the
-chunked log-prob work buffers ``2 * 512 * V/TP * 4`` bytes. Sizes are GiB (2^30 bytes).
+chunked log-prob work buffers ``2 * 512 * V/TP * 4`` bytes. PPO's critic (``--loss ppo``) adds a second model with
+the actor's layout and the same per-parameter bytes (weights, main params, grads, Adam), its LM head a one-output
+value head and its embeddings untied; its activations come at other times than the actor's and are not added.
+Sizes are GiB (2^30 bytes).
 """
 
 from __future__ import annotations
@@ -150,6 +153,8 @@ class MemoryEstimate:
     params_per_gpu: int
     weights_gb: float
     reference_gb: float
+    critic_gb: float = 0.0
+    """PPO's critic: its weights, fp32 main params and grads and Adam state (0 without --loss ppo)."""
     main_params_gb: float
     grads_gb: float
     adam_gb: float
@@ -183,6 +188,8 @@ class RunPlan:
     use_distributed_optimizer: bool
     recompute_activations: bool
     reference_on_gpu: bool
+    critic_shape: ModelShape | None = None
+    """PPO's critic (``--loss ppo``; from ``--critic-hf-model``, else the actor's shape), or None."""
     num_engines: int
     rollout_tp: int
     responses_per_step: int
@@ -246,6 +253,7 @@ class RunPlan:
         rows = [
             ("weights", m.weights_gb),
             ("reference policy weights", m.reference_gb),
+            ("critic (weights, main params, grads, Adam)", m.critic_gb),
             ("fp32 main params", m.main_params_gb),
             ("fp32 main grads", m.grads_gb),
             ("Adam m, v", m.adam_gb),
@@ -275,22 +283,43 @@ def _in_flight(pp: int, vpp: int | None, rank: int, num_micro_batches: int) -> f
     return chunks / vpp
 
 
-def _stage_memory(plan: RunPlan, stage: str, rank: int) -> MemoryEstimate:
-    """Memory of one GPU of pipeline rank ``rank``; see the module docstring for the accounting."""
-    shape, tp, pp = plan.shape, plan.tp, plan.pp
-    h, v_tp, rep = shape.hidden_size, shape.vocab_size / tp, shape.replicated_layer_params()
-    layers = shape.num_hidden_layers // pp
-    experts = shape.expert_layer_params()  # whole on every TP rank (expert TP 1), split over EP
+def _stage_params(plan: RunPlan, shape: ModelShape, rank: int, *, value_head: bool = False) -> tuple[float, float]:
+    """``(parameters, their optimizer-sharded count)`` of one GPU of pipeline rank ``rank``; ``value_head``: the
+    critic's model (a ``[1, h]`` head and a bias in place of the LM head, embeddings untied)."""
+    tp, pp, h = plan.tp, plan.pp, shape.hidden_size
+    rep, experts = shape.replicated_layer_params(), shape.expert_layer_params()  # experts: whole per TP rank, / EP
     layer_p = (shape.layer_params() - rep - experts) / tp + rep + experts / plan.ep
+    layers = shape.num_hidden_layers // pp
     params = layers * layer_p
     expert_params = layers * experts / plan.ep
     if rank == 0:
         params += shape.embedding_params() / tp
-    if rank == pp - 1:  # with PP > 1 a tied output layer is a second copy of the embedding on the last stage
+    if rank == pp - 1 and value_head:
+        params += h + h + 1  # final norm, the value head's weight and bias (replicated over TP)
+    elif rank == pp - 1:  # with PP > 1 a tied output layer is a second copy of the embedding on the last stage
         params += h + (shape.output_layer_params() if pp == 1 else shape.vocab_size * h) / tp
     # the distributed optimizer shards dense parameters over DP and experts over the ranks holding the same ones
     shard, expert_shard = (plan.dp, plan.dp * tp // plan.ep) if plan.use_distributed_optimizer else (1, 1)
-    sharded = (params - expert_params) / shard + expert_params / expert_shard
+    return params, (params - expert_params) / shard + expert_params / expert_shard
+
+
+def _trained_bytes(plan: RunPlan, params: float, sharded: float) -> float:
+    """Weights, fp32 main params (bf16 runs), fp32 grads and Adam m, v of ``params`` (``sharded`` for the state
+    the distributed optimizer splits)."""
+    return (2 if plan.bf16 else 4) * params + (4 * sharded if plan.bf16 else 0.0) + 4 * params + 8 * sharded
+
+
+def _stage_memory(plan: RunPlan, stage: str, rank: int) -> MemoryEstimate:
+    """Memory of one GPU of pipeline rank ``rank``; see the module docstring for the accounting."""
+    shape, tp, pp = plan.shape, plan.tp, plan.pp
+    h, v_tp = shape.hidden_size, shape.vocab_size / tp
+    layers = shape.num_hidden_layers // pp
+    layer_p = (shape.layer_params() - shape.replicated_layer_params() - shape.expert_layer_params()) / tp
+    layer_p += shape.replicated_layer_params() + shape.expert_layer_params() / plan.ep
+    params, sharded = _stage_params(plan, shape, rank)
+    critic = 0.0
+    if plan.critic_shape is not None:
+        critic = _trained_bytes(plan, *_stage_params(plan, plan.critic_shape, rank, value_head=True))
     wbytes = 2 if plan.bf16 else 4
     sbh = plan.tokens_per_micro_batch * h
     sp = plan.sequence_parallel or tp == 1
@@ -308,6 +337,7 @@ def _stage_memory(plan: RunPlan, stage: str, rank: int) -> MemoryEstimate:
         params_per_gpu=round(params),
         weights_gb=wbytes * params / GiB,
         reference_gb=wbytes * params / GiB if plan.reference_on_gpu else 0.0,  # a frozen copy: no grads or state
+        critic_gb=critic / GiB,
         main_params_gb=4 * sharded / GiB if plan.bf16 else 0.0,
         grads_gb=4 * params / GiB,
         adam_gb=8 * sharded / GiB,
@@ -320,7 +350,14 @@ def _stage_memory(plan: RunPlan, stage: str, rank: int) -> MemoryEstimate:
     )
 
 
-def plan_run(shape: ModelShape, cfg: TrainConfig, *, world_size: int, gpu_memory_gb: float = 80.0) -> RunPlan:
+def plan_run(
+    shape: ModelShape,
+    cfg: TrainConfig,
+    *,
+    world_size: int,
+    gpu_memory_gb: float = 80.0,
+    critic_shape: ModelShape | None = None,
+) -> RunPlan:
     """Check a run's layout and batch arithmetic against the model and estimate its per-GPU memory.
 
     Runs ``cfg.validate(world_size, need_files=False)`` (TP x PP must divide the world size, a mini-batch must split
@@ -405,7 +442,8 @@ def plan_run(shape: ModelShape, cfg: TrainConfig, *, world_size: int, gpu_memory
         fp8=cfg.model.fp8_format,
         use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
         recompute_activations=cfg.model.recompute_activations,
-        reference_on_gpu=cfg.loss.needs_reference and not cfg.reference.ref_offload,
+        reference_on_gpu=cfg.needs_reference and not cfg.reference.ref_offload,
+        critic_shape=(critic_shape or shape) if cfg.loss.loss == "ppo" else None,
         num_engines=cfg.rollout.num_engines,
         rollout_tp=rollout_tp,
         responses_per_step=b.global_batch_size * b.group_size,
@@ -443,5 +481,8 @@ def dry_run(cfg: TrainConfig) -> int:
     world = cfg.run.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if not Path(cfg.model.hf_model, "config.json").is_file():
         raise ValueError(f"--hf-model: {cfg.model.hf_model!r} has no config.json (the dry run needs the shapes)")
-    print(plan_run(ModelShape.from_pretrained(cfg.model.hf_model), cfg, world_size=world).format())
+    critic = cfg.critic.critic_hf_model if cfg.loss.loss == "ppo" else None
+    critic_shape = ModelShape.from_pretrained(critic) if critic else None
+    shape = ModelShape.from_pretrained(cfg.model.hf_model)
+    print(plan_run(shape, cfg, world_size=world, critic_shape=critic_shape).format())
     return 0

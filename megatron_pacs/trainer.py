@@ -28,15 +28,17 @@ from megatron_pacs.checkpointing import RunCheckpoints
 from megatron_pacs.config import TrainConfig
 from megatron_pacs.config.sources import open_source, source_spec
 from megatron_pacs.consistency import check_logprob_bound, probe_due, probe_sync
+from megatron_pacs.critic_update import update_critic
 from megatron_pacs.data.batching import RolloutBatch
 from megatron_pacs.data.loader import PromptLoader
 from megatron_pacs.data.prompts import PromptRow
 from megatron_pacs.distribute import distribute_rollouts
 from megatron_pacs.mcore.actor import Actor
+from megatron_pacs.mcore.critic import Critic
 from megatron_pacs.mcore.parallel import destroy_parallel, init_parallel
 from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.producer import Generated, RolloutProducer
-from megatron_pacs.rollout.colocate import Colocation
+from megatron_pacs.rollout.colocate import Colocation, TrainingStates
 from megatron_pacs.sources.base import RolloutSource
 from megatron_pacs.sources.dumps import DumpContext, dump_rollouts, tokenizer_fingerprint
 from megatron_pacs.sources.filtering import GroupFilter
@@ -107,9 +109,12 @@ class Trainer(RunStops):
         torch.manual_seed(cfg.run.seed)
         self.actor = Actor(cfg.model, self.groups, cfg.optim)
         self.reference: ReferencePolicy | None = None
-        if cfg.loss.needs_reference:
+        if cfg.needs_reference:
             ref = cfg.reference
             self.reference = ReferencePolicy(cfg.model, self.groups, load=ref.ref_load, offload=ref.ref_offload)
+        self.critic: Critic | None = None
+        if cfg.loss.loss == "ppo":  # PPO's value model, on the actor's layout
+            self.critic = Critic(cfg.model, cfg.critic, self.groups, cfg.optim)
         self.objective = build_objective(cfg.loss, cfg.batch)
         for warning in cfg.warnings() if self.rank == 0 else ():
             log.warning(warning)
@@ -133,14 +138,16 @@ class Trainer(RunStops):
         self.exit_signal: ExitSignal | None = None
         if cfg.run.exit_signal_handler:  # after the fleet: ray.init installs a SIGTERM handler that this replaces
             self.exit_signal = ExitSignal(cfg.run.exit_signal_grace_seconds)
-        self.checkpoints = RunCheckpoints(cfg, self.actor, self.reference, driver=self.driver)
+        self.checkpoints = RunCheckpoints(cfg, self.actor, self.reference, driver=self.driver, critic=self.critic)
 
     def _colocation(self) -> Colocation | None:
         """The colocated cycle (``--colocate``); its engine is attached once the driver has started the fleet."""
         r = self.cfg.rollout
         if not r.colocate:
             return None
-        return Colocation(None, self.actor if r.offload_optimizer_during_rollout else None)
+        if not r.offload_optimizer_during_rollout:
+            return Colocation(None, None)
+        return Colocation(None, self.actor if self.critic is None else TrainingStates(self.actor, self.critic))
 
     def _open_source(self) -> RolloutSource:
         return open_source(self.cfg, tokenizer=self.tokenizer, log_dir=str(self.log_dir), context=self.dump_context)
@@ -236,7 +243,10 @@ class Trainer(RunStops):
         self.updated = (step, position)  # the weights now hold this step (its sync to the engines may still fail)
         self.unsynced = (step, {**metrics, **(gen.rollouts.metrics if gen is not None else {})})
         self.producer.drain()
-        metrics.update(self._sync(step, batch))
+        # warming up the critic, the actor's weights have not moved: the engines keep theirs, except colocated ones,
+        # which dropped them for the update (level-2 sleep) and take the same weights back
+        if not self._critic_warmup(step) or self.colocation is not None:
+            metrics.update(self._sync(step, batch))
         self.unsynced = (0, {})  # synced: the step's row is logged with the rest
         metrics.update(self.timer.collect())
         if gen is not None:
@@ -250,7 +260,22 @@ class Trainer(RunStops):
         if self.colocation is not None:
             self.colocation.before_train()
         started = time.perf_counter()
-        metrics = update_policy(
+        advantages, metrics = None, {}
+        if self.critic is not None:
+            advantages, metrics = update_critic(
+                self.critic,
+                batch,
+                cfg.batch,
+                cfg.critic,
+                self.groups,
+                self.timer,
+                actor=self.actor,
+                temperature=cfg.rollout.temperature,
+                reference=self.reference,
+            )
+        if self._critic_warmup(step):  # steps 1..N of --critic-warmup N train the critic only
+            return metrics, (started, time.perf_counter())
+        metrics |= update_policy(
             self.actor,
             batch,
             self.objective,
@@ -264,12 +289,17 @@ class Trainer(RunStops):
             tis_high=cfg.loss.tis_high,
             same_weights=same_weights,
             score_fp8=cfg.score_fp8,
+            advantages=advantages,
         )
         train = (started, time.perf_counter())
         check_logprob_bound(cfg.rollout.max_logprob_diff, metrics, step)
         if self.reference is not None:
             metrics.update(self._after_step_reference(step, metrics))
         return metrics, train
+
+    def _critic_warmup(self, step: int) -> bool:
+        """Step ``step`` is one of ``--critic-warmup N``'s first N: the critic trains, the actor does not."""
+        return self.critic is not None and step <= self.cfg.critic.critic_warmup
 
     def _sync(self, step: int, batch: RolloutBatch) -> dict[str, float]:
         """The weights into the engines (collective; colocated, the engines wake around it), then the sync probe

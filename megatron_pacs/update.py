@@ -33,7 +33,7 @@ from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.reference import ReferencePolicy
 from megatron_pacs.utils.timing import PhaseTimer
 
-__all__ = ["step_layout", "truncated_importance", "update_policy"]
+__all__ = ["reduce_over_ranks", "step_layout", "truncated_importance", "update_policy"]
 
 
 def step_layout(
@@ -68,6 +68,7 @@ def update_policy(
     tis_high: float = 2.0,
     same_weights: bool = True,
     score_fp8: bool = False,
+    advantages: TokenStore | None = None,
 ) -> dict[str, float]:
     """All optimizer steps of one training step on this rank's share of ``batch`` (collective).
 
@@ -86,6 +87,8 @@ def update_policy(
             the consistency check compares like with like; every rank must pass the same value.
         score_fp8: With an FP8 model, run the forward-only passes whose log-probs enter scores and ratios (old,
             phase 1, reference) in FP8 too (``--fp8-score-precision fp8``); else they run in bf16.
+        advantages: Per-token advantages from a learned critic (``--loss ppo``:
+            :func:`megatron_pacs.critic_update.update_critic`), handed to the objective.
 
     Returns:
         Metrics reduced over every rank (identical on all ranks): loss and objective metrics, grad norm, skips,
@@ -153,6 +156,7 @@ def update_policy(
                     importance=importance,
                     at_reference=at_reference,
                     batch_rows=torch.tensor([i for r in range(layout.dp_size) for i in layout.rows([k], r)]),
+                    advantages=advantages,
                 )
             )
             check = fresh and same_weights and batch.engine_logprobs is not None
@@ -247,7 +251,7 @@ def truncated_importance(
 def _step_metrics(
     parts: list[dict[str, torch.Tensor]], results: list[StepResult], loss_keys: tuple[str, ...]
 ) -> dict[str, float]:
-    metrics = _reduce_over_ranks(parts)
+    metrics = reduce_over_ranks(parts)
     skipped = sum(r.skipped for r in results)
     grad_norms = [r.grad_norm for r in results if not r.skipped]
     metrics["train/optimizer_steps"] = float(len(results) - skipped)
@@ -259,7 +263,7 @@ def _step_metrics(
     return metrics
 
 
-def _reduce_over_ranks(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+def reduce_over_ranks(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Exact global metrics from every rank's ``[value, weight]`` entries (TP/PP duplicates scale value and
     weight alike, so means, maxima and minima are unchanged)."""
     local = [{k: v.detach().float().cpu() for k, v in p.items()} for p in parts]

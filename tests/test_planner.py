@@ -304,3 +304,19 @@ def test_planner_is_pure_arithmetic():
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     )
     assert not loaded & {"torch", "megatron", "ray", "vllm", "transformers", "numpy"}
+
+
+@pytest.mark.parametrize("script", ["qwen2.5-7b/ppo.sh", "qwen2.5-3b/ppo.sh"])
+def test_ppo_recipes_count_the_critic_and_fit(script):
+    """The critic is a second trained model on the actor's layout: the actor's per-parameter bytes (weights, main
+    params, grads, Adam) over its parameters, the LM head replaced by a [1, h] head and a bias; nothing else moves."""
+    shape = ModelShape.from_pretrained(EXAMPLES / script.split("/")[0])
+    ppo, grpo = _plan(shape, script, loss="ppo"), _plan(shape, script, loss="grpo")
+    m, g = ppo.memory, grpo.memory
+    lm_head = shape.vocab_size * shape.hidden_size / ppo.tp if not shape.tie_word_embeddings else 0
+    critic_params = g.params_per_gpu - lm_head + shape.hidden_size + 1
+    trained = g.weights_gb + g.main_params_gb + g.grads_gb + g.adam_gb
+    assert m.critic_gb == pytest.approx(trained * critic_params / g.params_per_gpu, rel=1e-6)
+    assert m.total_gb == pytest.approx(g.total_gb + m.critic_gb) and g.critic_gb == 0
+    assert m.total_gb < 0.9 * 80 and not ppo.warnings
+    assert "critic (weights, main params, grads, Adam)" in ppo.format()

@@ -11,6 +11,9 @@ Examples:
     # a training run's --save directory: the checkpoint the tracker names (as the trainer's --load), or --ckpt-step
     python tools/convert_checkpoint.py mcore-to-hf --load ckpt/run1 --ckpt-step 300 --hf-config /models/Qwen2.5-7B \\
         --out hf/run1-step300
+    # a PPO run's critic as a one-label token-classification model (AutoModelForTokenClassification)
+    python tools/convert_checkpoint.py mcore-to-hf --load ckpt/ppo-run --critic --hf-config /models/Qwen2.5-7B \
+        --out hf/ppo-critic
     # Qwen3-MoE: experts split over expert parallelism (EP=2: half the experts per rank); any layout loads back
     python tools/convert_checkpoint.py hf-to-mcore --hf-dir /models/Qwen3-30B-A3B --out ckpt/a3b-ep8 \\
         --expert-model-parallel-size 8 --dtype bf16
@@ -55,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     b.add_argument("--expert-model-parallel-size", type=int, default=1, help="EP to load MoE experts with")
     b.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="output dtype (default: as stored)")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    b.add_argument(
+        "--critic",
+        action="store_true",
+        help="export a --loss ppo checkpoint's critic (its critic/ folder) as a one-label HF token-classification "
+        "model (AutoModelForTokenClassification; the value head is its score layer) instead of the policy",
+    )
     for sp in (a, b):
         sp.add_argument("--force", action="store_true", help="overwrite a non-empty output directory")
     return p.parse_args(argv)
@@ -157,6 +166,9 @@ def mcore_to_hf(args) -> None:
     ckpt = resolve_load(args.load, args.ckpt_step)
     meta = read_checkpoint_metadata(ckpt)
     groups, hf_config = _setup(args)
+    if args.critic:
+        critic_to_hf(args, ckpt, groups, hf_config, _stored_dtype(meta))
+        return
     models = build_gpt_model(hf_config, groups, dtype=_stored_dtype(meta), spec="local")
     load_model_checkpoint(models, ckpt)
     save_hf_checkpoint(
@@ -169,6 +181,34 @@ def mcore_to_hf(args) -> None:
     )
     if torch.distributed.get_rank() == 0:
         print(f"wrote HF checkpoint {args.out} (from {ckpt})")
+
+
+def critic_to_hf(args, ckpt: Path, groups, hf_config, dtype: torch.dtype) -> None:
+    """``mcore-to-hf --critic``: the checkpoint's ``critic/`` folder as a one-label token-classification model."""
+    from megatron_pacs.mcore.critic import (
+        attach_value_heads,
+        export_critic_hf_weights,
+        token_classification_config,
+        untied,
+    )
+    from megatron_pacs.mcore.model import build_gpt_model
+    from megatron_pacs.mcore.model_checkpoint import load_model_weights, save_hf_checkpoint
+
+    if not (ckpt / "critic").is_dir():
+        raise ValueError(f"--critic: {ckpt} holds no critic/ folder (not a --loss ppo run's checkpoint)")
+    config = untied(hf_config)
+    models = attach_value_heads(build_gpt_model(config, groups, dtype=dtype, spec="local"), groups)
+    load_model_weights(models, ckpt / "critic")
+    save_hf_checkpoint(
+        export_critic_hf_weights(models, groups, config),
+        args.out,
+        side_files_from=args.hf_config,
+        hf_config=token_classification_config(hf_config),
+        max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+    )
+    if torch.distributed.get_rank() == 0:
+        print(f"wrote HF token-classification critic {args.out} (from {ckpt / 'critic'})")
 
 
 def main(argv: list[str] | None = None) -> int:

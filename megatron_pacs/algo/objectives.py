@@ -10,12 +10,13 @@ the micro-batch, so the trainer divides once by the global response count (docs/
 scores are float64 (docs/algorithm.md §2.1).
 
 Registered names (``--loss``, :data:`~megatron_pacs.config.objectives.OBJECTIVES`): ``pacs`` (two-phase by default,
-direct with ``--keep-groups-in-microbatch``), and the token-level ``grpo``, ``gspo`` and ``cispo``
-(:mod:`megatron_pacs.algo.token_objectives`). Whenever a reference policy exists (``--kl-coef > 0`` or
-``--pacs-score-reference ref``), :class:`KLRegularized` wraps the objective: it adds the KL term (if any) and reports
-``ref/kl``. A new objective (a REAL- or NFT-style sequence loss) is one new class here (declare its needs, write
-``prepare``) with a builder, and its :class:`~megatron_pacs.config.objectives.ObjectiveSpec` registered in
-``config/objectives.py`` (its default TIS level, its reference need, its FP8 score policy, its own flags).
+direct with ``--keep-groups-in-microbatch``), the token-level ``grpo``, ``gspo`` and ``cispo``
+(:mod:`megatron_pacs.algo.token_objectives`) and ``ppo`` (:mod:`megatron_pacs.algo.ppo`). Whenever a reference
+policy exists (``--kl-coef > 0`` or ``--pacs-score-reference ref``), :class:`KLRegularized` wraps the objective: it
+adds the KL term (if any) and reports ``ref/kl``. A new objective (a REAL- or NFT-style sequence loss) is one new
+class here (declare its needs, write ``prepare``) with a builder, and its
+:class:`~megatron_pacs.config.objectives.ObjectiveSpec` registered in ``config/objectives.py`` (its default TIS
+level, its reference need, its FP8 score policy, its own flags).
 
 Legend: S responses of the step, M responses of the mini-batch on this rank, m responses and N scored tokens of a
 micro-batch.
@@ -102,6 +103,8 @@ class MiniBatch:
             exactly, whatever rounding separate passes would give (docs/algorithm.md §2.2).
         batch_rows: ``[M]`` every data-parallel rank's responses of this mini-batch (what a token- or
             sequence-mean aggregation divides by); None: ``rows`` (one rank).
+        advantages: Per-token advantages of the step's responses from a learned critic (PPO's GAE, computed before
+            the update; last pipeline stage), when the objective takes them.
     """
 
     rows: torch.Tensor
@@ -115,6 +118,7 @@ class MiniBatch:
     importance: Logprobs | None = None
     at_reference: bool = False
     batch_rows: torch.Tensor | None = None
+    advantages: TokenStore | None = None
 
 
 @dataclass

@@ -182,3 +182,19 @@ OBJECTIVES.register(
         fp8_scores=True,  # the importance weight's current term is the FP8 training pass
     ),
 )
+OBJECTIVES.register(
+    "ppo",
+    ObjectiveSpec(
+        title="PPO",
+        builder="megatron_pacs.algo.ppo:build_ppo",
+        tis_levels=("token",),
+        tis_levels_why="PPO weights its tokens by token-level ratios",
+        # GRPO's surrogate (clip and dual clip) on the critic's advantages; the released run's aggregation
+        own_flags={
+            "clip_ratio": _TOKEN_LEVEL,
+            "clip_ratio_c": "is PPO's dual clip (grpo, ppo); {title} has none: drop it",
+        },
+        loss_agg_mode="seq-mean-token-sum-norm",
+        fp8_scores=True,  # the ratio's current term is the FP8 training pass, as GRPO's
+    ),
+)

@@ -13,6 +13,7 @@ from typing import Any
 from megatron_pacs.config.base import bad, is_set
 from megatron_pacs.config.batch import BatchConfig
 from megatron_pacs.config.cpu_isa import half_engine_refusal
+from megatron_pacs.config.critic import CriticConfig
 from megatron_pacs.config.loss import LossConfig
 from megatron_pacs.config.model import ModelConfig
 from megatron_pacs.config.objectives import OBJECTIVES
@@ -43,6 +44,8 @@ class TrainConfig:
     """Objective."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """Reference policy."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's critic."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Fleet and sampling."""
     source: SourceConfig = field(default_factory=SourceConfig)
@@ -76,8 +79,9 @@ class TrainConfig:
                 f"{b.ppo_mini_batch_size} prompts must split into whole groups over {dp} data-parallel ranks; use "
                 f"a multiple of {dp}",
             )
+        self._check_critic_flags()
         ref = self.reference
-        if not self.loss.needs_reference:
+        if not self.needs_reference:
             for name in ("ref_load", "ref_offload", "ref_reset_interval"):
                 if getattr(ref, name):
                     raise bad(
@@ -168,6 +172,7 @@ class TrainConfig:
         if not self.model.hf_model or not os.path.isfile(os.path.join(self.model.hf_model, "config.json")):
             raise bad("hf_model", f"{self.model.hf_model!r} has no config.json; pass a Hugging Face model directory")
         self._check_positions()
+        self._check_critic_model()
         self.model.check_router_replay(cuda=_cuda_available(), engines=SOURCES[self.source.rollout_source].engines)
         self._check_checkpoint_dirs()
         if not self.data.train_data:
@@ -179,6 +184,51 @@ class TrainConfig:
         if self.eval.eval_interval and not self.data.val_data:
             raise bad("eval_interval", "validation needs --val-data files")
         return dp
+
+    def _check_critic_flags(self) -> None:
+        """The critic's flags belong to --loss ppo; its reward KL excludes the KL loss term."""
+        if self.loss.loss != "ppo":
+            for name in self.critic.set_fields():
+                raise bad(
+                    name,
+                    f"configures PPO's critic; it has no meaning for --loss {self.loss.loss}: drop it or "
+                    "use --loss ppo",
+                )
+        if self.critic.reward_kl_coef > 0 and self.loss.kl_coef > 0:
+            raise bad(
+                "reward_kl_coef",
+                "a KL in the reward and --kl-coef's KL in the loss would penalise the same drift twice; keep one "
+                "(PPO puts it in the reward, which the critic's returns see)",
+            )
+
+    def _check_critic_model(self) -> None:
+        """--critic-hf-model must embed the actor's token ids and be a family the trainer builds (config.json alone)."""
+        path = self.critic.critic_hf_model
+        if self.loss.loss != "ppo" or path is None:
+            return
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise bad("critic_hf_model", f"{path!r} has no config.json; pass a Hugging Face model directory")
+        with open(os.path.join(path, "config.json")) as f:
+            critic = json.load(f)
+        with open(os.path.join(self.model.hf_model, "config.json")) as f:
+            actor = json.load(f)
+        if critic.get("model_type") != actor.get("model_type"):
+            raise bad(
+                "critic_hf_model",
+                f"model_type {critic.get('model_type')!r} differs from --hf-model's {actor.get('model_type')!r}; the "
+                "critic is built on the actor's layout from a checkpoint of the same family",
+            )
+        if critic.get("vocab_size") != actor.get("vocab_size"):
+            raise bad(
+                "critic_hf_model",
+                f"vocab_size {critic.get('vocab_size')} differs from --hf-model's {actor.get('vocab_size')}: the "
+                "critic must embed the actor's token ids; pass a checkpoint with the actor's tokenizer",
+            )
+
+    @property
+    def needs_reference(self) -> bool:
+        """The loss (a KL term, a reference-anchored score) or the critic's reward KL needs the reference policy."""
+        return self.loss.needs_reference or (self.loss.loss == "ppo" and self.critic.reward_kl_coef > 0)
 
     def _check_engine_memory_flags(self) -> None:
         """Engine settings that the machine's kind (CUDA or not, as the fleet decides) would ignore, and CPU engines

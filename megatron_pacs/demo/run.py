@@ -11,8 +11,9 @@
 Each RL run starts afresh in ``<out>/<loss>`` (the previous demo's run there is removed first: a run's log folder
 holds one run); the warm-up in ``<out>/warm`` is reused.
 
-``--compare`` (``make demo-compare``) trains PACS and GRPO from the same warm-up and seeds and plots both. Trainer
-flags after ``--`` go to every run (e.g. PACS v2: ``-- --pacs-score-reference ref --ref-reset-interval 10``).
+``--compare`` (``make demo-compare``) trains PACS, GRPO and PPO from the same warm-up and seeds and plots all three
+(PPO's critic at 10x the actor's learning rate, the released run's ratio). Trainer flags after ``--`` go to every
+run (e.g. PACS v2: ``-- --pacs-score-reference ref --ref-reset-interval 10``).
 
     python -m megatron_pacs.demo [--out runs/demo] [--steps 30] [--compare] [--model-type qwen2|qwen3_moe]
         [-- TRAINER FLAGS]
@@ -57,6 +58,8 @@ RL_FLAGS = [
     "--eval-interval",
     "10",
 ]
+# PPO's critic at 10x the actor's rate, the released run's ratio (1e-5 against 1e-6), at the demo's actor rate.
+PPO_FLAGS = ["--critic-lr", "2e-3"]
 
 
 def _write_jsonl(rows: list[dict], path: Path) -> None:
@@ -170,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="run folder (default runs/demo, or runs/demo-compare)")
     p.add_argument("--steps", type=int, default=30, help="RL steps")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--compare", action="store_true", help="train PACS and GRPO from the same warm-up and plot both")
+    p.add_argument(
+        "--compare", action="store_true", help="train PACS, GRPO and PPO from the same warm-up and plot all three"
+    )
     p.add_argument(
         "--model-type",
         choices=sorted(demo_task.DEMO_MODELS),
@@ -198,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
 
     summary: dict = {}
-    for loss in ("pacs", "grpo") if args.compare else ("pacs",):
+    for loss in ("pacs", "grpo", "ppo") if args.compare else ("pacs",):
         run_dir = out / loss
         if run_dir.exists():  # the previous demo's run: its metrics and dumps would mix with this one's
             log.info("demo: removing the previous run in %s (each demo run starts afresh)", run_dir)
             shutil.rmtree(run_dir)
-        rewards = run_rl(model, data, run_dir, loss, args.steps, args.seed, extra)
+        own = PPO_FLAGS if loss == "ppo" else []
+        rewards = run_rl(model, data, run_dir, loss, args.steps, args.seed, [*own, *extra])
         first5, last5 = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
         summary[loss] = {"first5_reward_mean": first5, "last5_reward_mean": last5, "rewards": rewards}
         print(f"\n{loss.upper()} reward per step (mean over the step's rollouts):\n{_ascii_curve(rewards)}")

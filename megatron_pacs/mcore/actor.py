@@ -31,14 +31,39 @@ from megatron_pacs.mcore.forward import (
 )
 from megatron_pacs.mcore.logprobs import LogprobImpl
 from megatron_pacs.mcore.model import build_gpt_model
-from megatron_pacs.mcore.optim import StepResult, Trainable, build_trainable, optimizer_step
+from megatron_pacs.mcore.optim import (
+    StepResult,
+    Trainable,
+    build_trainable,
+    offload_trainable,
+    onload_trainable,
+    optimizer_step,
+)
 from megatron_pacs.mcore.parallel import ParallelGroups
 from megatron_pacs.mcore.weights import export_hf_weights, load_hf_weights
 
 if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["Actor", "policy_logprobs"]
+__all__ = ["Actor", "build_chunks", "policy_logprobs"]
+
+
+def build_chunks(model: ModelConfig, groups: ParallelGroups, hf_config: Any) -> list[GPTModel]:
+    """This rank's chunks of a model of ``hf_config``'s shape with ``model``'s settings (dtype, recompute, spec,
+    fusions, FP8, MoE, determinism), random weights; the actor's, the reference's and the critic's builder."""
+    return build_gpt_model(
+        hf_config,
+        groups,
+        dtype=torch.bfloat16 if model.bf16 else torch.float32,
+        recompute=model.recompute_activations,
+        spec=model.transformer_impl,
+        fusions=model.fusions,
+        calculate_per_token_loss=True,
+        deterministic_mode=model.deterministic_mode,
+        **(model.fp8 or {}),
+        **model.moe,
+    )
 
 
 class Actor:
@@ -56,19 +81,7 @@ class Actor:
         self.groups = groups
         self.logprob_impl: LogprobImpl = cast(LogprobImpl, model.logprob_impl)  # validated by ModelConfig
         self.hf_config = AutoConfig.from_pretrained(model.hf_model)
-        dtype = torch.bfloat16 if model.bf16 else torch.float32
-        self.models = build_gpt_model(
-            self.hf_config,
-            groups,
-            dtype=dtype,
-            recompute=model.recompute_activations,
-            spec=model.transformer_impl,
-            fusions=model.fusions,
-            calculate_per_token_loss=True,
-            deterministic_mode=model.deterministic_mode,
-            **(model.fp8 or {}),
-            **model.moe,
-        )
+        self.models = build_chunks(model, groups, self.hf_config)
         load_hf_weights(self.models, model.hf_model, groups, self.hf_config)
         self.trainable: Trainable | None = None
         if optim is not None:
@@ -209,19 +222,13 @@ class Actor:
 
     def offload_training_state(self) -> None:
         """Optimizer state and gradient buffers to host memory (Megatron's RL offload; GPU only, else a no-op)."""
-        if self.trainable is None or not torch.cuda.is_available():
-            return
-        self.trainable.optimizer.offload_to_cpu()
-        for m in self.trainable.models:
-            m.offload_grad_buffers()
+        if self.trainable is not None:
+            offload_trainable(self.trainable)
 
     def onload_training_state(self) -> None:
         """Undo :meth:`offload_training_state` before an update."""
-        if self.trainable is None or not torch.cuda.is_available():
-            return
-        for m in self.trainable.models:
-            m.restore_grad_buffers()
-        self.trainable.optimizer.restore_from_cpu()
+        if self.trainable is not None:
+            onload_trainable(self.trainable)
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the current weights under HF names (every rank must iterate to the end)."""

@@ -19,7 +19,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -28,7 +28,7 @@ import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 
 from megatron_pacs.mcore.cpu_support import cuda_to_cpu
-from megatron_pacs.mcore.training_checkpoint import WRITE_ERRORS, _finish, _temp_folder, _write
+from megatron_pacs.mcore.training_checkpoint import WRITE_ERRORS, Extras, _finish, _temp_folder, _write
 from megatron_pacs.utils.checkpoint_dirs import CheckpointWriteError, checkpoint_dir
 from megatron_pacs.utils.exit_signal import ignore_stop_signals, stop_signals_blocked
 from megatron_pacs.utils.interrupts import waiting_for
@@ -219,7 +219,7 @@ def start_training_checkpoint(
     *,
     parent: str | os.PathLike | None = None,
     keep_last: int = 2,
-    extra_models: Mapping[str, Sequence[MegatronModule]] | None = None,
+    extra_models: Extras | None = None,
     driver_objects: dict[str, Any] | None = None,
 ) -> PendingCheckpoint:
     """Start writing ``save/iter_<step>`` in the background (collective; the arguments are

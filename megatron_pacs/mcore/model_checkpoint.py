@@ -126,13 +126,22 @@ def load_model_checkpoint(models: Sequence[MegatronModule], ckpt_dir: str | os.P
         ValueError: naming the missing or misshaped tensor when the checkpoint does not fit the model.
     """
     meta = read_checkpoint_metadata(ckpt_dir)
-    sharded = _sharded_state_dict(models)
-    try:
-        state = load_distributed(sharded, ckpt_dir)
-    except Exception as e:  # noqa: BLE001 - Megatron raises several exception types here
-        raise ValueError(f"{ckpt_dir} does not fit the model: {type(e).__name__}: {e}") from None
-    apply_model_state(models, state, str(ckpt_dir))
+    load_model_weights(models, ckpt_dir)
     return meta
+
+
+def load_model_weights(models: Sequence[MegatronModule], folder: str | os.PathLike) -> None:
+    """Load the model entries of a sharded checkpoint folder (a checkpoint, or a model saved beside the policy's in
+    a subfolder: ``critic/``, ``reference/``) into the chunks, resharding to their layout.
+
+    Raises:
+        ValueError: when the folder does not fit the model.
+    """
+    try:
+        state = load_distributed(_sharded_state_dict(models), folder)
+    except Exception as e:  # noqa: BLE001 - Megatron raises several exception types here
+        raise ValueError(f"{folder} does not fit the model: {type(e).__name__}: {e}") from None
+    apply_model_state(models, state, str(folder))
 
 
 def apply_model_state(models: Sequence[torch.nn.Module], state: dict[str, Any], where: str) -> None:

@@ -63,6 +63,8 @@ __all__ = [
     "Trainable",
     "build_trainable",
     "masked_sum_and_count",
+    "offload_trainable",
+    "onload_trainable",
     "optimizer_step",
     "reset_optimizer_state",
 ]
@@ -379,3 +381,21 @@ def masked_sum_and_count(values: torch.Tensor, mask: torch.Tensor) -> tuple[torc
     """``(sum of values where mask, int count)`` for the 3-tuple convention (``values``, ``mask`` ``[b, T]``)."""
     mask = mask.to(values.device)
     return torch.where(mask, values, torch.zeros_like(values)).sum(), mask.sum().to(torch.int)
+
+
+def offload_trainable(trainable: Trainable) -> None:
+    """Optimizer state and gradient buffers to host memory (Megatron's RL offload; GPU only, else a no-op)."""
+    if not torch.cuda.is_available():
+        return
+    trainable.optimizer.offload_to_cpu()
+    for m in trainable.models:
+        m.offload_grad_buffers()
+
+
+def onload_trainable(trainable: Trainable) -> None:
+    """Undo :func:`offload_trainable` before an update."""
+    if not torch.cuda.is_available():
+        return
+    for m in trainable.models:
+        m.restore_grad_buffers()
+    trainable.optimizer.restore_from_cpu()

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TRACKER",
     "CheckpointWriteError",
+    "ExtraModel",
     "complete_checkpoints",
     "find_latest_checkpoint",
     "load_training_checkpoint",
@@ -71,6 +73,22 @@ log = get_logger("checkpoint")
 
 WRITE_ERRORS = (Exception, CheckpointException)
 """What a failed write raises (torch.distributed.checkpoint's per-rank failures are a BaseException)."""
+
+
+@dataclass(frozen=True)
+class ExtraModel:
+    """Chunks kept beside the policy's in a subfolder, with their optimizer when they train (PPO's critic)."""
+
+    models: Sequence[MegatronModule]
+    optimizer: Any = None
+
+
+Extras = Mapping[str, "Sequence[MegatronModule] | ExtraModel"]
+"""``extra_models``: name -> chunks (weights only, e.g. the reference) or an :class:`ExtraModel`."""
+
+
+def _extra(value: Sequence[MegatronModule] | ExtraModel) -> ExtraModel:
+    return value if isinstance(value, ExtraModel) else ExtraModel(value)
 
 
 def _sharded(models: Sequence[MegatronModule], optimizer: Any, is_loading: bool) -> dict[str, Any]:
@@ -130,7 +148,7 @@ def save_training_checkpoint(
     *,
     parent: str | os.PathLike | None = None,
     keep_last: int = 2,
-    extra_models: Mapping[str, Sequence[MegatronModule]] | None = None,
+    extra_models: Extras | None = None,
     driver_objects: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``save/iter_<step>`` atomically (collective: every rank calls it).
@@ -145,8 +163,9 @@ def save_training_checkpoint(
             None (the default) for a run started from scratch; recorded as the new checkpoint's parent (its lineage).
         keep_last: Checkpoints of the new checkpoint's lineage to keep (older ones are deleted after it is in place;
             complete checkpoints off the lineage are set aside, renamed ``<name>.abandoned-<time>``).
-        extra_models: Other models to keep with it (name -> chunks, e.g. the reference policy), each a sharded
-            checkpoint in a subfolder of that name.
+        extra_models: Other models to keep with it (name -> chunks, e.g. the reference policy, or an
+            :class:`ExtraModel` with its optimizer, PPO's critic), each a sharded checkpoint in a subfolder of that
+            name.
         driver_objects: Rank 0's own state (name -> object, e.g. rollouts generated ahead), ``<name>.pt``.
 
     Raises:
@@ -258,7 +277,7 @@ def _write(
     tmp: str,
     models: Sequence[MegatronModule],
     optimizer: Any,
-    extra_models: Mapping[str, Sequence[MegatronModule]] | None,
+    extra_models: Extras | None,
     driver_objects: dict[str, Any] | None,
     requests: list[AsyncRequest] | None = None,
 ) -> None:
@@ -268,12 +287,13 @@ def _write(
     _use_write_results_queue(background)
     with cuda_to_cpu():
         parts = [(tmp, _sharded(models, optimizer, is_loading=False))]
-        for name, chunks in (extra_models or {}).items():
+        for name, value in (extra_models or {}).items():
             sub = os.path.join(tmp, name)
             if _rank() == 0:
                 os.makedirs(sub, exist_ok=True)
             _barrier()
-            parts.append((sub, _sharded(chunks, None, is_loading=False)))
+            extra = _extra(value)
+            parts.append((sub, _sharded(extra.models, extra.optimizer, is_loading=False)))
         for folder, sharded in parts:
             request = dist_checkpointing.save(sharded, folder, FingerprintedSave(), async_sharded_save=background)
             if requests is not None and request is not None:
@@ -412,7 +432,7 @@ def load_training_checkpoint(
     models: Sequence[MegatronModule],
     optimizer: Any,
     *,
-    extra_models: Mapping[str, Sequence[MegatronModule]] | None = None,
+    extra_models: Extras | None = None,
 ) -> dict:
     """Load model and optimizer state (resharded to this run's layout) and this rank's RNG state.
 
@@ -420,7 +440,8 @@ def load_training_checkpoint(
         ckpt: A complete checkpoint folder.
         models: This rank's (DDP-wrapped) chunks.
         optimizer: The Megatron optimizer.
-        extra_models: Models saved beside them (name -> chunks), loaded from their subfolders.
+        extra_models: Models saved beside them (name -> chunks or :class:`ExtraModel`), loaded from their
+            subfolders (with their optimizer's state when given).
 
     Returns:
         The checkpoint's metadata.
@@ -437,8 +458,12 @@ def load_training_checkpoint(
     if optimizer is not None:
         with cuda_to_cpu():
             optimizer.load_state_dict(state["optimizer"])
-    for name, chunks in (extra_models or {}).items():
-        _load_models(ckpt / name, chunks)
+    for name, value in (extra_models or {}).items():
+        extra = _extra(value)
+        extra_state = _load_models(ckpt / name, extra.models, extra.optimizer)
+        if extra.optimizer is not None:
+            with cuda_to_cpu():
+                extra.optimizer.load_state_dict(extra_state["optimizer"])
     rng_file = ckpt / f"rng_rank{_rank():05d}.pt"
     if rng_file.is_file() and metadata.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
         rng = torch.load(rng_file, weights_only=True)  # tensors, ints and tuples: no pickled code runs

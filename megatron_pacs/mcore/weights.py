@@ -40,12 +40,19 @@ _LOCAL_SPEC_NAMES = {
 
 def _local_spec_bridge(base: type) -> type:
     class LocalSpecBridge(base):
+        #: Megatron parameter-name prefixes this bridge leaves alone (a critic's value head has no HF tensor).
+        skip: tuple[str, ...] = ()
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             for table in ("_DIRECT_MAPPING", "_ATTENTION_MAPPING", "_MLP_MAPPING", "_OTHER_MAPPING"):
                 setattr(self, table, copy.deepcopy(getattr(base, table, {})))
             self._OTHER_MAPPING.update({"input_layernorm.weight": _LOCAL_SPEC_NAMES["input_layernorm.weight"]})
             self._MLP_MAPPING.update({"pre_mlp_layernorm.weight": _LOCAL_SPEC_NAMES["pre_mlp_layernorm.weight"]})
             super().__init__(*args, **kwargs)
+
+        def _weight_name_mapping_mcore_local_to_global(self, model: Any, consider_ep: bool = True) -> dict[str, str]:
+            names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=consider_ep)
+            return {k: v for k, v in names.items() if not k.startswith(self.skip)} if self.skip else names
 
         def _build_base_config(self, **kwargs: Any) -> Any:
             # mbridge keeps megatron-core's deprecated default cuda_graph_scope ("full", which warns); [] is the same.
@@ -79,8 +86,11 @@ def _parallel_states(groups: ParallelGroups) -> ParallelStates:
     )
 
 
-def make_bridge(hf_config: Any, groups: ParallelGroups, dtype: torch.dtype = torch.float32) -> Any:
-    """An mbridge bridge for ``hf_config``'s family, aware of the local-spec norm names."""
+def make_bridge(
+    hf_config: Any, groups: ParallelGroups, dtype: torch.dtype = torch.float32, *, skip: tuple[str, ...] = ()
+) -> Any:
+    """An mbridge bridge for ``hf_config``'s family, aware of the local-spec norm names; Megatron parameters whose
+    names start with one of ``skip`` are neither loaded nor exported."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _BRIDGES:
         raise ValueError(f"no weight mapping for model_type={model_type!r}; supported: {sorted(_BRIDGES)}")
@@ -88,10 +98,19 @@ def make_bridge(hf_config: Any, groups: ParallelGroups, dtype: torch.dtype = tor
         # transformers 5 moved rope_theta into rope_parameters; mbridge reads the attribute.
         params = getattr(hf_config, "rope_parameters", None) or {}
         hf_config.rope_theta = params.get("rope_theta", 10000.0)
-    return _BRIDGES[model_type](hf_config, dtype=dtype, parallel_states=_parallel_states(groups))
+    bridge = _BRIDGES[model_type](hf_config, dtype=dtype, parallel_states=_parallel_states(groups))
+    bridge.skip = skip
+    return bridge
 
 
-def load_hf_weights(models: Sequence[MegatronModule], hf_dir: str, groups: ParallelGroups, hf_config: Any) -> None:
+def load_hf_weights(
+    models: Sequence[MegatronModule],
+    hf_dir: str,
+    groups: ParallelGroups,
+    hf_config: Any,
+    *,
+    skip: tuple[str, ...] = (),
+) -> None:
     """Load a Hugging Face safetensors checkpoint into this rank's model chunks, exactly.
 
     Args:
@@ -99,12 +118,13 @@ def load_hf_weights(models: Sequence[MegatronModule], hf_dir: str, groups: Paral
         hf_dir: Directory with ``config.json`` and safetensors (sharded with an index, or single).
         groups: The parallel groups the models were built with.
         hf_config: The checkpoint's config.
+        skip: Megatron parameter-name prefixes to leave as built (a critic's ``output_layer.``, its value head).
 
     Raises:
         ValueError: naming the missing tensor, or the parameter whose shape differs from the checkpoint's.
     """
     check_hf_checkpoint(hf_dir, hf_config)
-    bridge = make_bridge(hf_config, groups, dtype=models[0].config.params_dtype)
+    bridge = make_bridge(hf_config, groups, dtype=models[0].config.params_dtype, skip=skip)
     with cuda_to_cpu():
         try:
             bridge.load_weights(models, hf_dir, memory_efficient=True)

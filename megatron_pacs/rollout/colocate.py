@@ -33,7 +33,7 @@ import torch
 from megatron_pacs.rollout.types import RolloutEngine
 from megatron_pacs.utils.logging import get_logger
 
-__all__ = ["Colocation", "TrainingState", "release_cached_memory"]
+__all__ = ["Colocation", "TrainingState", "TrainingStates", "release_cached_memory"]
 
 log = get_logger("rollout.colocate")
 GB = 1024**3
@@ -65,13 +65,29 @@ class TrainingState(Protocol):
         ...
 
 
+class TrainingStates:
+    """Several models' training states moved together (PPO: the actor's and the critic's), in order."""
+
+    def __init__(self, *states: TrainingState) -> None:
+        self.states = states
+
+    def offload_training_state(self) -> None:
+        for state in self.states:
+            state.offload_training_state()
+
+    def onload_training_state(self) -> None:
+        for state in self.states:
+            state.onload_training_state()
+
+
 class Colocation:
     """The colocated cycle around each update (see the module docstring).
 
     Args:
         engine: The fleet (on the driver; None on the other ranks, which only move their own training state, and
             None until the trainer attaches it after :meth:`start`).
-        state: The actor, when ``--offload-optimizer-during-rollout``; else None.
+        state: The actor (with PPO's critic: both, :class:`TrainingStates`), when
+            ``--offload-optimizer-during-rollout``; else None.
     """
 
     def __init__(self, engine: RolloutEngine | None, state: TrainingState | None) -> None:

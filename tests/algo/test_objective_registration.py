@@ -56,7 +56,7 @@ def dummy():
 
 
 def test_a_registered_objective_is_a_loss_choice_and_validates(dummy):
-    assert "{pacs,grpo,gspo,cispo,dummy}" in build_parser().format_help()
+    assert "{pacs,grpo,gspo,cispo,ppo,dummy}" in build_parser().format_help()
     cfg = parse_config(["--loss", dummy, "--clip-ratio", "0.3", "--off-policy-correction", "tis"])
     assert cfg.validate(1, need_files=False) == 1
     assert cfg.loss.tis_ratio_level == "sequence"  # its first level is auto's
@@ -93,7 +93,7 @@ def test_registration_is_undone_cleanly_and_a_name_is_taken_once():
     with pytest.raises(KeyError, match="already registered"):
         OBJECTIVES.register("dummy", SPEC)
     OBJECTIVES.unregister("dummy")
-    assert list(OBJECTIVES) == ["pacs", "grpo", "gspo", "cispo"]
-    assert "{pacs,grpo,gspo,cispo}" in build_parser().format_help()
-    with pytest.raises(ValueError, match=r"^--loss: 'dummy' is not one of \['pacs', 'grpo', 'gspo', 'cispo'\]$"):
+    assert list(OBJECTIVES) == ["pacs", "grpo", "gspo", "cispo", "ppo"]
+    assert "{pacs,grpo,gspo,cispo,ppo}" in build_parser().format_help()
+    with pytest.raises(ValueError, match=r"^--loss: 'dummy' is not one of \['pacs', 'grpo', 'gspo', 'cispo', 'ppo'\]$"):
         LossConfig(loss="dummy")

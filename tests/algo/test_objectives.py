@@ -161,11 +161,11 @@ def test_registry_builds_the_configured_objective_and_names_the_choices():
     direct = build_objective(loss, batch)
     assert isinstance(direct, PacsDirect) and direct.whole_groups
     assert isinstance(build_objective(*_config(loss="grpo")), GrpoObjective)
-    assert OBJECTIVES.names() == ["cispo", "grpo", "gspo", "pacs"]
+    assert OBJECTIVES.names() == ["cispo", "grpo", "gspo", "pacs", "ppo"]
     with pytest.raises(
-        ValueError, match=r"loss='ppo' is not a valid option; choose one of \['cispo', 'grpo', 'gspo', 'pacs'\]"
+        ValueError, match=r"loss='a2c' is not a valid option; choose one of \['cispo', 'grpo', 'gspo', 'pacs', 'ppo'\]"
     ):
-        OBJECTIVES.get("ppo")
+        OBJECTIVES.get("a2c")
     assert build_objective(*_config()).loss_key == "pacs/loss"
     assert build_objective(*_config(loss="grpo")).loss_key == "grpo/loss"
 

@@ -35,7 +35,7 @@ def test_help_documents_every_flag():
     [
         (["--group-size", "1"], "--group-size"),
         (["--global-batch-size", "10", "--ppo-mini-batch-size", "4"], "--ppo-mini-batch-size"),
-        (["--loss", "ppo"], "--loss"),
+        (["--loss", "a2c"], "--loss"),
         (["--pacs-advantage", "mean"], "--pacs-advantage"),
         (["--fp8-format", "e4m3"], "--fp8-format"),
         (["--sequence-parallel"], "--sequence-parallel"),

@@ -19,7 +19,7 @@ def test_every_registered_name_is_a_cli_choice_and_nothing_else():
     from megatron_pacs.config import BatchConfig, LossConfig
     from megatron_pacs.config.objectives import OBJECTIVES
 
-    assert OBJECTIVES.names() == ["cispo", "grpo", "gspo", "pacs"]
+    assert OBJECTIVES.names() == ["cispo", "grpo", "gspo", "pacs", "ppo"]
     for name in OBJECTIVES:
         assert isinstance(OBJECTIVES.get(name).build(LossConfig(loss=name), BatchConfig()), Objective)
     assert sorted(CHOICES["pacs_advantage"]) == sorted(ADVANTAGES.names())

@@ -197,3 +197,35 @@ def test_a_colocated_resume_loads_between_sleep_and_wake_and_always_syncs():
     assert resume_and_sync(True, found=2) == resume_and_sync(True, found=0) == colocated
     assert resume_and_sync(False, found=2) == ["load", "update_weights(1)"]
     assert resume_and_sync(False, found=0) == ["load"]
+
+
+def test_the_actor_and_the_critic_move_together():
+    """PPO: the critic's training state leaves the GPU and comes back with the actor's, around the same update."""
+    from megatron_pacs.rollout.colocate import TrainingStates
+
+    calls: list[str] = []
+
+    class Named(RecordingState):
+        def __init__(self, name: str) -> None:
+            super().__init__(calls)
+            self.name = name
+
+        def offload_training_state(self) -> None:
+            calls.append(f"offload {self.name}")
+
+        def onload_training_state(self) -> None:
+            calls.append(f"onload {self.name}")
+
+    engine = RecordingEngine(calls)
+    colocation = Colocation(engine, TrainingStates(Named("actor"), Named("critic")))
+    colocation.before_train()
+    colocation.after_train(lambda: {})
+    assert calls == [
+        "sleep(2)",
+        "onload actor",
+        "onload critic",
+        "offload actor",
+        "offload critic",
+        "wake_up(['weights'])",
+        "wake_up(['kv_cache'])",
+    ]
