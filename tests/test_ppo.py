@@ -55,7 +55,9 @@ def _continuous_and_resumed(root: Path) -> tuple[list[dict], list[dict], list[di
 
 
 def _reward_kl(root: Path) -> list[dict]:
-    return _train(root, "reward_kl", "--reward-kl-coef", "0.5", "--train-iters", "3")
+    # and the token-level objectives' actor settings (issue 52), which the critic's phase never reads
+    field = ["--loss-agg-mode", "token-mean", "--clip-ratio-high", "0.28", "--entropy-coef", "0.001"]
+    return _train(root, "reward_kl", "--reward-kl-coef", "0.5", "--train-iters", "3", *field)
 
 
 LAUNCHES = {"ppo": _continuous_and_resumed, "reward_kl": _reward_kl}  # queued for the session (tests/launch_queue.py)
@@ -143,10 +145,15 @@ def test_the_critic_exports_as_a_token_classification_model_with_the_trainers_va
 def test_the_reward_kl_enters_the_returns_once_the_actor_moves(launched):
     """--reward-kl-coef: -coef * (log pi_old - log pi_ref) per token in the reward. While the actor is the reference
     (step 1, and step 2 after the warm-up step, which does not update it) the penalty is exactly 0 and the returns
-    equal the run without it; after the actor's first update (step 2) the step-3 returns differ."""
+    equal the run without it; after the actor's first update (step 2) the step-3 returns differ. The same run trains
+    the actor with DAPO-style token-level settings (token-mean aggregation, clip-higher, an entropy bonus), which the
+    critic's phase does not read; the entropy term is in the actor's loss once the actor trains."""
     straight, *_ = launched["ppo"].result()
     with_kl = launched["reward_kl"].result()
     assert [m["step"] for m in with_kl] == [1, 2, 3] and all("perf/time/ref_logprobs" in m for m in with_kl)
     for step in (0, 1):
         assert with_kl[step]["critic/returns/mean"] == straight[step]["critic/returns/mean"]
     assert with_kl[2]["critic/returns/mean"] != straight[2]["critic/returns/mean"]
+    assert all("actor/entropy" in m for m in with_kl[1:]) and "actor/entropy_loss" not in straight[1]
+    for m in with_kl[1:]:  # -0.001 x the token mean of the entropy (token-mean aggregation)
+        assert m["actor/entropy_loss"] == pytest.approx(-0.001 * m["actor/entropy"], rel=0.2)

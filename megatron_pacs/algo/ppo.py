@@ -1,14 +1,15 @@
-"""The PPO baseline's actor objective (``--loss ppo``, docs/algorithm.md §6.5): GRPO's token-level clipped surrogate
-(:func:`~megatron_pacs.algo.grpo.grpo_token_loss`) with per-token advantages from GAE over a learned critic.
+"""The PPO baseline's actor objective (``--loss ppo``, docs/algorithm.md §6.5): the token-level clipped surrogate
+of GRPO (:class:`~megatron_pacs.algo.token_objectives.TokenObjective`, with its clip variants, ``--loss-agg-mode``,
+``--entropy-coef`` and ``--mask-truncated``) on per-token advantages from GAE over a learned critic.
 
 The advantages are the step's, computed once before the update (:func:`~megatron_pacs.algo.gae.gae_advantages`
 over the critic's values, whitened over every response of the step) and handed in as a
 :class:`~megatron_pacs.algo.tokens.TokenStore` (:attr:`MiniBatch.advantages`), so micro-batches may split groups
-and responses freely. The loss is aggregated like GRPO's (``seq-mean-token-sum-norm``: per response, the token sum
-over T_max; ``count`` = responses), as the released run aggregates it. :func:`value_loss` is the critic's loss in the
-same aggregation, so Megatron's one division by the global response count normalises it over the whole mini-batch,
-never per micro-batch (verl PR #6957: a per-micro-batch mean made the critic's effective rate follow the
-micro-batch count).
+and responses freely. The default aggregation is the released run's (``seq-mean-token-sum-norm``: per response, the
+token sum over T_max; ``count`` = responses). :func:`value_loss` is the critic's loss in that aggregation, whatever
+``--loss-agg-mode`` (the released run's critic), so Megatron's one division by the global response count normalises
+it over the whole mini-batch, never per micro-batch (verl PR #6957: a per-micro-batch mean made the critic's
+effective rate follow the micro-batch count).
 
 Legend: N scored tokens of a micro-batch, m its responses.
 """
@@ -18,55 +19,28 @@ from __future__ import annotations
 import torch
 
 from megatron_pacs.algo.gae import clipped_value_loss
-from megatron_pacs.algo.grpo import grpo_token_loss
 from megatron_pacs.algo.loss_contract import mean_entry
-from megatron_pacs.algo.objectives import MicroBatchLoss, MiniBatch, Objective, Prepared, StepTensors, count_of
+from megatron_pacs.algo.objectives import MicroBatchLoss, MiniBatch, Objective, count_of
+from megatron_pacs.algo.token_objectives import TokenObjective
 from megatron_pacs.algo.tokens import TokenLogprobs, TokenStore
 from megatron_pacs.config import BatchConfig, LossConfig
 
 __all__ = ["PpoObjective", "build_ppo", "value_loss"]
 
 
-class PpoObjective(Objective):
-    """PPO's actor: token-level PPO clip (``--clip-ratio``, dual clip ``--clip-ratio-c``) on the critic's GAE
-    advantages."""
+class PpoObjective(TokenObjective):
+    """PPO's actor: the token-level clipped surrogate of GRPO (``--clip-ratio``, ``--clip-ratio-low/-high``, dual
+    clip ``--clip-ratio-c``, ``--loss-agg-mode``, ``--entropy-coef``, ``--mask-truncated``) on the critic's GAE
+    advantages instead of group ones."""
 
-    loss_key = "grpo/loss"
-    old_logprobs = "token"
-
-    def __init__(self, cfg: LossConfig, max_response_length: int) -> None:
-        self.clip_ratio, self.clip_ratio_c = cfg.clip_ratio, cfg.clip_ratio_c
-        self.max_response_length = max_response_length
-        self.correction = cfg.tis_ratio_level
-
-    def prepare(self, mb: MiniBatch) -> Prepared:
+    def _token_advantages(self, mb: MiniBatch) -> TokenStore:
         if mb.advantages is None:
             raise ValueError("--loss ppo needs the critic's per-token advantages (MiniBatch.advantages)")
-        advantages = mb.advantages
-        old_tokens = None if mb.old is None else mb.old.tokens
-        ratios = None if mb.importance is None else mb.importance.tokens
-        step = StepTensors(rewards=mb.rewards)
+        return mb.advantages
 
-        def loss(tokens: TokenLogprobs):
-            t, idx = step.on(tokens.logp.device), tokens.index
-            # No old log-probs means the parameters have not moved since the rollout: the ratio is 1, exactly.
-            old = tokens.logp.detach() if old_tokens is None else old_tokens.gather(tokens)
-            adv = advantages.gather(tokens)
-            out = grpo_token_loss(
-                tokens.logp,
-                old,
-                adv,
-                num_responses=tokens.num_sequences,
-                max_response_len=self.max_response_length,
-                clip_ratio=self.clip_ratio,
-                clip_ratio_c=self.clip_ratio_c,
-                rewards=t["rewards"][idx],
-                token_weights=None if ratios is None else ratios.gather(tokens),
-            )
-            out.metrics["ppo/advantage/mean"] = mean_entry(adv.sum(), adv.numel(), adv)
-            return out.loss_sum, count_of(tokens), out.metrics
-
-        return Prepared(loss)
+    def _advantages(self, mb: MiniBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """No group advantages: GAE's per-token ones are the step's (:meth:`_token_advantages`)."""
+        return torch.zeros(mb.rewards.numel(), dtype=torch.float64), {}
 
 
 def build_ppo(loss: LossConfig, batch: BatchConfig) -> Objective:

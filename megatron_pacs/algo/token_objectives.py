@@ -26,6 +26,7 @@ from megatron_pacs.algo.advantages import outcome_advantages
 from megatron_pacs.algo.loss_contract import mean_entry, stat_entries
 from megatron_pacs.algo.objectives import MiniBatch, Objective, Prepared, StepTensors, TokenLogprobs, count_of
 from megatron_pacs.algo.policy_losses import ClipRange, aggregation_weights, policy_token_loss
+from megatron_pacs.algo.tokens import TokenStore
 from megatron_pacs.config import BatchConfig, LossConfig
 
 __all__ = [
@@ -89,6 +90,7 @@ class TokenObjective(Objective):
 
     def prepare(self, mb: MiniBatch) -> Prepared:
         advantages, metrics = self._advantages(mb)
+        per_token = self._token_advantages(mb)
         scale, norm = self._aggregation(mb, metrics)
         old_tokens = None if mb.old is None else mb.old.tokens
         token_ratios = None if mb.importance is None else mb.importance.tokens
@@ -103,11 +105,12 @@ class TokenObjective(Objective):
             weights = token_ratios.gather(tokens) if token_ratios is not None else None
             if seq_ratios is not None:
                 weights = t["seq_ratios"][idx][tokens.seq]
+            adv = t["advantages"][idx][tokens.seq] if per_token is None else per_token.gather(tokens)
             out = policy_token_loss(
                 self.surrogate,
                 tokens.logp,
                 old,
-                t["advantages"][idx][tokens.seq],
+                adv,
                 seq=tokens.seq,
                 lengths=tokens.lengths,
                 token_scale=t["scale"][idx][tokens.seq],
@@ -116,7 +119,10 @@ class TokenObjective(Objective):
                 prefix=self.prefix,
                 token_weights=weights,
             )
-            out.metrics.update(stat_entries(f"{self.prefix}/advantage", t["advantages"][idx]))
+            if per_token is None:
+                out.metrics.update(stat_entries(f"{self.prefix}/advantage", t["advantages"][idx]))
+            else:
+                out.metrics["ppo/advantage/mean"] = mean_entry(adv.sum(), adv.numel(), adv)
             out.metrics[f"{self.prefix}/reward_mean"] = mean_entry(t["rewards"][idx].sum(), len(idx), tokens.logp)
             loss_sum = out.loss_sum
             if self.entropy_grad:  # verl: pg_loss - entropy_coeff * agg_loss(entropy), the same aggregation
@@ -130,6 +136,12 @@ class TokenObjective(Objective):
             return step.on(tokens.logp.device)["scale"][tokens.index][tokens.seq]
 
         return Prepared(loss, metrics, token_scale, norm)
+
+    def _token_advantages(self, mb: MiniBatch) -> TokenStore | None:
+        """Per-token advantages computed before the update (PPO's GAE), or None: one per response
+        (:meth:`_advantages`)."""
+        del mb
+        return None
 
     def _advantages(self, mb: MiniBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``[S]`` advantages of the step's (shaped) rewards, and the shaping's metric on this rank's rows."""

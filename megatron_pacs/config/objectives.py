@@ -123,7 +123,8 @@ OBJECTIVES.register(
         fp8_scores=False,  # the two-phase gradient takes every score from bf16 passes
     ),
 )
-_TOKEN_LEVEL = "is a setting of the token-level objectives (grpo, gspo, cispo); {title} has none: drop it"
+_TOKEN_LEVEL = "is a setting of the token-level objectives (grpo, gspo, cispo, ppo); {title} has none: drop it"
+_GROUP_LEVEL = "shapes the group advantages of grpo, gspo and cispo; {title} has none: drop it"
 _TOKEN_FLAGS = {
     name: _TOKEN_LEVEL
     for name in (
@@ -139,9 +140,11 @@ _TOKEN_FLAGS = {
         "entropy_coef",
     )
 }
+_GROUP_FLAGS = ("advantage_estimator", "norm_adv_by_std", "overlong_buffer_len", "overlong_penalty_factor")
+_TOKEN_FLAGS.update({name: _GROUP_LEVEL for name in _GROUP_FLAGS})
 _TOKEN_FLAGS["advantage_estimator"] = (
-    "picks the advantage of the token-level objectives (grpo, gspo, cispo); --loss {loss} has its own "
-    "(PACS: --pacs-advantage): drop it"
+    "picks the group advantage of grpo, gspo and cispo; --loss {loss} has its own (PACS: --pacs-advantage; PPO: "
+    "GAE over its critic, --gae-gamma and --gae-lambda): drop it"
 )
 OBJECTIVES.register(
     "grpo",
@@ -152,7 +155,7 @@ OBJECTIVES.register(
         tis_levels_why="GRPO weights its tokens by token-level ratios",
         own_flags={
             **_TOKEN_FLAGS,
-            "clip_ratio_c": "is PPO's dual clip, GRPO's alone; {title} has none: use --loss grpo or drop it",
+            "clip_ratio_c": "is the dual clip of grpo and ppo; {title} has none: drop it",
         },
         loss_agg_mode="seq-mean-token-sum-norm",  # the released GRPO baseline's (Dr. GRPO's constant T_max)
         fp8_scores=True,  # the ratio's current term is the FP8 training pass
@@ -189,10 +192,10 @@ OBJECTIVES.register(
         builder="megatron_pacs.algo.ppo:build_ppo",
         tis_levels=("token",),
         tis_levels_why="PPO weights its tokens by token-level ratios",
-        # GRPO's surrogate (clip and dual clip) on the critic's advantages; the released run's aggregation
+        # GRPO's surrogate and its token-level settings on the critic's advantages (no group advantage to shape)
         own_flags={
-            "clip_ratio": _TOKEN_LEVEL,
-            "clip_ratio_c": "is PPO's dual clip (grpo, ppo); {title} has none: drop it",
+            **{name: problem for name, problem in _TOKEN_FLAGS.items() if name not in _GROUP_FLAGS},
+            "clip_ratio_c": "is the dual clip of grpo and ppo; {title} has none: drop it",
         },
         loss_agg_mode="seq-mean-token-sum-norm",
         fp8_scores=True,  # the ratio's current term is the FP8 training pass, as GRPO's

@@ -75,7 +75,7 @@ def test_a_registered_objective_refuses_what_it_does_not_read(dummy):
     # a flag two objectives read is refused by the third, with the first owner's reason
     with pytest.raises(
         ValueError,
-        match=r"^--clip-ratio: is a setting of the token-level objectives \(grpo, gspo, cispo\); PACS has none",
+        match=r"^--clip-ratio: is a setting of the token-level objectives \(grpo, gspo, cispo, ppo\); PACS has none",
     ):
         LossConfig(clip_ratio=0.3)
 

@@ -64,7 +64,8 @@ def test_tis_bounds_and_mode_are_refused_naming_the_flag():
 
 def test_token_level_flags_are_refused_where_they_mean_nothing_naming_both_flags():
     """--advantage-estimator is the token-level objectives' (PACS has --pacs-advantage); --no-norm-adv-by-std is
-    grpo's estimator's; the dual clip is GRPO's alone; shaping needs its buffer; the bounds keep a ratio of 1."""
+    grpo's estimator's; the dual clip is GRPO's and PPO's; shaping needs its buffer; the bounds keep a ratio of 1; PPO
+    takes the token-level settings but not the group advantage's (its advantages are GAE's)."""
     from megatron_pacs.config import LossConfig
 
     with pytest.raises(ValueError, match=r"^--advantage-estimator: .*--loss pacs has its own \(PACS: --pacs-advantage"):
@@ -75,8 +76,14 @@ def test_token_level_flags_are_refused_where_they_mean_nothing_naming_both_flags
         ValueError, match=r"^--norm-adv-by-std: --no-norm-adv-by-std only .* --advantage-estimator rloo"
     ):
         LossConfig(loss="grpo", advantage_estimator="rloo", norm_adv_by_std=False)
-    with pytest.raises(ValueError, match=r"^--clip-ratio-c: is PPO's dual clip, GRPO's alone; GSPO has none"):
+    with pytest.raises(ValueError, match=r"^--clip-ratio-c: is the dual clip of grpo and ppo; GSPO has none"):
         LossConfig(loss="gspo", clip_ratio_c=2.0)
+    with pytest.raises(ValueError, match=r"^--advantage-estimator: .*PPO: GAE over its critic"):
+        LossConfig(loss="ppo", advantage_estimator="rloo")
+    with pytest.raises(ValueError, match=r"^--overlong-buffer-len: shapes the group advantages .*PPO has none"):
+        LossConfig(loss="ppo", overlong_buffer_len=16)
+    ppo = LossConfig(loss="ppo", clip_ratio_high=0.28, loss_agg_mode="token-mean", entropy_coef=0.001)
+    assert (ppo.clip_low, ppo.clip_high, ppo.agg_mode, ppo.clip_ratio_c) == (0.2, 0.28, "token-mean", 3.0)
     with pytest.raises(ValueError, match=r"^--clip-ratio-c: 1.0 must be > 1"):
         LossConfig(loss="grpo", clip_ratio_c=1.0)
     with pytest.raises(ValueError, match=r"^--clip-ratio-low: 1.5 must lie in \(0, 1\]"):
