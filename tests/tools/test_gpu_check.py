@@ -288,3 +288,27 @@ def test_the_gpu_tests_are_collected_on_a_machine_without_the_fleet_stack():
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "error" not in proc.stdout.lower() and "tests/mcore/test_fused_logprobs.py::" in proc.stdout
+
+
+def test_the_trainer_tier_compares_ppo_with_grpo_on_valid_runs(report):
+    """Issue 51: the trainer tier ends with three synthetic GRPO steps and three PPO steps (critic warm-up at step 1)
+    on the same shape; both are runs the CLI accepts (the PACS-only flags of the tier's other run dropped), and the
+    report gives PPO's step time and peak GPU memory as ratios to GRPO's (the first step, which warms up, left out)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from gpu.tiers import CRITIC_COMPARISON
+
+    from megatron_pacs.config import parse_config
+
+    data = ["--hf-model", "m", "--train-data", "d"]
+    grpo, ppo = (parse_config([*data, *CRITIC_COMPARISON[n]]) for n in ("rl_synthetic_grpo", "rl_synthetic_ppo"))
+    assert (grpo.loss.loss, ppo.loss.loss, ppo.critic.critic_warmup) == ("grpo", "ppo", 1)
+    assert grpo.source.rollout_source == ppo.source.rollout_source == "synthetic" and ppo.model.bf16
+
+    def run(times, peak):
+        return {"status": "ok", "metrics": [{"perf/time/step": t} for t in times], "memory": {"peak_gib": peak}}
+
+    figures = _by_name(report.critic_figures(run([9.0, 1.0, 1.2, 1.1], 20.0), run([9.0, 1.6, 1.8, 1.7], 30.0)))
+    assert figures["PPO / GRPO (synthetic): step time"]["value"] == pytest.approx(1.7 / 1.1)
+    assert figures["PPO / GRPO (synthetic): peak GPU memory"]["value"] == pytest.approx(1.5)
+    skipped = report.critic_figures(run([1.0], 1.0), {"status": "skipped", "reason": "the budget is spent"})
+    assert skipped[0]["value"] is None and "the budget is spent" in skipped[0]["note"]

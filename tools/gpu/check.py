@@ -67,6 +67,7 @@ from gpu.report import write_report  # noqa: E402
 from gpu.tiers import (  # noqa: E402
     ASYNC_FLAGS,
     COLOCATED_FLAGS,
+    CRITIC_COMPARISON,
     DRIFT_ARGS,
     E2E_FLAGS,
     E2E_SHAPE,
@@ -214,6 +215,19 @@ class Check:
             step["resume_equals_continuous"] = comparison["equal"]
             step["resume_comparison"] = comparison
             self.save()
+
+    def critic_comparison(self) -> None:
+        """(trainer tier, last) Three synthetic GRPO steps, then three PPO steps on the same shape and rollouts: what
+        the critic costs in step time and GPU memory (docs/benchmarks.md has the CPU measurement)."""
+        setup = self.out / "work" / "rl"
+        if not (setup / "model" / "config.json").exists():
+            for name in CRITIC_COMPARISON:
+                self.skip(name, "the model and data could not be prepared (rl_setup)")
+            return
+        base = [PY, "-m", "megatron_pacs.train", "--hf-model", str(setup / "model")]
+        base += ["--train-data", str(setup / "train.jsonl")]
+        for name, flags in CRITIC_COMPARISON.items():
+            self._rl(name, [*base, *flags], LIMITS[name], min_s=60)
 
     def long_benchmarks(self, env: dict) -> None:
         memory = env.get("gpu_memory_gib") or 0
@@ -376,6 +390,7 @@ class Check:
             self.rl_synthetic()
             self.gpu_tests()
             self.benchmarks(env)
+            self.critic_comparison()
         if self.args.tier == "full":
             self.e2e(env)
             self.long_benchmarks(env)

@@ -250,6 +250,29 @@ def synthetic_figures(continuous: dict | None, resumed: dict | None) -> list[dic
     return out
 
 
+def critic_figures(grpo: dict | None, ppo: dict | None) -> list[dict]:
+    """PPO against GRPO on the same shape and rollouts (trainer tier): the median step time after the first and the
+    peak GPU memory, as ratios (ReMax, arXiv 2310.10505, saw PPO ~1.6x slower and ~1.9x the memory at 7B)."""
+    name = "PPO / GRPO (synthetic)"
+    problem = _step_problem(grpo) or _step_problem(ppo)
+    if problem:
+        return [_missing(f"{name}: step time", "info", problem)]
+
+    def step_s(step: dict) -> float | None:
+        times = [m["perf/time/step"] for m in step.get("metrics", []) if "perf/time/step" in m][1:]
+        return statistics.median(times) if times else None
+
+    def peak(step: dict) -> float | None:
+        return (step.get("memory") or {}).get("peak_gib")
+
+    out = []
+    for label, of in (("step time", step_s), ("peak GPU memory", peak)):
+        a, b = of(grpo or {}), of(ppo or {})
+        ratio = b / a if a and b else None
+        out.append(_figure(f"{name}: {label}", ratio, "info", None, "x", note=f"GRPO {a}, PPO {b}"))
+    return out
+
+
 def _holds(step: dict | None) -> list[float]:
     """A run's save holds: ``perf/time/save`` plus ``perf/time/save_wait`` (the wait for a save still in flight) in
     the rows after the first (each row holds the previous save's)."""
@@ -452,6 +475,7 @@ def figures(results: dict) -> list[dict]:
     out += fp8_figures(steps.get("train_step_7b_fp8"))
     out += drift_figures(steps.get("bench_fp8_drift"))
     out += synthetic_figures(steps.get("rl_synthetic"), steps.get("rl_synthetic_resumed"))
+    out += critic_figures(steps.get("rl_synthetic_grpo"), steps.get("rl_synthetic_ppo"))
     out += e2e_figures("colocated (ipc, sleep/wake, optimizer offload)", steps.get("rl_colocated"), BF16_SYNC_BOUND)
     out += e2e_figures("separate engines (NCCL broadcast)", steps.get("rl_broadcast"), BF16_SYNC_BOUND)
     out += e2e_figures("FP8 trainer", steps.get("rl_fp8"), FP8_SYNC_BOUND)

@@ -25,6 +25,14 @@ SYNTHETIC_FLAGS = [
     # resume == continuous is checked bit for bit: attention's default backward on CUDA sums with atomics
     "--deterministic-mode",
 ]
+# PPO beside GRPO (trainer tier, after the rest): three synthetic steps each on the same shape and rollouts, the
+# critic trained alone at step 1; their step times and GPU memory compare what the critic costs (issue 51).
+_PACS_ONLY = ("--pacs-score-reference", "ref", "--ref-reset-interval", "2", "--kl-coef", "0.01")
+_BASE_SYNTHETIC = [f for f in SYNTHETIC_FLAGS if f not in _PACS_ONLY]
+CRITIC_COMPARISON = {
+    "rl_synthetic_grpo": [*_BASE_SYNTHETIC, "--loss", "grpo"],
+    "rl_synthetic_ppo": [*_BASE_SYNTHETIC, "--loss", "ppo", "--critic-warmup", "1"],
+}
 # Three PACS steps with a vLLM CUDA engine (full and rollout tiers).
 E2E_FLAGS = [
     *("--train-iters", "3", "--global-batch-size", "8", "--ppo-mini-batch-size", "4", "--group-size", "4"),
@@ -71,6 +79,9 @@ LIMITS = {
     "rl_setup": 120,
     "rl_synthetic": 180,
     "rl_synthetic_resumed": 120,
+    # (trainer) 3 synthetic steps each, GRPO then PPO (a second 0.5B model, its values pass and update): ~30 s start
+    "rl_synthetic_grpo": 120,
+    "rl_synthetic_ppo": 150,
     # (full, rollout) an end-to-end run with a vLLM CUDA engine: engine start (~60-90 s: compile, CUDA graphs) +
     # the trainer's start (~30 s) + 3 steps (~10 s each with sleep/wake and the sync)
     "rl_e2e": 300,
