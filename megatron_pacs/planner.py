@@ -484,5 +484,9 @@ def dry_run(cfg: TrainConfig) -> int:
     critic = cfg.critic.critic_hf_model if cfg.loss.loss == "ppo" else None
     critic_shape = ModelShape.from_pretrained(critic) if critic else None
     shape = ModelShape.from_pretrained(cfg.model.hf_model)
-    print(plan_run(shape, cfg, world_size=world, critic_shape=critic_shape).format())
+    from megatron_pacs.compute_plan import format_compute  # it imports this module
+
+    plan = plan_run(shape, cfg, world_size=world, critic_shape=critic_shape)
+    print(plan.format())
+    print(format_compute(plan, cfg))
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import megatron_pacs.planner as planner
+from megatron_pacs.compute_plan import format_compute
 from megatron_pacs.config import TrainConfig, flag, parse_config
 from megatron_pacs.planner import ModelShape, RunPlan, dry_run, plan_run
 
@@ -287,7 +288,8 @@ def test_vocab_not_divisible_by_tp_is_named():
 def test_dry_run_prints_the_plan(qwen7b, capsys):
     argv = [*_recipe_flags(), "--hf-model", str(EXAMPLES / "qwen2.5-7b"), "--dry-run", "--world-size", "64"]
     assert dry_run(parse_config(argv)) == 0
-    assert capsys.readouterr().out == _plan(qwen7b).format() + "\n"
+    plan = _plan(qwen7b)
+    assert capsys.readouterr().out == plan.format() + "\n" + format_compute(plan, _config()) + "\n"
     missing = parse_config([*argv, "--hf-model", str(EXAMPLES / "no-such-model")])
     with pytest.raises(ValueError, match=r"--hf-model: .* has no config\.json"):
         dry_run(missing)
