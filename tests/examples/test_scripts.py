@@ -182,3 +182,31 @@ def test_field_recipes_carry_the_published_settings(script, expected, tmp_path):
         return args[len(args) - 1 - args[::-1].index(flag) + 1]
 
     assert {flag: last(flag) for flag in expected} == expected
+
+
+@pytest.mark.parametrize("script", ["qwen3-4b/grpo.sh", "qwen3-4b/ppo.sh", "qwen3-8b/grpo.sh", "qwen3-8b/ppo.sh"])
+def test_v2_baselines_share_pacs_v2s_data_batches_lengths_and_schedule(script, tmp_path):
+    """PACS v2's GRPO and PPO rows (Appendix C: the same learning rates, the KL loss off): every flag the PACS v2
+    recipe of the same model sets for the batch, the lengths and the schedule is the baseline's too; only the
+    objective differs (and PPO's critic at 1e-5)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "fakepython").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (bin_dir / "fakepython").chmod(0o755)
+    env = _env(tmp_path, PYTHON=str(bin_dir / "fakepython"), DRY_RUN="1")
+
+    def flags(name: str) -> dict[str, str]:
+        out = subprocess.run(["bash", str(EXAMPLES / name)], env=env, capture_output=True, text=True, check=True)
+        args, last = out.stdout.splitlines(), {}
+        for i, a in enumerate(args[:-1]):
+            if a.startswith("--"):
+                last[a] = args[i + 1]  # argparse keeps the last occurrence
+        return last
+
+    ours, v2 = flags(script), flags(f"{script.split('/')[0]}/pacs_v2.sh")
+    shared = ("--global-batch-size", "--group-size", "--ppo-mini-batch-size", "--max-prompt-length")
+    shared += ("--max-response-length", "--lr", "--train-iters", "--kl-coef", "--tensor-model-parallel-size")
+    assert {f: ours[f] for f in shared} == {f: v2[f] for f in shared}
+    loss = script.split("/")[1].removesuffix(".sh")
+    assert ours["--loss"] == loss and ours["--kl-coef"] == "0.0"
+    assert (ours.get("--critic-lr") == "1e-5") == (loss == "ppo")
