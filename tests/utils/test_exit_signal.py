@@ -82,6 +82,9 @@ def start_then_ctrl_c(parent):  # the server, once it ignores the signal: Ctrl-C
 
 if __name__ == "__main__":
     os.setpgrp()
+    # Python's own Ctrl-C handler, as train.py installs its own: a suite started in the background by a shell
+    # without job control inherits SIGINT ignored, and a process keeps an ignored signal ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a thread to take the signal
     manager = SyncManager(ctx=mp.get_context("spawn"))
     try:
