@@ -103,20 +103,30 @@ def test_dry_run(script, tmp_path):
         assert "EP 8 (16 of 128 experts per rank)" in text and "sequence parallel on" in text, text[-4000:]
 
 
-@pytest.mark.parametrize(("script", "steps"), [("qwen3-4b/pacs_v2.sh", 120), ("qwen3-8b/pacs_v2.sh", 320)])
-def test_pacs_v2_recipes_follow_the_papers_appendix_c(script, steps, tmp_path):
-    """1,024 prompts x 8, mini-batch 256, responses up to 8,192 tokens, lr 1e-6, beta 1, no KL, the score anchored
-    at the reference with an optimizer-resetting reset, and the step count of the paper."""
+def _trainer_args(script: str, tmp_path) -> list[str]:
+    """The trainer arguments ``script`` passes under ``DRY_RUN=1`` (a fake python that prints them one a line)."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     (bin_dir / "fakepython").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
     (bin_dir / "fakepython").chmod(0o755)
     env = _env(tmp_path, PYTHON=str(bin_dir / "fakepython"), DRY_RUN="1")
     out = subprocess.run(["bash", str(EXAMPLES / script)], env=env, capture_output=True, text=True, check=True)
-    args = out.stdout.splitlines()
+    return out.stdout.splitlines()
 
-    def last(flag: str) -> str:  # argparse keeps the last occurrence
-        return args[len(args) - 1 - args[::-1].index(flag) + 1]
+
+def _last(args: list[str], flag: str) -> str:
+    """The value of ``flag``'s last occurrence (argparse keeps the last)."""
+    return args[len(args) - 1 - args[::-1].index(flag) + 1]
+
+
+@pytest.mark.parametrize(("script", "steps"), [("qwen3-4b/pacs_v2.sh", 120), ("qwen3-8b/pacs_v2.sh", 320)])
+def test_pacs_v2_recipes_follow_the_papers_appendix_c(script, steps, tmp_path):
+    """1,024 prompts x 8, mini-batch 256, responses up to 8,192 tokens, lr 1e-6, beta 1, no KL, the score anchored
+    at the reference with an optimizer-resetting reset, and the step count of the paper."""
+    args = _trainer_args(script, tmp_path)
+
+    def last(flag: str) -> str:
+        return _last(args, flag)
 
     expected = {
         "--global-batch-size": "1024",
@@ -170,16 +180,10 @@ def test_pacs_v2_recipes_follow_the_papers_appendix_c(script, steps, tmp_path):
     ],
 )
 def test_field_recipes_carry_the_published_settings(script, expected, tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "fakepython").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
-    (bin_dir / "fakepython").chmod(0o755)
-    env = _env(tmp_path, PYTHON=str(bin_dir / "fakepython"), DRY_RUN="1")
-    out = subprocess.run(["bash", str(EXAMPLES / script)], env=env, capture_output=True, text=True, check=True)
-    args = out.stdout.splitlines()
+    args = _trainer_args(script, tmp_path)
 
-    def last(flag: str) -> str:  # argparse keeps the last occurrence
-        return args[len(args) - 1 - args[::-1].index(flag) + 1]
+    def last(flag: str) -> str:
+        return _last(args, flag)
 
     assert {flag: last(flag) for flag in expected} == expected
 
@@ -189,19 +193,10 @@ def test_v2_baselines_share_pacs_v2s_data_batches_lengths_and_schedule(script, t
     """PACS v2's GRPO and PPO rows (Appendix C: the same learning rates, the KL loss off): every flag the PACS v2
     recipe of the same model sets for the batch, the lengths and the schedule is the baseline's too; only the
     objective differs (and PPO's critic at 1e-5)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "fakepython").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
-    (bin_dir / "fakepython").chmod(0o755)
-    env = _env(tmp_path, PYTHON=str(bin_dir / "fakepython"), DRY_RUN="1")
 
     def flags(name: str) -> dict[str, str]:
-        out = subprocess.run(["bash", str(EXAMPLES / name)], env=env, capture_output=True, text=True, check=True)
-        args, last = out.stdout.splitlines(), {}
-        for i, a in enumerate(args[:-1]):
-            if a.startswith("--"):
-                last[a] = args[i + 1]  # argparse keeps the last occurrence
-        return last
+        args = _trainer_args(name, tmp_path)
+        return {a: _last(args, a) for a in args[:-1] if a.startswith("--")}
 
     ours, v2 = flags(script), flags(f"{script.split('/')[0]}/pacs_v2.sh")
     shared = ("--global-batch-size", "--group-size", "--ppo-mini-batch-size", "--max-prompt-length")
