@@ -115,7 +115,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def launch_queue(request, tmp_path_factory):
-    """Every selected module's launches, queued with the session's first test (tests/launch_queue.py)."""
+    """Every selected module's launches, queued with the session's first test (tests/launch_queue.py); each
+    module's ``prepare`` runs here, in the main thread, before its launches are queued."""
     queue = LaunchQueue(workers=2)
     queue.background(True)  # until the first test outside tests/cluster/ (pytest_runtest_setup)
     request.config.stash[_QUEUE] = queue

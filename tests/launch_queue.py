@@ -8,8 +8,12 @@ launch starts the next module's first one.
 
 A module declares, at module level:
 
-- ``prepare(root: Path) -> Any``: builds its inputs under ``root`` (its own temporary folder); it runs once, in the
-  module's first launch to start, and its result is handed to every launch of the module;
+- ``prepare(root: Path) -> Any``: builds its inputs under ``root`` (its own temporary folder); it runs once, when
+  the module is planned, in the planning thread (the session's main thread), and its result is handed to every
+  launch of the module. Never in a launch's worker thread: while it loads a model, transformers swaps torch's init
+  functions and ``PreTrainedModel.tie_weights`` for no-ops process-wide (``transformers.initialization``'s
+  ``no_init_weights`` and ``no_tie_weights``), so a tiny model built in a worker thread while a test loaded another
+  in the main thread was saved untied or uninitialised (CI: test_distributed's ``qwen2_tied`` 2.8 off HF's logits);
 - ``LAUNCHES: dict[str, Callable[[Any], Any]]``: each launch, by name, from ``prepare``'s result.
 
 Its tests take the ``launched`` fixture of the module (``launch_queue.futures(__name__)``) and read their own
@@ -110,33 +114,21 @@ def run_launch(cmd: list[str], *, timeout: float, **kwargs: Any) -> subprocess.C
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-# One prepare at a time: a prepare imports from transformers, whose lazy module is not thread-safe (two threads
-# importing its names at once got "cannot import name 'PreTrainedTokenizerFast'"); the launches themselves are
-# subprocesses and run two at a time.
-_PREPARE_LOCK = threading.Lock()
-
-
 class _Prepared:
-    """A module's ``prepare(root)``, run once by whichever of its launches starts first."""
+    """A module's ``prepare(root)``, run once, in the thread that plans the module."""
 
     def __init__(self, prepare: Callable[[Path], Any], root: Path) -> None:
-        self._prepare, self._root = prepare, root
-        self._lock = _PREPARE_LOCK
-        self._done = False
-        self.seconds = 0.0
+        started = time.perf_counter()
         self._value: Any = None
         self._error: BaseException | None = None
+        try:
+            self._value = prepare(root)
+        except Exception as exc:  # noqa: BLE001 - kept: every launch of the module reports it
+            self._error = exc
+        self._root = root
+        self.seconds = time.perf_counter() - started
 
     def get(self) -> Any:
-        with self._lock:
-            if not self._done:
-                started = time.perf_counter()
-                try:
-                    self._value = self._prepare(self._root)
-                except Exception as exc:  # noqa: BLE001 - kept: every launch of the module reports it
-                    self._error = exc
-                self.seconds = time.perf_counter() - started
-                self._done = True
         if self._error is not None:
             raise RuntimeError(f"prepare({self._root}) failed") from self._error
         return self._value
@@ -150,18 +142,6 @@ class LaunchQueue:
     """
 
     def __init__(self, workers: int = 2) -> None:
-        # the names the modules' prepare functions import, imported here in the main thread first, so no test's own
-        # import of them in the main thread can race a worker's (transformers' lazy module is not thread-safe)
-        from transformers import (  # noqa: F401
-            AutoConfig,
-            AutoModelForCausalLM,
-            AutoTokenizer,
-            LlamaConfig,
-            PreTrainedTokenizerFast,
-            Qwen2Config,
-            Qwen3Config,
-        )
-
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="launch")
         self._workers = workers
         self._slots, self._nice, self._running = workers, 0, 0
@@ -176,7 +156,8 @@ class LaunchQueue:
         self._prepared: dict[str, _Prepared] = {}
 
     def plan(self, module: str, prepare: Callable[[Path], Any], launches: dict[str, Callable[[Any], Any]], root: Path):
-        """Queue every launch of ``module`` (after all that were queued before)."""
+        """Run ``module``'s ``prepare`` here, in the calling thread, then queue every launch of the module (after all
+        that were queued before)."""
         prepared = _Prepared(prepare, root)
         self._roots[module], self._prepared[module] = root, prepared
         seconds = self._seconds.setdefault(module, {})

@@ -117,3 +117,30 @@ def test_a_launch_running_in_the_background_comes_to_the_foreground_and_close_en
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child), "the child in its own session outlived the close"
+
+
+def test_prepare_runs_in_the_planning_thread_and_its_failure_fails_each_launch_of_the_module(tmp_path):
+    """Guards the CI failure where a tiny model built by a prepare in a worker thread was saved untied: transformers
+    swaps torch's init functions and ``tie_weights`` for no-ops process-wide while the main thread loads a model."""
+    threads: list[threading.Thread] = []
+
+    def prepare(root: Path) -> Path:
+        threads.append(threading.current_thread())
+        return root / "inputs"
+
+    def broken(_root: Path) -> None:
+        raise ValueError("no inputs")
+
+    queue = LaunchQueue(workers=2)
+    try:
+        queue.plan("m", prepare, {"a": lambda inputs: inputs, "b": lambda inputs: inputs.name}, tmp_path)
+        assert threads == [threading.current_thread()]  # done before plan returned
+        queue.plan("broken", broken, {"c": lambda _: "ran"}, tmp_path)
+        a, b = (f.result(timeout=30) for f in queue.futures("m").values())
+        assert (a, b) == (tmp_path / "inputs", "inputs")
+        with pytest.raises(RuntimeError, match="failed") as failed:
+            queue.futures("broken")["c"].result(timeout=30)
+        assert isinstance(failed.value.__cause__, ValueError)
+    finally:
+        queue.close()
+    assert threads == [threading.current_thread()]
