@@ -25,6 +25,40 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fleet_engines_forked():
+    """The pytest process's own local Ray clusters (the fleet tests', the evaluation tool's) get a job
+    ``runtime_env`` whose engine actors are forked by an engine server (tests/zygote.py, ``engine_runtime_env``:
+    vLLM imported once; an engine actor's start was ~8.5 CPU-s, ~6 of them importing vLLM). Ray still starts every
+    worker and the child runs Ray's own worker program; a worker of another environment runs the real interpreter.
+    ``MEGATRON_PACS_ZYGOTE=0`` turns it off."""
+    import zygote
+
+    try:
+        import ray
+    except ImportError:  # a machine without the fleet stack
+        ray = None
+    if ray is None or not zygote.enabled():
+        yield
+        return
+    init = ray.init
+
+    def init_with_forked_engines(*args, **kwargs):
+        if not args and kwargs.get("address") is None and "runtime_env" not in kwargs:
+            from megatron_pacs.rollout.vllm_backend.engine import VLLMEngine
+
+            runtime_env = zygote.engine_runtime_env({**os.environ, **VLLMEngine.actor_env(on_gpu=False)})
+            if runtime_env is not None:
+                kwargs["runtime_env"] = runtime_env
+        return init(*args, **kwargs)
+
+    ray.init = init_with_forked_engines
+    try:
+        yield
+    finally:
+        ray.init = init
+
+
 _LAUNCHING = pytest.StashKey[list]()
 _QUEUE = pytest.StashKey[LaunchQueue]()
 _FOREGROUND = pytest.StashKey[bool]()

@@ -9,6 +9,7 @@ Two servers start for the module (~4 CPU-s of imports each); each child costs mi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -146,3 +147,42 @@ def test_pythonpath_sitecustomize_runs_in_the_child(env, tmp_path):
     assert child.communicate(timeout=60)[0] == "True\n" and child.returncode == 0
     plain = zygote.popen([sys.executable, str(probe)], env=dict(env, PYTHONPATH=str(tmp_path)))  # probe.py there
     assert isinstance(plain, subprocess.Popen) and plain.communicate(timeout=60)[0] == "False\n"
+
+
+def test_a_server_ends_when_the_process_that_started_it_dies_without_its_atexit(env):
+    """A pytest ended by SIGTERM runs no ``atexit``: its servers once outlived it, each holding its imports."""
+    starter = (
+        "import json, sys, time; sys.path.insert(0, sys.argv[1]); import zygote; "
+        "sock, _ = zygote._server_for(json.loads(sys.argv[2]), wait=False); print(sock, flush=True); time.sleep(600)"
+    )
+    own = json.dumps(dict(env, ZYGOTE_TEST_PROFILE="orphan"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", starter, str(Path(zygote.__file__).parent), own], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        sock = proc.stdout.readline().strip()
+        server = Path(sock).parent
+        deadline = time.monotonic() + 120
+        while not Path(sock).exists() and time.monotonic() < deadline:  # bound after its imports
+            time.sleep(0.2)
+        assert Path(sock).exists()
+        pids = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)).endswith(f"{sock} python")]
+        assert len(pids) == 1, pids
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pids[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pids[0]}").exists(), "the server outlived the process that started it"
+    import shutil
+
+    shutil.rmtree(server.parent, ignore_errors=True)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""

@@ -50,7 +50,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RUNTIME_ONLY", "ZygotePopen", "client_path", "enabled", "popen", "run", "served_children", "shutdown"]
+__all__ = [
+    "RUNTIME_ONLY",
+    "ZygotePopen",
+    "client_path",
+    "enabled",
+    "engine_runtime_env",
+    "popen",
+    "run",
+    "served_children",
+    "shutdown",
+]
 
 #: Imported by every server before it serves: what a trainer rank, torchrun and the suite's check scripts import.
 PRELOAD = (
@@ -60,6 +70,9 @@ PRELOAD = (
     "megatron_pacs.trainer",
     "megatron_pacs.checkpointing",
 )
+#: Imported by an engine server (:func:`engine_runtime_env`): a vLLM engine actor's start is ~8.5 CPU-s on CPU, of
+#: which importing vLLM is ~6 (it imports Inductor even with ``TORCH_COMPILE_DISABLE``).
+ENGINE_PRELOAD = ("torch", "vllm", "megatron_pacs.rollout.vllm_backend.engine")
 #: Names of transformers' lazy module touched after the imports (each loads its submodule).
 PRELOAD_TRANSFORMERS = ("AutoConfig", "AutoTokenizer", "PreTrainedTokenizerFast", "AutoModelForCausalLM")
 
@@ -197,13 +210,16 @@ RUNTIME_ONLY_PREFIXES = (
 )
 
 
-def _runtime_only(name: str) -> bool:
+def _runtime_only(name: str, kind: str = "python") -> bool:
+    # an engine server imports vLLM, which reads its log level, and Ray, whose core reads its authentication mode once
+    if kind == "engine" and name.startswith(("VLLM_", "RAY_AUTH_")):
+        return False
     return name in RUNTIME_ONLY or name.startswith(RUNTIME_ONLY_PREFIXES)
 
 
-def _profile(env: dict[str, str]) -> dict[str, str]:
+def _profile(env: dict[str, str], kind: str = "python") -> dict[str, str]:
     """What a server's environment must equal: everything but the run-time-only variables and ``PYTHONPATH``."""
-    return {k: v for k, v in env.items() if not _runtime_only(k) and k != "PYTHONPATH"}
+    return {k: v for k, v in env.items() if not _runtime_only(k, kind) and k != "PYTHONPATH"}
 
 
 def _extra_path(env: dict[str, str]) -> list[str] | None:
@@ -224,17 +240,30 @@ def _extra_path(env: dict[str, str]) -> list[str] | None:
 # -- the server ------------------------------------------------------------------------------------------------------
 
 
-def _serve(sock_path: str) -> None:
+def _serve(sock_path: str, kind: str = "python") -> None:
     """The server's main: preload, then fork a child per request until its socket is removed."""
     import importlib
 
     own_env = dict(os.environ)
-    for name in PRELOAD:
-        importlib.import_module(name)
-    import transformers
+    if kind == "engine":
+        # Not Ray: its core reads the worker's own variables (RAY_JOB_ID, ...) once, so a child of a server that had
+        # loaded it failed its start ("Check failed: !job_id_env.empty()"). vLLM imports it where it is installed,
+        # optionally (its Ray executor, unused by an engine in one process): each child imports Ray itself.
+        sys.modules["ray"] = None  # type: ignore[assignment] - what makes `import ray` raise ImportError
+    try:
+        for name in PRELOAD if kind == "python" else ENGINE_PRELOAD:
+            importlib.import_module(name)
+        import transformers
 
-    for name in PRELOAD_TRANSFORMERS:
-        getattr(transformers, name)
+        for name in PRELOAD_TRANSFORMERS:
+            getattr(transformers, name)
+        if kind == "engine":
+            import vllm
+
+            vllm.LLM  # noqa: B018 - vLLM's lazy module: this loads the engine's classes
+    finally:
+        if sys.modules.get("ray", 0) is None:
+            del sys.modules["ray"]
     blocked = [m for m in ("ray", "vllm", "math_verify") if m in sys.modules]
     threads = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
     if len(threads) != 1:  # a fork would copy a lock another thread holds
@@ -264,12 +293,14 @@ def _serve(sock_path: str) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(wake_r, selectors.EVENT_READ, "wake")
-    while Path(sock_path).exists():
+    parent = os.getppid()
+    # ends with its socket (shutdown) or with the session that started it (a pytest ended by SIGTERM runs no atexit)
+    while Path(sock_path).exists() and os.getppid() == parent:
         for key, _ in sel.select(timeout=1.0):
             if key.data == "accept":
                 conn, _ = listener.accept()
                 request, fds = _recv(conn, with_fds=True)
-                why = None if request is None else _refusal(request, own_env)
+                why = None if request is None else _refusal(request, own_env, kind)
                 if request is None or len(fds) != 3 or why is not None:
                     if why is not None:
                         print(f"refused: {why}", file=sys.stderr, flush=True)
@@ -330,10 +361,11 @@ def _serve(sock_path: str) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def _refusal(request: dict, own_env: dict[str, str]) -> str | None:
+def _refusal(request: dict, own_env: dict[str, str], kind: str) -> str | None:
     """Why this server cannot run ``request`` (its environment differs where the preloaded libraries read it)."""
     env = request["env"]
-    differs = sorted(k for k in _profile(env).keys() | _profile(own_env).keys() if env.get(k) != own_env.get(k))
+    mine, theirs = _profile(own_env, kind), _profile(env, kind)
+    differs = sorted(k for k in mine.keys() | theirs.keys() if env.get(k) != own_env.get(k))
     if differs:
         return f"the environment differs in {differs}"
     if _extra_path(env) is None:
@@ -471,7 +503,9 @@ def client_path() -> str:
     return str(path)
 
 
-def _server_for(env: dict[str, str], *, at_request: int = 1) -> tuple[str, dict[str, str]] | None:
+def _server_for(
+    env: dict[str, str], *, at_request: int = 1, kind: str = "python", wait: bool = True
+) -> tuple[str, dict[str, str]] | None:
     """The socket of the server for ``env``'s profile, started (and waited for) at the profile's ``at_request``-th
     request; None before that, and where no server can serve it (its imports started a thread: then every launch
     of that environment is a plain subprocess).
@@ -480,9 +514,12 @@ def _server_for(env: dict[str, str], *, at_request: int = 1) -> tuple[str, dict[
         env: The launch's environment.
         at_request: A server costs one launch's imports: :func:`popen` starts one at a profile's second launch, so
             an environment used once (a test's own variables) costs nothing more than a plain subprocess.
+        kind: ``python`` (:data:`PRELOAD`) or ``engine`` (:data:`ENGINE_PRELOAD`).
+        wait: Whether to wait for a new server's imports; without, its socket is returned at once (a client that
+            finds no socket yet runs the real interpreter).
     """
-    profile = _profile(env)
-    key = hashlib.sha256(json.dumps(sorted(profile.items())).encode()).hexdigest()[:16]
+    profile = _profile(env, kind)
+    key = kind[0] + hashlib.sha256(json.dumps(sorted(profile.items())).encode()).hexdigest()[:15]
     with _LOCK:
         if key in _UNSERVABLE:
             return None
@@ -493,16 +530,16 @@ def _server_for(env: dict[str, str], *, at_request: int = 1) -> tuple[str, dict[
             folder = Path(_root()) / key
             folder.mkdir()
             sock = str(folder / "s")
-            server_env = {k: v for k, v in env.items() if not _runtime_only(k) and k != "PYTHONPATH"}
+            server_env = dict(profile)
             (folder / "profile.json").write_text(json.dumps(profile, indent=0, sort_keys=True))
             log = open(folder / "log", "w")
             if _SERVERS:  # why another server: what differs from the first one's environment
-                first = _profile(next(iter(_SERVERS.values()))[2])
+                first = _profile(next(iter(_SERVERS.values()))[2], kind)
                 differs = sorted(k for k in first.keys() | profile.keys() if first.get(k) != profile.get(k))
                 log.write(f"another server: the environment differs from the first server's in {differs}\n")
                 log.flush()
             proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), sock],
+                [sys.executable, str(Path(__file__).resolve()), sock, kind],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
@@ -510,6 +547,9 @@ def _server_for(env: dict[str, str], *, at_request: int = 1) -> tuple[str, dict[
                 start_new_session=True,
             )
             assert proc.stdout is not None
+            if not wait:
+                _SERVERS[key] = (proc, sock, server_env)
+                return sock, server_env
             line = proc.stdout.readline()  # after its imports
             if line.strip() != "ready":
                 proc.kill()
@@ -523,6 +563,24 @@ def _server_for(env: dict[str, str], *, at_request: int = 1) -> tuple[str, dict[
             _SERVERS[key] = (proc, sock, server_env)
         _, sock, server_env = _SERVERS[key]
     return sock, server_env
+
+
+def engine_runtime_env(env: dict[str, str]) -> dict[str, Any] | None:
+    """A local Ray job's ``runtime_env`` whose workers are forked by an engine server (:data:`ENGINE_PRELOAD`
+    imported) where their environment is ``env``'s: the fleet's engine actors, whose environment is the driver's plus
+    the backend's ``actor_env``. Ray starts each worker as ``py_executable default_worker.py ...``; the client
+    (:func:`client_path`) asks the server, and runs the real interpreter where the server refuses (another
+    environment: Ray's other workers) or is not up yet (it is started here, in the background). None where the fork
+    servers are off."""
+    if not enabled():
+        return None
+    # What the raylet sets for every worker it starts: SPT_NOENV (setproctitle, imported with Ray, reads it when it
+    # loads); and ray.init sets Ray's authentication mode (token, Ray's default) in the driver before its node starts.
+    worker_env = {**env, "SPT_NOENV": "1", "RAY_AUTH_MODE": env.get("RAY_AUTH_MODE", "token")}
+    server = _server_for(worker_env, kind="engine", wait=False)
+    if server is None:
+        return None
+    return {"py_executable": client_path(), "env_vars": {_SOCKET_ENV: server[0]}}
 
 
 def shutdown() -> None:
@@ -724,4 +782,4 @@ def run(
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], *sys.argv[2:3])

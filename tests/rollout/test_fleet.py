@@ -282,6 +282,31 @@ def test_engine_lost_before_a_probe_sleep_or_wake_up_is_restarted_and_asked_agai
     assert fleet.num_restarts == restarts + 3
 
 
+def test_a_restarted_engine_is_forked_by_the_suites_engine_server(fleet, models):
+    """Guards the suite's own speed, not the fleet: the pytest process's fleets start their engines through the
+    engine server of tests/zygote.py (tests/conftest.py), vLLM imported once. The first engines may start before
+    the server is up (the real interpreter then); a replacement is the server's child, and generates."""
+    import os
+
+    import psutil
+    import zygote
+
+    if not zygote.enabled():
+        pytest.skip("MEGATRON_PACS_ZYGOTE=0")
+    _, tok = models
+    kill_engine(fleet, 0)
+    assert len(fleet.generate(chat_prompts(tok, 1), seeded_sampling())) == 1
+    forked = []
+    for proc in psutil.Process().children(recursive=True):  # this session's engine servers and their children
+        try:
+            parent = proc.parent()
+            if proc.name().startswith("ray::EngineAct") and parent is not None and parent.ppid() == os.getpid():
+                forked.append((proc.pid, parent.cmdline()))
+        except psutil.Error:
+            continue
+    assert any("engine" in cmdline[-1:] and "zygote.py" in " ".join(cmdline) for _, cmdline in forked), forked
+
+
 def test_hung_engine_is_killed_after_the_call_timeout_and_the_fleet_recovers(fleet, models):
     """A hung engine does not block rank 0 forever. Here engine 0 is kept busy by a side-group join with no
     trainer behind it (an actor runs one call at a time, so the generation waits behind it); after
