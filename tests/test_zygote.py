@@ -4,7 +4,8 @@ Guards what the launches rely on: argv, ``sys.path``, the environment, the worki
 session of its own, Python's exit (``atexit``, the status, Ctrl-C as a SIGINT death), torchrun's ranks forked by the
 same server, a dead client's child ended, ``PYTHONPATH``'s ``sitecustomize`` (tests/no_fleet_stack), and the
 refusals: a load-time variable that differs gets a server of its own, an unparsed command line a plain subprocess.
-Two servers start for the module (~4 CPU-s of imports each); each child costs milliseconds.
+Three servers start for the module (~4 CPU-s of imports each), one to see it end with the process that started
+it; each child costs milliseconds. The engine server is guarded in tests/rollout/test_fleet.py.
 """
 
 from __future__ import annotations

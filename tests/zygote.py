@@ -29,7 +29,11 @@ What differs from a real interpreter, knowingly:
 - what the preloaded libraries print while they load (Megatron-Core's notices that Transformer Engine and Apex are
   absent) is in the server's log, not in each child's standard error.
 
-``MEGATRON_PACS_ZYGOTE=0`` turns it off (every launch a plain subprocess).
+A second kind of server, ``engine`` (:func:`engine_runtime_env`), forks the Ray workers of the pytest process's
+own fleets with vLLM imported: Ray runs each worker as ``py_executable default_worker.py ...`` and the job's
+``py_executable`` is this module's client.
+
+``MEGATRON_PACS_ZYGOTE=0`` turns it off (every launch a plain subprocess, every engine the real interpreter).
 """
 
 from __future__ import annotations
