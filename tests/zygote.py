@@ -215,8 +215,7 @@ RUNTIME_ONLY_PREFIXES = (
 
 
 def _runtime_only(name: str, kind: str = "python") -> bool:
-    # an engine server imports vLLM, which reads its log level, and Ray, whose core reads its authentication mode once
-    if kind == "engine" and name.startswith(("VLLM_", "RAY_AUTH_")):
+    if kind == "engine" and name.startswith("VLLM_"):  # an engine server imports vLLM, which reads its log level
         return False
     return name in RUNTIME_ONLY or name.startswith(RUNTIME_ONLY_PREFIXES)
 
@@ -578,9 +577,8 @@ def engine_runtime_env(env: dict[str, str]) -> dict[str, Any] | None:
     servers are off."""
     if not enabled():
         return None
-    # What the raylet sets for every worker it starts: SPT_NOENV (setproctitle, imported with Ray, reads it when it
-    # loads); and ray.init sets Ray's authentication mode (token, Ray's default) in the driver before its node starts.
-    worker_env = {**env, "SPT_NOENV": "1", "RAY_AUTH_MODE": env.get("RAY_AUTH_MODE", "token")}
+    # the raylet sets it for every worker it starts (setproctitle, which the preloaded libraries import, reads it)
+    worker_env = {**env, "SPT_NOENV": "1"}
     server = _server_for(worker_env, kind="engine", wait=False)
     if server is None:
         return None
