@@ -151,6 +151,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def launch_queue(request, tmp_path_factory):
     """Every selected module's launches, queued with the session's first test (tests/launch_queue.py); each
     module's ``prepare`` runs here, in the main thread, before its launches are queued."""
+    # Imported here, in the main thread: the launch threads' zygote.popen reads the engines' actor environment, and a
+    # first import of it in a launch thread raced a test's numpy ("partially initialized module 'numpy'").
+    import megatron_pacs.rollout.vllm_backend.engine  # noqa: F401
+
     queue = LaunchQueue(workers=2)
     queue.background(True)  # until the first test outside tests/cluster/ (pytest_runtest_setup)
     request.config.stash[_QUEUE] = queue

@@ -141,3 +141,22 @@ def test_entropy_reaches_tensorboard(launch_queue, launched):
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
     assert len(acc.Scalars("actor/entropy")) == 2
+
+
+def test_the_fleet_runs_engines_are_forked_by_the_suites_engine_server(launched):
+    """The suite's harness, not an objective: each fleet launch's own local Ray started its engine actors as children
+    of an engine server (tests/zygote_ray_hook.py), vLLM imported once for every launch rather than in each engine
+    (~6 of an engine's ~8 CPU-s). Reads the servers' logs: no cost of its own."""
+    import zygote
+
+    if not zygote.enabled():
+        pytest.skip("MEGATRON_PACS_ZYGOTE=0: no fork servers")
+    fleet = [name for name, run in RUNS.items() if run[1]]
+    for name in fleet:
+        launched[name].result()
+    workers = [
+        program
+        for profile, program in zygote.forks("engine")
+        if profile.get("MKL_CBWR") == "COMPATIBLE" and program.endswith("default_worker.py")  # the launches' pins
+    ]
+    assert len(workers) >= len(fleet), zygote.forks("engine")

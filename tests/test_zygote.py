@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -177,8 +178,6 @@ def test_a_server_ends_when_the_process_that_started_it_dies_without_its_atexit(
     while Path(f"/proc/{pids[0]}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(f"/proc/{pids[0]}").exists(), "the server outlived the process that started it"
-    import shutil
-
     shutil.rmtree(server.parent, ignore_errors=True)
 
 
@@ -187,3 +186,65 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def test_the_launches_ray_hook_names_the_engine_server_and_a_real_interpreter_never_sees_it(env, tmp_path):
+    """A served launch's ``RAY_RUNTIME_ENV_HOOK`` (tests/zygote_ray_hook.py) makes its job's workers the client of
+    the engine server, leaving a driver's own ``py_executable`` alone; the client, where it runs the real interpreter
+    in a server's place, drops the hook (that interpreter could not import it and ``ray.init`` would fail). The
+    launches' engines forked: tests/test_objectives_launch.py. Milliseconds (no Ray, no engine server)."""
+    import zygote_ray_hook
+
+    served = {"ZYGOTE_ENGINE_SOCKET": "/tmp/s", "ZYGOTE_CLIENT": "/tmp/python"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in served.items():
+            mp.setenv(k, v)
+        hooked = zygote_ray_hook.forked_engines({"env_vars": {"A": "1"}})
+        assert hooked == {"env_vars": {"A": "1", "ZYGOTE_SOCKET": "/tmp/s"}, "py_executable": "/tmp/python"}
+        assert zygote_ray_hook.forked_engines(None)["py_executable"] == "/tmp/python"  # type: ignore[index]
+        own = {"py_executable": "/usr/bin/python3"}
+        assert zygote_ray_hook.forked_engines(own) is own
+    assert zygote_ray_hook.forked_engines({"env_vars": {}}) == {"env_vars": {}}  # a launch without the server
+    probe = "import os; print(os.environ.get('RAY_RUNTIME_ENV_HOOK'))"
+    hooked_env = dict(env, RAY_RUNTIME_ENV_HOOK=zygote_ray_hook.HOOK, ZYGOTE_SOCKET=str(tmp_path / "none"))
+    out = subprocess.run(
+        [zygote.client_path(), "-c", probe], env=hooked_env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout == "None\n", out.stderr
+    assert zygote._starts_engines({"module": "megatron_pacs.train", "args": ["--lr", "1"]})
+    assert not zygote._starts_engines({"module": "megatron_pacs.train", "args": ["--rollout-source", "synthetic"]})
+    assert zygote._starts_engines({"module": "torch.distributed.run", "args": ["-m", "megatron_pacs.train"]})
+    assert not zygote._starts_engines({"script": "check.py", "args": []})
+
+
+def test_a_child_joins_its_clients_network_and_mount_namespaces(env, tmp_path):
+    """A client started by ``ip netns exec`` (a virtual cluster's host, tests/cluster/netns.py) gets its child in
+    its network namespace, where ``ip netns pids`` finds it, and in its mount namespace, with the host's own
+    ``/etc/hosts``. ~1 s: one namespace, two children of the module's server."""
+    ip = shutil.which("ip")
+    if ip is None or os.geteuid() != 0:
+        pytest.skip("network namespaces need the `ip` command and root")
+    ns = f"mpz{os.getpid()}"
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, socket, sys\n"
+        "print(sorted(n for _, n in socket.if_nameindex()), open('/etc/hosts').read().split(), os.getcwd(),"
+        " 'torch' in sys.modules)\n"
+    )
+    etc = Path("/etc/netns") / ns
+    subprocess.run([ip, "netns", "add", ns], check=True, timeout=30)
+    try:
+        etc.mkdir(parents=True)
+        (etc / "hosts").write_text("10.9.9.9 probehost\n")
+        recipe = zygote.recipe_env(env)
+        assert recipe["PYTHON"] == recipe["PYTHON_EXEC"] == zygote.client_path()
+        shell = ["bash", "-c", 'exec "$PYTHON" "$0"', str(probe)]  # as a recipe runs it: SHLVL and _ differ
+        out = subprocess.run(
+            [ip, "netns", "exec", ns, *shell], env=recipe, cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("] ")[0] == "['lo'"  # the namespace's interfaces, not the machine's
+        assert "probehost" in out.stdout and str(tmp_path) in out.stdout and out.stdout.strip().endswith("True")
+    finally:
+        subprocess.run([ip, "netns", "del", ns], timeout=30)
+        shutil.rmtree(etc, ignore_errors=True)

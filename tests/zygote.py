@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -54,13 +55,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the launches' RAY_RUNTIME_ENV_HOOK: in every server's sys.modules, where Ray's load_class finds it in the children
+from zygote_ray_hook import HOOK
+
 __all__ = [
     "RUNTIME_ONLY",
     "ZygotePopen",
     "client_path",
     "enabled",
     "engine_runtime_env",
+    "forks",
     "popen",
+    "recipe_env",
     "run",
     "served_children",
     "shutdown",
@@ -115,6 +121,49 @@ RUNTIME_ONLY = frozenset(
         "MEGATRON_PACS_RAY_TEMP_IN_LOG_DIR",
         "MEGATRON_PACS_RECORD_GOLDEN",
         "ZYGOTE_SOCKET",
+        "ZYGOTE_CLIENT",
+        "ZYGOTE_ENGINE_SOCKET",
+        # what a shell sets in its children's environment, and Slurm in a batch job's
+        "SHLVL",
+        "_",
+        "PWD",
+        "OLDPWD",
+        "ENVIRONMENT",
+        "HOSTNAME",
+        # read when CUDA starts (examples/lib/recipe.bash exports it)
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+    }
+    # the recipes' own variables (examples/*.sh, examples/lib/, examples/slurm/): read by the scripts only
+    | {
+        "DRY_RUN",
+        "EXIT_SIGNAL_GRACE_SECONDS",
+        "EXP_NAME",
+        "GPUS_PER_NODE",
+        "HF_MODEL",
+        "LOG_DIR",
+        "MODEL_ARGS",
+        "NNODES",
+        "NODE_IP",
+        "NODE_RANK",
+        "NUM_ENGINES",
+        "NUM_GPUS",
+        "PACS_BETA",
+        "PYTHON",
+        "RECIPE",
+        "RECIPE_ARGS",
+        "REF_RESET_INTERVAL",
+        "REPO_ROOT",
+        "ROLLOUT_SOURCE",
+        "ROUTER_REPLAY",
+        "SAVE_DIR",
+        "SAVE_INTERVAL",
+        "SCRIPT_DIR",
+        "SIGNAL_MARGIN_SECONDS",
+        "STOP_DIR",
+        "TRAIN_DATA",
+        "TRAIN_ITERS",
+        "VAL_DATA",
+        "VAL_FILES",
     }
 )
 
@@ -211,6 +260,11 @@ RUNTIME_ONLY_PREFIXES = (
     "NCCL_",
     "NVTE_",
     "PYTORCH_NVML_",
+    "SLURM_",
+    "SLURMD_",
+    "SBATCH_",
+    "SRUN_",
+    "SALLOC_",
 )
 
 
@@ -231,6 +285,8 @@ def _extra_path(env: dict[str, str]) -> list[str] | None:
     interpreter for the fused kernels' tests), so such a launch runs as a plain subprocess."""
     folders = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     for folder in folders:
+        if _is_checkout(folder):  # the recipes put it there (examples/lib/recipe.bash)
+            continue
         try:
             names = {n for n in os.listdir(folder) if n != "__pycache__"}
         except OSError:
@@ -238,6 +294,22 @@ def _extra_path(env: dict[str, str]) -> list[str] | None:
         if not names <= {"sitecustomize.py"}:
             return None
     return folders
+
+
+def _is_checkout(folder: str) -> bool:
+    """Whether ``folder`` is the checkout whose ``megatron_pacs`` the servers import (its editable install): on
+    ``sys.path`` it adds that same package, and folders of scripts and tests that no library looks for."""
+    global _CHECKOUT
+    if _CHECKOUT is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("megatron_pacs")
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        _CHECKOUT = str(Path(locations[0]).resolve().parent) if locations else ""
+    return bool(_CHECKOUT) and str(Path(folder).resolve()) == _CHECKOUT
+
+
+_CHECKOUT: str | None = None
 
 
 # -- the server ------------------------------------------------------------------------------------------------------
@@ -324,6 +396,8 @@ def _serve(sock_path: str, kind: str = "python") -> None:
                     _child(conn, request, fds, blocked)  # never returns
                 for fd in fds:
                     os.close(fd)
+                command = request["command"]
+                print(f"forked {pid}: {command.get('module') or command.get('script')}", file=sys.stderr, flush=True)
                 children[pid], by_conn[conn] = conn, pid
                 if request.get("client_pid"):
                     (edges / str(pid)).write_text(str(request["client_pid"]))
@@ -372,7 +446,7 @@ def _refusal(request: dict, own_env: dict[str, str], kind: str) -> str | None:
     if differs:
         return f"the environment differs in {differs}"
     if _extra_path(env) is None:
-        return "a PYTHONPATH folder holds more than a sitecustomize.py"
+        return f"a PYTHONPATH folder holds more than a sitecustomize.py: {env.get('PYTHONPATH')}"
     return None
 
 
@@ -381,6 +455,8 @@ def _child(conn: socket.socket, request: dict, fds: list[int], blocked: list[str
     code = 1
     try:
         os.setsid()
+        if request.get("client_pid"):
+            _enter_namespaces(request["client_pid"])
         if request.get("nice") is not None:
             with contextlib.suppress(OSError):
                 Path("/proc/self/autogroup").write_text(str(request["nice"]))
@@ -442,6 +518,32 @@ def _child(conn: socket.socket, request: dict, fds: list[int], blocked: list[str
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+#: The namespaces a child joins where its client's differ from the server's, in this order (a mount namespace's
+#: join resets the folder, set after it), with their ``setns`` flags.
+_NAMESPACES = (("net", 0x40000000), ("mnt", 0x00020000))  # CLONE_NEWNET, CLONE_NEWNS
+
+
+def _enter_namespaces(client_pid: int) -> None:
+    """Join the client's network and mount namespaces where they are not the server's: a client started by ``ip
+    netns exec`` (the virtual cluster's hosts, tests/cluster/netns.py) gets its child on its host, where ``ip netns
+    pids`` finds and ends it, with the host's ``/etc/hosts``. Python 3.11 has no ``os.setns``: libc's, by ctypes."""
+    import ctypes
+
+    libc = None
+    for name, flag in _NAMESPACES:
+        theirs, mine = os.stat(f"/proc/{client_pid}/ns/{name}"), os.stat(f"/proc/self/ns/{name}")
+        if (theirs.st_dev, theirs.st_ino) == (mine.st_dev, mine.st_ino):
+            continue
+        libc = libc or ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/proc/{client_pid}/ns/{name}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, flag) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into process {client_pid}'s {name} namespace: {os.strerror(err)}")
+        finally:
+            os.close(fd)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -568,6 +670,23 @@ def _server_for(
     return sock, server_env
 
 
+def recipe_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a recipe (examples/*.sh) that runs ``$PYTHON``: its launcher and its ranks forked by the server of
+    ``env``'s environment (started here, and waited for), inside the client's namespaces where it runs on a
+    virtual cluster's host. Unchanged where the servers are off.
+
+    Args:
+        env: The recipe's whole environment (the recipes' own variables, :data:`RUNTIME_ONLY`, may differ later).
+    """
+    if not enabled():
+        return env
+    server = _server_for(env)  # waited for: the recipe's processes start at once
+    if server is None:
+        return env
+    client = client_path()
+    return {**env, "PYTHON": client, "PYTHON_EXEC": client, _SOCKET_ENV: server[0]}
+
+
 def engine_runtime_env(env: dict[str, str]) -> dict[str, Any] | None:
     """A local Ray job's ``runtime_env`` whose workers are forked by an engine server (:data:`ENGINE_PRELOAD`
     imported) where their environment is ``env``'s: the fleet's engine actors, whose environment is the driver's plus
@@ -577,12 +696,41 @@ def engine_runtime_env(env: dict[str, str]) -> dict[str, Any] | None:
     servers are off."""
     if not enabled():
         return None
+    sock = _engine_socket(env)
+    return None if sock is None else {"py_executable": client_path(), "env_vars": {_SOCKET_ENV: sock}}
+
+
+def _engine_socket(env: dict[str, str], *, wait: bool = False) -> str | None:
+    """The socket of the engine server for workers whose environment is ``env`` (``wait``: for its imports)."""
     # the raylet sets it for every worker it starts (setproctitle, which the preloaded libraries import, reads it)
-    worker_env = {**env, "SPT_NOENV": "1"}
-    server = _server_for(worker_env, kind="engine", wait=False)
-    if server is None:
-        return None
-    return {"py_executable": client_path(), "env_vars": {_SOCKET_ENV: server[0]}}
+    server = _server_for({**env, "SPT_NOENV": "1"}, kind="engine", wait=wait)
+    return None if server is None else server[0]
+
+
+def _launch_engines(env: dict[str, str]) -> dict[str, str]:
+    """What a launch forked by a python server gets in its environment so that the engine actors of its own local
+    Ray are forked by an engine server too (tests/zygote_ray_hook.py): their environment is the launch's plus the
+    backend's ``actor_env``, which reads the driver's vLLM log level. The server is waited for (once per
+    environment, in a launch thread): every launch then forks its engines, whatever the load."""
+    from megatron_pacs.rollout.vllm_backend.engine import VLLMEngine
+
+    actor = {**VLLMEngine.actor_env(on_gpu=False), "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    sock = _engine_socket({**env, **actor}, wait=True)
+    if sock is None:
+        return {}
+    return {"RAY_RUNTIME_ENV_HOOK": HOOK, "ZYGOTE_CLIENT": client_path(), "ZYGOTE_ENGINE_SOCKET": sock}
+
+
+def _starts_engines(command: dict) -> bool:
+    """Whether a launch may start a fleet: ``megatron_pacs.train`` (under torchrun too), not a synthetic source, a
+    help or a dry run."""
+    args = command["args"]
+    trains = command.get("module") == "megatron_pacs.train" or (
+        command.get("module") == "torch.distributed.run" and "megatron_pacs.train" in args
+    )
+    synthetic = any(a == "--rollout-source" and b == "synthetic" for a, b in itertools.pairwise(args))
+    never = {"--rollout-source=synthetic", "--help", "-h", "--dry-run"}
+    return trains and not synthetic and not never & set(args)
 
 
 def shutdown() -> None:
@@ -600,6 +748,19 @@ def shutdown() -> None:
         import shutil
 
         shutil.rmtree(_ROOT, ignore_errors=True)
+
+
+def forks(kind: str = "engine") -> list[tuple[dict[str, str], str]]:
+    """What the servers of ``kind`` forked so far: (the server's environment, the program) per child."""
+    if _ROOT is None:
+        return []
+    out = []
+    for folder in sorted(Path(_ROOT).glob(f"{kind[0]}*/")):
+        with contextlib.suppress(OSError, ValueError):
+            profile = json.loads((folder / "profile.json").read_text())
+            lines = (folder / "log").read_text(errors="replace").splitlines()
+            out += [(profile, line.split(": ", 1)[1]) for line in lines if line.startswith("forked ")]
+    return out
 
 
 def served_children() -> dict[int, int]:
@@ -745,9 +906,9 @@ def popen(
     server = _server_for(env, at_request=2) if _extra_path(env) is not None else None
     if server is None:
         return plain()
-    served = env
+    served = {**env, **_launch_engines(env)} if _starts_engines(command) else dict(env)
     if command.get("module") == "torch.distributed.run":  # its ranks forked by the same server (module docstring)
-        served = {**env, "PYTHON_EXEC": client_path(), _SOCKET_ENV: server[0]}
+        served.update(PYTHON_EXEC=client_path(), **{_SOCKET_ENV: server[0]})
     request = {
         "command": command,
         "env": served,

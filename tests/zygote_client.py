@@ -20,6 +20,9 @@ RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.
 
 
 def _exec_real() -> None:
+    # the launches' Ray hook (tests/zygote_ray_hook.py) is importable in a server's children only
+    if os.environ.get("RAY_RUNTIME_ENV_HOOK", "").startswith("zygote_ray_hook."):
+        del os.environ["RAY_RUNTIME_ENV_HOOK"]
     os.execv(REAL_PYTHON, [REAL_PYTHON, *sys.argv[1:]])
 
 

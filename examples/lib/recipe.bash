@@ -10,7 +10,7 @@
 #   DRY_RUN=1                    validate layout, batch arithmetic and per-GPU memory on this machine and exit
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[1]}")" && pwd)"
-REPO_ROOT="$(cd "$SCRIPT_DIR/../.." && pwd)"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"  # examples/lib/../..: whichever script sources this
 
 NNODES="${NNODES:-8}"
 NODE_RANK="${NODE_RANK:-0}"

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import zygote
 from helpers.cpu import PINNED_CPU_ENV  # the CPU pins of the single-host runs
 from netns import VirtualCluster
 
@@ -127,7 +128,8 @@ class Deployment:
                 **env,
             )
             cmd = ["bash", "examples/tiny_cluster.sh", *extra]
-            self.trainers[host] = self.cluster.spawn(host, cmd, env=e, log=self.log(f"{name}-{host}"), cwd=ROOT)
+            log = self.log(f"{name}-{host}")
+            self.trainers[host] = self.cluster.spawn(host, cmd, env=zygote.recipe_env(e), log=log, cwd=ROOT)
 
     def wait_trainers(self, timeout: float) -> dict[str, int | None]:
         """Exit codes of both trainers (None for one still running at the deadline)."""

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import zygote
 from netns import IP, VirtualCluster
 
 __all__ = ["PACKAGES", "SlurmCluster", "slurm_unavailable"]
@@ -227,7 +228,9 @@ class SlurmCluster:
         """``sbatch --parsable ARGS`` from ``cwd``; returns the job id."""
         proc = subprocess.run(
             [IP, "netns", "exec", self.cluster.hosts[CONTROLLER].netns, "sbatch", "--parsable", *args],
-            env=self.env(**env),
+            # The job's Python processes forked on its hosts: by a server of the job's TMPDIR (the one Slurm keeps),
+            # which Python's tempfile reads once.
+            env=zygote.recipe_env(self.env(**{"TMPDIR": tempfile.gettempdir(), **env})),
             capture_output=True,
             text=True,
             timeout=30,

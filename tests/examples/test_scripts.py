@@ -205,3 +205,21 @@ def test_v2_baselines_share_pacs_v2s_data_batches_lengths_and_schedule(script, t
     loss = script.split("/")[1].removesuffix(".sh")
     assert ours["--loss"] == loss and ours["--kl-coef"] == "0.0"
     assert (ours.get("--critic-lr") == "1e-5") == (loss == "ppo")
+
+
+RECIPES = [*MULTI_NODE, EXAMPLES / "tiny_cluster.sh"]
+
+
+@pytest.mark.parametrize("script", RECIPES, ids=_ids(RECIPES))
+def test_a_recipe_puts_the_checkout_on_pythonpath(script, tmp_path):
+    """The checkout first on ``PYTHONPATH`` (megatron_pacs without an installed copy), whatever folder the recipe
+    lives in: tiny_cluster.sh, one level up from the model folders, once put the checkout's parent there."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "fakepython"
+    fake.write_text('#!/bin/sh\necho "$PYTHONPATH"\n')
+    fake.chmod(0o755)
+    env = _env(tmp_path, PYTHON=str(fake), NNODES="2", PYTHONPATH="/elsewhere")
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{ROOT}:/elsewhere"
