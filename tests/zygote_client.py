@@ -36,7 +36,7 @@ def _nice():
 
 def main() -> None:
     sys.path.insert(0, TESTS_DIR)
-    from zygote import _recv, parse_command  # the server's own protocol (the standard library only)
+    from zygote_server import _recv, parse_command  # the server's own protocol (the standard library only)
 
     command = parse_command(sys.argv[1:])
     if command is None or not os.environ.get("ZYGOTE_SOCKET"):

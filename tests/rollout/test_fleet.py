@@ -304,7 +304,7 @@ def test_a_restarted_engine_is_forked_by_the_suites_engine_server(fleet, models)
                 forked.append((proc.pid, parent.cmdline()))
         except psutil.Error:
             continue
-    assert any("engine" in cmdline[-1:] and "zygote.py" in " ".join(cmdline) for _, cmdline in forked), forked
+    assert any("engine" in cmdline[-1:] and "zygote_server.py" in " ".join(cmdline) for _, cmdline in forked), forked
 
 
 def test_hung_engine_is_killed_after_the_call_timeout_and_the_fleet_recovers(fleet, models):
