@@ -91,6 +91,17 @@ def test_a_load_time_variable_gets_a_server_of_its_own_at_its_second_launch_and_
     assert isinstance(plain, subprocess.Popen) and plain.communicate()[0] == "1\n"
 
 
+def test_a_server_not_ready_in_time_is_ended_and_its_environment_runs_plain_processes(env, script, monkeypatch):
+    """A server's imports are waited for within a bound: one that hangs in them (a loaded machine, a deadlock) is
+    killed, and the launches of its environment run as plain subprocesses. Milliseconds: the server is killed at
+    once."""
+    monkeypatch.setattr(zygote, "_START_TIMEOUT_S", 0.01)
+    slow = dict(env, ZYGOTE_TEST_PROFILE="not ready")
+    assert zygote._server_for(slow) is None
+    child = zygote.popen([sys.executable, str(script)], env=slow)
+    assert isinstance(child, subprocess.Popen) and child.communicate(timeout=60)[0].startswith("[")
+
+
 def test_ctrl_c_ends_a_child_by_sigint_after_its_atexit_and_a_dead_clients_child_is_killed(env, script, tmp_path):
     ready = tmp_path / "ready"
     proc = zygote.popen([sys.executable, str(script), "--wait", str(ready)], env=env)

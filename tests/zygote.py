@@ -44,6 +44,7 @@ import hashlib
 import itertools
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -72,6 +73,7 @@ __all__ = [
 ]
 
 _SOCKET_ENV = "ZYGOTE_SOCKET"
+_START_TIMEOUT_S = 300.0  # a server's imports: ~4-8 CPU-s; minutes on a loaded 2-core machine
 _ENABLED_ENV = "MEGATRON_PACS_ZYGOTE"
 _HERE = Path(__file__).resolve().parent
 
@@ -167,13 +169,17 @@ def _server_for(
             if not wait:
                 _SERVERS[key] = (proc, sock, server_env)
                 return sock, server_env
-            line = proc.stdout.readline()  # after its imports
+            # after its imports; bounded: a server that hangs in them serves nothing, its launches run as before
+            ready = select.select([proc.stdout], [], [], _START_TIMEOUT_S)[0]
+            line = proc.stdout.readline() if ready else ""
             if line.strip() != "ready":
                 proc.kill()
                 proc.wait()
+                if not ready:
+                    log.write(f"not ready within {_START_TIMEOUT_S:.0f} s: killed; plain processes for its launches\n")
                 log.close()
                 text = (folder / "log").read_text()
-                if _THREADED in text:
+                if _THREADED in text or not ready:
                     _UNSERVABLE.add(key)
                     return None
                 raise RuntimeError(f"the fork server did not start: {text[-3000:]}")
