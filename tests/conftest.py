@@ -45,9 +45,7 @@ def _fleet_engines_forked():
 
     def init_with_forked_engines(*args, **kwargs):
         if not args and kwargs.get("address") is None and "runtime_env" not in kwargs:
-            from megatron_pacs.rollout.vllm_backend.engine import VLLMEngine
-
-            runtime_env = zygote.engine_runtime_env({**os.environ, **VLLMEngine.actor_env(on_gpu=False)})
+            runtime_env = zygote.engine_runtime_env(dict(os.environ))
             if runtime_env is not None:
                 kwargs["runtime_env"] = runtime_env
         return init(*args, **kwargs)

@@ -205,35 +205,36 @@ def recipe_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHON": client, "PYTHON_EXEC": client, _SOCKET_ENV: server[0]}
 
 
-def engine_runtime_env(env: dict[str, str]) -> dict[str, Any] | None:
-    """A local Ray job's ``runtime_env`` whose workers are forked by an engine server (:data:`ENGINE_PRELOAD`
-    imported) where their environment is ``env``'s: the fleet's engine actors, whose environment is the driver's plus
-    the backend's ``actor_env``. Ray starts each worker as ``py_executable default_worker.py ...``; the client
-    (:func:`client_path`) asks the server, and runs the real interpreter where the server refuses (another
-    environment: Ray's other workers) or is not up yet (it is started here, in the background). None where the fork
-    servers are off."""
+def engine_runtime_env(driver_env: dict[str, str]) -> dict[str, Any] | None:
+    """A local Ray job's ``runtime_env`` whose engine actors are forked by an engine server (:data:`ENGINE_PRELOAD`
+    imported), for a driver whose environment is ``driver_env``. Ray starts each worker as ``py_executable
+    default_worker.py ...``; the client (:func:`client_path`) asks the server, and runs the real interpreter where the
+    server refuses (another environment: Ray's other workers) or is not up yet (it is started here, in the
+    background). None where the fork servers are off."""
     if not enabled():
         return None
-    sock = _engine_socket(env)
+    sock = _engine_socket(driver_env)
     return None if sock is None else {"py_executable": client_path(), "env_vars": {_SOCKET_ENV: sock}}
 
 
-def _engine_socket(env: dict[str, str], *, wait: bool = False) -> str | None:
-    """The socket of the engine server for workers whose environment is ``env`` (``wait``: for its imports)."""
-    # the raylet sets it for every worker it starts (setproctitle, which the preloaded libraries import, reads it)
-    server = _server_for({**env, "SPT_NOENV": "1"}, kind="engine", wait=wait)
+def _engine_socket(driver_env: dict[str, str], *, wait: bool = False) -> str | None:
+    """The socket of the engine server for the engine actors of a driver whose environment is ``driver_env``: theirs
+    is the driver's plus the backend's ``actor_env`` (which reads the driver's vLLM log level), plus ``SPT_NOENV``,
+    which the raylet sets for every worker it starts (setproctitle, which the preloaded libraries import, reads it).
+    ``wait``: for the server's imports."""
+    from megatron_pacs.rollout.vllm_backend.engine import VLLMEngine
+
+    level = driver_env.get("VLLM_LOGGING_LEVEL", "WARNING")
+    actor = {**VLLMEngine.actor_env(on_gpu=False), "VLLM_LOGGING_LEVEL": level}
+    server = _server_for({**driver_env, **actor, "SPT_NOENV": "1"}, kind="engine", wait=wait)
     return None if server is None else server[0]
 
 
 def _launch_engines(env: dict[str, str]) -> dict[str, str]:
     """What a launch forked by a python server gets in its environment so that the engine actors of its own local
-    Ray are forked by an engine server too (tests/zygote_ray_hook.py): their environment is the launch's plus the
-    backend's ``actor_env``, which reads the driver's vLLM log level. The server is waited for (once per
+    Ray are forked by an engine server too (tests/zygote_ray_hook.py). The server is waited for (once per
     environment, in a launch thread): every launch then forks its engines, whatever the load."""
-    from megatron_pacs.rollout.vllm_backend.engine import VLLMEngine
-
-    actor = {**VLLMEngine.actor_env(on_gpu=False), "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING")}
-    sock = _engine_socket({**env, **actor}, wait=True)
+    sock = _engine_socket(env, wait=True)
     if sock is None:
         return {}
     return {"RAY_RUNTIME_ENV_HOOK": HOOK, "ZYGOTE_CLIENT": client_path(), "ZYGOTE_ENGINE_SOCKET": sock}
