@@ -205,15 +205,17 @@ def recipe_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHON": client, "PYTHON_EXEC": client, _SOCKET_ENV: server[0]}
 
 
-def engine_runtime_env(driver_env: dict[str, str]) -> dict[str, Any] | None:
-    """A local Ray job's ``runtime_env`` whose engine actors are forked by an engine server (:data:`ENGINE_PRELOAD`
-    imported), for a driver whose environment is ``driver_env``. Ray starts each worker as ``py_executable
+def engine_runtime_env(driver_env: dict[str, str], *, wait: bool = False) -> dict[str, Any] | None:
+    """A Ray job's ``runtime_env`` whose engine actors are forked by an engine server (:data:`ENGINE_PRELOAD`
+    imported), for workers whose environment is ``driver_env`` (a local Ray's driver's, or a Ray cluster's ``ray
+    start``'s: the virtual cluster's rollout hosts pass it as ``--ray-runtime-env``, and the server forks each
+    engine in its client's network and mount namespaces). Ray starts each worker as ``py_executable
     default_worker.py ...``; the client (:func:`client_path`) asks the server, and runs the real interpreter where the
     server refuses (another environment: Ray's other workers) or is not up yet (it is started here, in the
-    background). None where the fork servers are off."""
+    background unless ``wait``). None where the fork servers are off."""
     if not enabled():
         return None
-    sock = _engine_socket(driver_env)
+    sock = _engine_socket(driver_env, wait=wait)
     return None if sock is None else {"py_executable": client_path(), "env_vars": {_SOCKET_ENV: sock}}
 
 

@@ -51,6 +51,7 @@ FREE_FIELDS = frozenset(
         "rollout.num_engines",
         "rollout.rollout_tensor_parallel_size",
         "rollout.ray_address",
+        "rollout.ray_runtime_env",
         "rollout.ray_object_store_gb",
         "rollout.gpu_memory_utilization",
         "rollout.kv_cache_gb",

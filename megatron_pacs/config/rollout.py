@@ -54,6 +54,10 @@ class RolloutConfig:
     ray_address: str | None = option(None, group=_CLUSTER)
     """Existing Ray cluster for the fleet (auto, ray://host:10001, host:6379); default: a local one inside
     --log-dir."""
+    ray_runtime_env: str | dict[str, Any] = field(default_factory=dict, metadata={"help_group": _CLUSTER})
+    """The fleet's Ray job ``runtime_env``, one JSON object (e.g. '{"env_vars": {"HF_HOME": "/shared/hf"}}'), for
+    the local Ray or the --ray-address cluster: the engines inherit it, their own variables on top (docs/cluster.md).
+    ``env_vars`` maps names to strings; Ray checks the rest when the fleet starts."""
     ray_object_store_gb: float = option(0.5, group=_CLUSTER)
     """Object store of a locally started Ray, GiB (weight updates pass through it on CPU)."""
     colocate: bool = option(False, group=_ENGINES)
@@ -184,6 +188,7 @@ class RolloutConfig:
         if self.ray_object_store_gb <= 0 or self.kv_cache_gb <= 0:
             raise bad("ray_object_store_gb" if self.ray_object_store_gb <= 0 else "kv_cache_gb", "must be > 0")
         self.rollout_engine_kwargs = _json_object(self.rollout_engine_kwargs)
+        self.ray_runtime_env = _runtime_env(self.ray_runtime_env)
         if self.rollout_engine_kwargs and self.rollout_backend in ENGINE_ARG_CHECKS:
             # the backend's own check module (standard library only: neither torch nor vLLM is imported)
             module, _, function = ENGINE_ARG_CHECKS[self.rollout_backend].partition(":")
@@ -223,6 +228,11 @@ class RolloutConfig:
         return _json_object(self.rollout_engine_kwargs)
 
     @property
+    def job_runtime_env(self) -> dict[str, Any]:
+        """``--ray-runtime-env`` as a dict (the field holds its JSON text until ``__post_init__`` parses it)."""
+        return _runtime_env(self.ray_runtime_env)
+
+    @property
     def engine_memory_fraction(self) -> float:
         """``--gpu-memory-utilization``, or its default for the placement (see the field)."""
         if self.gpu_memory_utilization is not None:
@@ -238,18 +248,44 @@ def _json_object(value: str | dict[str, Any]) -> dict[str, Any]:
             keyword name.
     """
     example = """pass one JSON object of engine arguments, e.g. '{"enforce_eager": true}'"""
+    parsed = _parse_object("rollout_engine_kwargs", value, example)
+    names = [k for k in parsed if not k.isidentifier()]
+    if names:
+        raise bad("rollout_engine_kwargs", f"{names} are not keyword names; {example}")
+    return parsed
+
+
+def _runtime_env(value: str | dict[str, Any]) -> dict[str, Any]:
+    """``--ray-runtime-env``'s value as a dict, its ``env_vars`` and ``py_executable`` checked (what Ray would
+    refuse only once the fleet starts, after the model is built).
+
+    Raises:
+        ValueError: naming the flag, for text that is not a JSON object, ``env_vars`` that is not an object of
+            strings, or a ``py_executable`` that is not a string.
+    """
+    example = """pass one JSON object, e.g. '{"env_vars": {"HF_HOME": "/shared/hf"}}'"""
+    parsed = _parse_object("ray_runtime_env", value, example)
+    env_vars = parsed.get("env_vars", {})
+    if not isinstance(env_vars, dict) or not all(isinstance(v, str) for v in env_vars.values()):
+        raise bad("ray_runtime_env", f"env_vars must map names to strings (quote numbers), got {env_vars!r}; {example}")
+    if not isinstance(parsed.get("py_executable", ""), str):
+        raise bad("ray_runtime_env", f"py_executable must be a string, got {parsed['py_executable']!r}")
+    return parsed
+
+
+def _parse_object(name: str, value: str | dict[str, Any], example: str) -> dict[str, Any]:
+    """A JSON-object flag's value (JSON text from the command line, or a dict) as a dict with string keys."""
     parsed: Any = value
     if isinstance(value, str):
         try:
             parsed = json.loads(value) if value.strip() else {}
         except json.JSONDecodeError as exc:
-            why = f"{value!r} is not valid JSON ({exc.msg}, column {exc.colno}); {example}"
-            raise bad("rollout_engine_kwargs", why) from None
+            raise bad(name, f"{value!r} is not valid JSON ({exc.msg}, column {exc.colno}); {example}") from None
     if not isinstance(parsed, dict):
-        raise bad("rollout_engine_kwargs", f"{value!r} is a JSON {type(parsed).__name__}, not an object; {example}")
-    names = [k for k in parsed if not (isinstance(k, str) and k.isidentifier())]
-    if names:
-        raise bad("rollout_engine_kwargs", f"{names} are not keyword names; {example}")
+        raise bad(name, f"{value!r} is a JSON {type(parsed).__name__}, not an object; {example}")
+    keys = [k for k in parsed if not isinstance(k, str)]
+    if keys:
+        raise bad(name, f"{keys} are not names; {example}")
     return dict(parsed)
 
 

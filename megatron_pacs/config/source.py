@@ -84,6 +84,7 @@ _FLEET_ONLY = {
         "top_k",
         "rollout_dtype",
         "ray_address",
+        "ray_runtime_env",
         "ray_object_store_gb",
         "colocate",
         "gpu_memory_utilization",

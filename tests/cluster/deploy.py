@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -62,33 +61,36 @@ class Deployment:
     # -- the rollout cluster ----------------------------------------------------------------------------------
 
     def start_rollout_cluster(self, timeout: float = 180.0, attempts: int = 3) -> None:
-        """``ray_cluster.sh head`` and ``worker``, then wait until Ray sees both nodes. A node whose ``ray start``
-        gives up (Ray waits a fixed 30 s for its raylet, too short on a loaded 2-core machine) is started again."""
+        """``ray_cluster.sh head``, then ``worker`` once the head is up, each waited for until its ``ray start``
+        says so. A node whose ``ray start`` gives up (Ray waits a fixed 30 s for its raylet, too short on a loaded
+        2-core machine) is started again."""
         self.ray_tmp.mkdir(parents=True, exist_ok=True)
-        for n, host in enumerate(ROLLOUT_HOSTS, start=1):
+        for host in ROLLOUT_HOSTS:
             ray_tmp = str(self.ray_tmp / host)
             cmd = [*COMMANDS[host].split(), "--temp-dir", ray_tmp, "--object-store-memory", str(2**28)]
             for attempt in range(attempts):
-                proc = self.cluster.spawn(host, cmd, env=self.env(), log=self.log(host), cwd=ROOT)
-                if self._wait_nodes(n, timeout, proc):
+                log = self.log(host)
+                offset = log.stat().st_size if log.exists() else 0
+                proc = self.cluster.spawn(host, cmd, env=self.env(), log=log, cwd=ROOT)
+                if self._wait_started(host, offset, timeout, proc):
                     break
                 self.cluster.kill_host(host)  # what the failed start left there
                 if attempt == attempts - 1:
                     raise TimeoutError(f"{host} did not join the rollout cluster:\n{self.tail(host)}")
 
-    def _wait_nodes(self, n: int, timeout: float, proc: subprocess.Popen) -> bool:
-        """Whether Ray sees ``n`` live nodes within ``timeout`` (False at once if ``proc`` exits)."""
+    def _wait_started(self, host: str, offset: int, timeout: float, proc: subprocess.Popen) -> bool:
+        """Whether ``host``'s ``ray start`` printed "Ray runtime started." after ``offset`` of its log within
+        ``timeout`` (False at once if it exits). Ray prints it once the node's raylet is registered with the GCS
+        (its ``Node`` waits for that), so the node is in the cluster: no ``ray status`` (a Python process of ~1.5
+        CPU-s) polled for it."""
+        log = self.log(host)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                out = self.cluster_run("rollout-head", ["ray", "status", "--address", "rollout-head:6379"], timeout=60)
-            except subprocess.TimeoutExpired:
-                continue
-            status = out.stdout + out.stderr
-            active = status.split("Active:")[-1].split("Pending:")[0] if "Active:" in status else ""
-            if len(re.findall(r"\bnode_[0-9a-f]+", active)) >= n:
-                return True
-            time.sleep(2)
+            with open(log, "rb") as f:
+                f.seek(offset)
+                if b"Ray runtime started." in f.read():
+                    return True
+            time.sleep(0.1)
         return False
 
     def cluster_run(self, host: str, cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
@@ -127,9 +129,15 @@ class Deployment:
                 LOG_DIR=str(run),
                 **env,
             )
-            cmd = ["bash", "examples/tiny_cluster.sh", *extra]
+            cmd = ["bash", "examples/tiny_cluster.sh", *extra, *self.forked_engines()]
             log = self.log(f"{name}-{host}")
             self.trainers[host] = self.cluster.spawn(host, cmd, env=zygote.recipe_env(e), log=log, cwd=ROOT)
+
+    def forked_engines(self) -> list[str]:
+        """``--ray-runtime-env`` that has the rollout hosts' engines forked by an engine server of their environment
+        (tests/zygote.py), on their hosts; none where the fork servers are off."""
+        runtime_env = zygote.engine_runtime_env(self.env(), wait=True)
+        return [] if runtime_env is None else ["--ray-runtime-env", json.dumps(runtime_env)]
 
     def wait_trainers(self, timeout: float) -> dict[str, int | None]:
         """Exit codes of both trainers (None for one still running at the deadline)."""

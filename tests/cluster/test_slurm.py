@@ -270,7 +270,7 @@ def _het_submit(slurm: SlurmCluster, setup: Path, run: Path, ray_tmp: Path) -> i
     run.mkdir(parents=True, exist_ok=True)
     out = ("-o", str(run / "job.out"))
     env = _het_env(setup, run, ray_tmp)
-    return slurm.sbatch(*out, *HET_GROUPS, str(HETJOB), "--save-hf", cwd=ROOT, **env)
+    return slurm.sbatch(*out, *HET_GROUPS, str(HETJOB), "--save-hf", *slurm.forked_engines(**env), cwd=ROOT, **env)
 
 
 def _het_plain(slurm: SlurmCluster, setup: Path, run: Path, ray_tmp: Path) -> float:

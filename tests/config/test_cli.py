@@ -85,6 +85,12 @@ def test_help_documents_every_flag():
         (["--wandb-exp-name", "x"], "--wandb-exp-name"),
         (["--ray-address", "auto", "--ray-object-store-gb", "2"], "--ray-object-store-gb"),
         (["--top-k", "-2"], "--top-k"),
+        # the Ray job's runtime_env: what Ray would refuse only once the fleet starts, after the model is built
+        (["--ray-runtime-env", "env_vars=A"], "--ray-runtime-env"),
+        (["--ray-runtime-env", '["pip"]'], "--ray-runtime-env"),
+        (["--ray-runtime-env", '{"env_vars": {"OMP_NUM_THREADS": 1}}'], "--ray-runtime-env"),
+        (["--ray-runtime-env", '{"env_vars": ["A=1"]}'], "--ray-runtime-env"),
+        (["--ray-runtime-env", '{"py_executable": 3}'], "--ray-runtime-env"),
         (["--reward-max-chars", "-1"], "--reward-max-chars"),
         # multi-host flags
         (["--weight-sync", "object_store", "--weight-sync-address", "10.0.0.1"], "--weight-sync-address"),
@@ -174,6 +180,9 @@ def test_flags_that_apply_are_accepted():
     parse_config(["--wandb-project", "p", "--wandb-exp-name", "x", "--top-k", "20", "--reward-max-chars", "0"])
     assert parse_config(["--heartbeat-timeout-seconds", "0"]).run.heartbeat_timeout_seconds == 0  # off
     parse_config(["--heartbeat-timeout-seconds", "2.5"])
+    env = '{"env_vars": {"HF_HOME": "/shared/hf"}, "py_executable": "/opt/py/bin/python"}'
+    rollout = parse_config(["--ray-address", "ray://head:10001", "--ray-runtime-env", env]).rollout
+    assert rollout.ray_runtime_env == {"env_vars": {"HF_HOME": "/shared/hf"}, "py_executable": "/opt/py/bin/python"}
     with pytest.raises(ValueError, match=r"--val-data: validation is off without --eval-interval"):
         parse_config(["--val-data", "v.jsonl"]).validate(1, need_files=False)
 

@@ -37,6 +37,7 @@ def test_replay_and_its_folder_go_together():
         ["--eval-interval", "2"],
         ["--rollout-dtype", "bfloat16"],
         ["--rollout-engine-kwargs", '{"enforce_eager": true}'],  # issue 53, item 3: accepted and ignored before
+        ["--ray-runtime-env", '{"env_vars": {"A": "1"}}'],
         ["--reward-fn", "math:isclose"],  # any importable two-argument function
     ],
 )

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launch_queue import run_launch
 
 from megatron_pacs.utils.launch import free_port
 
@@ -54,14 +55,26 @@ ray.shutdown()
 """
 
 
-@pytest.mark.slow
-@pytest.mark.waits
-def test_a_local_ray_node_that_does_not_register_in_time_is_ended_and_started_again():
+def prepare(root: Path) -> Path:
+    return root
+
+
+def _unregistered(root: Path) -> subprocess.CompletedProcess:
+    """The probe, ~50 s of which ~30 s wait out Ray's fixed registration time: a launch (tests/launch_queue.py), so
+    the wait is not on the in-process tests' path."""
     temp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # Ray's socket paths must stay under 107 characters
     try:
-        proc = subprocess.run([sys.executable, "-c", PROBE, temp], capture_output=True, text=True, timeout=240)
+        return run_launch([sys.executable, "-c", PROBE, temp], timeout=240)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+LAUNCHES = {"unregistered": _unregistered}
+
+
+@pytest.mark.slow
+def test_a_local_ray_node_that_does_not_register_in_time_is_ended_and_started_again(launched):
+    proc = launched["unregistered"].result()
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["stopped"]) == 1 and not result["first_raylet_alive"], result
@@ -149,8 +162,9 @@ Path(marker).unlink()
 # The same process connects once the head's servers start again, as the fleet does: through join_cluster, whose
 # retries cover Ray's own race (a per-client server that dies at its start, unforced: 1 in 4 measured), which once
 # failed this second connection in a full run.
-join_cluster(address)
-answer = ray.get(ray.remote(lambda: 42).remote(), timeout=60)
+# --ray-runtime-env: the job's runtime_env reaches the cluster's workers through Ray Client.
+join_cluster(address, {"env_vars": {"MP_PROBE": "42"}})
+answer = ray.get(ray.remote(lambda: int(__import__("os").environ["MP_PROBE"])).remote(), timeout=60)
 ray.shutdown()
 print(json.dumps({"failure": failure, "failed_in": failed_in, "threads": threads, "answer": answer}))
 """
@@ -200,7 +214,7 @@ def test_a_client_server_that_dies_at_its_start_fails_the_connection_at_once_and
     head answers the connection with its failure at once but holds the session's streams for
     the client's reconnect grace (30 s here, Ray's default) and its log stream's retries; client_init raises within
     seconds, leaves no stream thread behind, and the same process then connects (``join_cluster``, as the fleet
-    does) and runs a task."""
+    does) and runs a task, which sees the job's ``runtime_env`` (``--ray-runtime-env``)."""
     from megatron_pacs.rollout.fleet.ray_start import CLIENT_SERVER_START_FAILURES
 
     temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # Ray's socket paths must stay under 107 characters

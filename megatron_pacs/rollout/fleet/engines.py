@@ -144,7 +144,7 @@ class EngineSet:
             return
         cfg = self.config
         if cfg.ray_address:
-            join_cluster(cfg.ray_address)
+            join_cluster(cfg.ray_address, cfg.job_runtime_env)
             return
         self._temp_dir = ray_temp_dir(self.run_dir)  # outside --log-dir (a full one would take Ray down)
         gpus = None
@@ -170,6 +170,7 @@ class EngineSet:
                 # Ray starts one idle worker per CPU when the first driver connects, for tasks; the fleet runs only
                 # actors with an environment of their own, which never use them (1.7 CPU-s per start on 2 cores)
                 _system_config={"prestart_worker_first_driver": False},
+                **({"runtime_env": cfg.job_runtime_env} if cfg.job_runtime_env else {}),
             )
         self._own_ray = True
 
@@ -340,7 +341,7 @@ class EngineSet:
         self.engines, self._placement_groups, self._latest, self._stale = [], {}, [], set()
         close_group(self._group)
         self._group = None
-        if not connect_again(address, lost_at + window):
+        if not connect_again(address, lost_at + window, runtime_env=cfg.job_runtime_env):
             self._lost = lost_line(address, window, time.monotonic() - lost_at)
             raise RolloutClusterLost(self._lost) from cause
         back = time.monotonic()

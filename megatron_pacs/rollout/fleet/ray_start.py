@@ -112,7 +112,7 @@ def _keeping_sigterm_handler() -> Iterator[None]:
             signal.signal(signal.SIGTERM, before)
 
 
-def client_init(address: str) -> None:
+def client_init(address: str, runtime_env: dict[str, Any] | None = None) -> None:
     """``ray.init(address)``, not held up by a connection that failed at its start.
 
     A failed ``ray.init`` closes its connection before it raises, and that close joins the connection's stream
@@ -122,6 +122,7 @@ def client_init(address: str) -> None:
 
     Args:
         address: ``--ray-address`` (``ray://host:10001``, or ``host:6379`` on a cluster node).
+        runtime_env: ``--ray-runtime-env``, the job's ``runtime_env``; None or empty: none.
     """
     context = ray_client.get_context()  # the context this thread's ray.init connects through
     done = threading.Event()
@@ -139,21 +140,22 @@ def client_init(address: str) -> None:
     watcher.start()
     try:
         with _keeping_sigterm_handler():
-            ray.init(address=address, include_dashboard=False, log_to_driver=True)
+            ray.init(address=address, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env or None)
     finally:
         done.set()
         watcher.join()
 
 
-def join_cluster(address: str) -> None:
+def join_cluster(address: str, runtime_env: dict[str, Any] | None = None) -> None:
     """``ray.init(address)``, connecting again after a Ray Client server that died at its start.
 
     Args:
         address: ``--ray-address`` (``ray://host:10001``, or ``host:6379`` on a cluster node).
+        runtime_env: ``--ray-runtime-env``, the job's ``runtime_env``; None or empty: none.
     """
     for attempt in range(CLIENT_ATTEMPTS):
         try:
-            client_init(address)
+            client_init(address, runtime_env)
             return
         except (RuntimeError, ConnectionError) as exc:
             if attempt == CLIENT_ATTEMPTS - 1 or not any(m in str(exc) for m in CLIENT_SERVER_START_FAILURES):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 import ray
@@ -55,9 +56,12 @@ def _port_open(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-def connect_again(address: str, deadline: float, *, poll_s: float = 1.0) -> bool:
+def connect_again(
+    address: str, deadline: float, *, runtime_env: dict[str, Any] | None = None, poll_s: float = 1.0
+) -> bool:
     """Wait (until ``deadline``, ``time.monotonic()``) for the head's client port to accept connections, then
-    ``ray.init`` again; a head whose client server is not ready yet is tried again until the deadline.
+    ``ray.init`` again (with ``runtime_env``, ``--ray-runtime-env``); a head whose client server is not ready yet is
+    tried again until the deadline.
 
     Returns:
         Whether this process is connected again.
@@ -72,7 +76,7 @@ def connect_again(address: str, deadline: float, *, poll_s: float = 1.0) -> bool
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
             continue
         try:
-            client_init(address)
+            client_init(address, runtime_env)
             return True
         except Exception as exc:  # noqa: BLE001 - the head is still starting: its client server refused us
             log.warning("fleet: connecting to %s again failed (%s); retrying until the window ends", address, exc)
