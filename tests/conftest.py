@@ -178,6 +178,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_STARTED] = time.monotonic()
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    """Says so at the start when the fork servers will serve nothing (tests/zygote.py: the suite runs ~1.5x slower)."""
+    import zygote
+
+    why = zygote.off_reason()
+    return None if why is None else f"fork servers off: {why}; launches run as plain subprocesses (~1.5x slower)"
+
+
 def _area(nodeid: str) -> str:
     """A test's area: its folder under tests/ (``cluster``, ``mcore``, ...), or its module for the top-level ones."""
     parts = nodeid.split("::", 1)[0].split("/")

@@ -151,8 +151,8 @@ def test_the_fleet_runs_engines_are_forked_by_the_suites_engine_server(launched)
     found). Reads the servers' logs: no cost of its own."""
     import zygote
 
-    if not zygote.enabled():
-        pytest.skip("MEGATRON_PACS_ZYGOTE=0: no fork servers")
+    if why := zygote.off_reason():
+        pytest.skip(why)
     fleet = [name for name, run in RUNS.items() if run[1]]
     for name in fleet:
         launched[name].result()

@@ -65,6 +65,7 @@ __all__ = [
     "enabled",
     "engine_runtime_env",
     "forks",
+    "off_reason",
     "popen",
     "recipe_env",
     "run",
@@ -81,6 +82,19 @@ _HERE = Path(__file__).resolve().parent
 def enabled() -> bool:
     """Launches go through the fork servers (``MEGATRON_PACS_ZYGOTE=0``: plain subprocesses)."""
     return os.environ.get(_ENABLED_ENV, "1") != "0" and sys.platform == "linux"
+
+
+def off_reason() -> str | None:
+    """Why the fork servers serve nothing in this session (then every launch is a plain subprocess, every engine
+    starts its own interpreter, and the suite takes about 1.5 times as long), or None where they serve."""
+    if not enabled():
+        return f"{_ENABLED_ENV}=0"
+    if _extra_path(dict(os.environ)) is None:
+        return (
+            f"PYTHONPATH={os.environ.get('PYTHONPATH')} names a folder that holds more than a sitecustomize.py (what "
+            "the fork servers preloaded could differ), so they serve nothing"
+        )
+    return None
 
 
 # -- the client side -------------------------------------------------------------------------------------------------

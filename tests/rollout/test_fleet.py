@@ -291,8 +291,8 @@ def test_a_restarted_engine_is_forked_by_the_suites_engine_server(fleet, models)
     import psutil
     import zygote
 
-    if not zygote.enabled():
-        pytest.skip("MEGATRON_PACS_ZYGOTE=0")
+    if why := zygote.off_reason():
+        pytest.skip(why)
     _, tok = models
     kill_engine(fleet, 0)
     assert len(fleet.generate(chat_prompts(tok, 1), seeded_sampling())) == 1
