@@ -256,12 +256,18 @@ def _launch_engines(env: dict[str, str]) -> dict[str, str]:
     return {"RAY_RUNTIME_ENV_HOOK": HOOK, "ZYGOTE_CLIENT": client_path(), "ZYGOTE_ENGINE_SOCKET": sock}
 
 
+#: The suite's scripts that start a real fleet (a ``Trainer`` with its engines on a local Ray).
+_FLEET_SCRIPTS = frozenset({"trainer_checks.py", "trainer_fault_checks.py"})
+
+
 def _starts_engines(command: dict) -> bool:
-    """Whether a launch may start a fleet: ``megatron_pacs.train`` (under torchrun too), not a synthetic source, a
-    help or a dry run."""
+    """Whether a launch may start a fleet: ``megatron_pacs.train`` (under torchrun too) or one of
+    :data:`_FLEET_SCRIPTS`, not a synthetic source, a help or a dry run."""
     args = command["args"]
-    trains = command.get("module") == "megatron_pacs.train" or (
-        command.get("module") == "torch.distributed.run" and "megatron_pacs.train" in args
+    trains = (
+        command.get("module") == "megatron_pacs.train"
+        or (command.get("module") == "torch.distributed.run" and "megatron_pacs.train" in args)
+        or Path(command.get("script") or "").name in _FLEET_SCRIPTS
     )
     synthetic = any(a == "--rollout-source" and b == "synthetic" for a, b in itertools.pairwise(args))
     never = {"--rollout-source=synthetic", "--help", "-h", "--dry-run"}

@@ -284,8 +284,8 @@ def test_engine_lost_before_a_probe_sleep_or_wake_up_is_restarted_and_asked_agai
 
 def test_a_restarted_engine_is_forked_by_the_suites_engine_server(fleet, models):
     """Guards the suite's own speed, not the fleet: the pytest process's fleets start their engines through the
-    engine server of tests/zygote.py (tests/conftest.py), vLLM imported once. The first engines may start before
-    the server is up (the real interpreter then); a replacement is the server's child, and generates."""
+    engine server of tests/zygote.py (tests/conftest.py), vLLM imported once; a replacement is the server's child
+    too, and generates."""
     import os
 
     import psutil
