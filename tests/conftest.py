@@ -98,9 +98,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The cluster tests (and those marked ``waits``) run first and the modules that declare trainer launches last
     (the longest launches first); the launch queue starts with the session: those modules' tests mostly wait for
     launches, which run beside every other module's tests (which ran after them before, with the launch workers
-    idle). While the early tests run, the queue is in the background, one launch at a time at a low CPU priority
-    (tests/launch_queue.py): the heartbeat and Slurm timings are measured on a machine whose idle CPU goes to that
-    launch."""
+    idle). While the early tests run, the queue is in the background, two launches at a low CPU priority
+    (tests/launch_queue.py): the heartbeat and Slurm timings are measured on a machine whose idle CPU goes to those
+    launches."""
     launching = sorted((i for i in items if _launches(i)), key=lambda i: _LONGEST_FIRST.get(i.path.stem, 0))
     early = [i for i in items if _early(i)]
     items[:] = early + [i for i in items if not _launches(i) and not _early(i)] + launching

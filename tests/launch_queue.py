@@ -25,8 +25,8 @@ Every launch's wall time is recorded (:meth:`LaunchQueue.timings`); the session 
 A launch starts its processes with :func:`run_launch`: in a session of their own, so that the kernel schedules them
 as one group (Linux's autogroups) whose priority the queue sets; processes that start sessions of their own
 (torchrun's workers do) are found among the launch's descendants every second and get the same priority. In the
-background (:meth:`LaunchQueue.background`, while the cluster tests run: their timings are measured) one launch at a
-time runs at a low priority, on the CPU those tests leave idle; in the foreground two run at the normal priority.
+background (:meth:`LaunchQueue.background`, while the cluster tests run: their timings are measured) two launches run
+at a low priority, on the CPU those tests leave idle; in the foreground two run at the normal priority.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ __all__ = ["LaunchQueue", "run_launch"]
 #: The autogroup nice of launches in the background: weight 110 against 1024 at nice 0. Not 19 (weight 15): a launch
 #: starved that much let Ray's node start-up time out ("The current node timed out during startup", 44 s).
 BACKGROUND_NICE = 10
+
+#: Launches at once in the background. Two: with one, a fifth to a third of the CPU stayed idle while the cluster
+#: tests ran (vmstat, 2026-11-29: 65-84% busy), their processes mostly waiting on one another.
+BACKGROUND_SLOTS = 2
 
 _LOCAL = threading.local()  # .queue: the LaunchQueue whose worker thread this is (unset elsewhere)
 
@@ -203,12 +207,12 @@ class LaunchQueue:
         return out
 
     def background(self, on: bool) -> None:
-        """In the background: one launch at a time at a low priority (those running now included); otherwise
-        ``workers`` at once at the normal priority."""
+        """In the background: :data:`BACKGROUND_SLOTS` at once at a low priority (those running now included);
+        otherwise ``workers`` at once at the normal priority."""
         if on and os.geteuid() != 0:
             return  # raising a group's priority again needs CAP_SYS_NICE: without it, stay in the foreground
         with self._gate:
-            self._slots, self._nice = (1, BACKGROUND_NICE) if on else (self._workers, 0)
+            self._slots, self._nice = (BACKGROUND_SLOTS, BACKGROUND_NICE) if on else (self._workers, 0)
             roots = {p.pid for p in self._live}
             self._gate.notify_all()
         for pid in roots | _descendants(roots):
