@@ -194,12 +194,17 @@ def _area(nodeid: str) -> str:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Each area's seconds of set-up, call and tear-down (pytest_terminal_summary prints the slowest)."""
+    """Each area's seconds of set-up, call and tear-down (pytest_terminal_summary prints the slowest), and the
+    lines the cluster tests print about their own phases (which pytest shows only for a failure)."""
     area = _area(report.nodeid)
     _SECONDS[area] = _SECONDS.get(area, 0.0) + report.duration
+    if area == "cluster" and report.when == "call" and report.passed:
+        name = report.nodeid.rsplit("::", 1)[-1]
+        _PHASES.extend(f"{name[:60]}: {line.strip()}" for line in report.capstdout.splitlines() if line.strip())
 
 
 _SECONDS: dict[str, float] = {}  # area -> seconds (the hook has no config at hand to stash them in)
+_PHASES: list[str] = []  # the passed cluster tests' own timing lines
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
@@ -215,6 +220,10 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         )
         for area, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:5]:
             tr.write_line(f"{seconds:8.1f}s  {area}")
+    if _PHASES:  # e.g. how long a reconnect took: the cluster tests' times vary 2-4x between runs
+        tr.write_sep("=", "the cluster tests' phases (their own lines)")
+        for line in _PHASES:
+            tr.write_line(line)
     queue = config.stash.get(_QUEUE, None)
     timings = queue.timings() if queue is not None else {}
     if not timings:

@@ -200,6 +200,8 @@ def test_the_stream_across_the_hosts_goes_on_when_the_head_is_lost_and_back(depl
         f"{back:.1f} s; staleness max {[r['rollout/staleness_token_max'] for r in rows]}, spanning "
         f"{[round(r['rollout/spanning_responses'], 2) for r in rows]}; test {time.monotonic() - started:.1f} s"
     )
+    # the fleet's own account of the reconnect (its connect attempts and the engines' restart), for a slow run
+    print("\n".join(line for line in logs["train0"].splitlines() if "fleet: connect" in line))
 
 
 def test_lost_rollout_host_regenerates_on_the_survivor_and_training_continues(deployment, continuous):
