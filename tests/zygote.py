@@ -69,6 +69,7 @@ __all__ = [
     "popen",
     "recipe_env",
     "run",
+    "runtime_env_flag",
     "served_children",
     "shutdown",
 ]
@@ -231,6 +232,14 @@ def engine_runtime_env(driver_env: dict[str, str], *, wait: bool = False) -> dic
         return None
     sock = _engine_socket(driver_env, wait=wait)
     return None if sock is None else {"py_executable": client_path(), "env_vars": {_SOCKET_ENV: sock}}
+
+
+def runtime_env_flag(env: dict[str, str]) -> list[str]:
+    """``--ray-runtime-env`` for a trainer whose Ray cluster's workers have the environment ``env`` (a rollout
+    host's ``ray start``'s): its engines forked by an engine server of ``env`` (waited for); none where the fork
+    servers are off."""
+    runtime_env = engine_runtime_env(env, wait=True)
+    return [] if runtime_env is None else ["--ray-runtime-env", json.dumps(runtime_env)]
 
 
 def _engine_socket(driver_env: dict[str, str], *, wait: bool = False) -> str | None:

@@ -118,6 +118,7 @@ class Deployment:
     def start_trainers(self, name: str, *extra: str, **env: str) -> None:
         """``tiny_cluster.sh`` on both training hosts, logs and checkpoints under ``workdir/name``."""
         run = self.workdir / name
+        forked = zygote.runtime_env_flag(self.env())  # the rollout hosts' engines forked (their env: self.env())
         for i, host in enumerate(TRAIN_HOSTS):
             e = self.env(
                 NODE_RANK=str(i),
@@ -129,15 +130,9 @@ class Deployment:
                 LOG_DIR=str(run),
                 **env,
             )
-            cmd = ["bash", "examples/tiny_cluster.sh", *extra, *self.forked_engines()]
+            cmd = ["bash", "examples/tiny_cluster.sh", *extra, *forked]
             log = self.log(f"{name}-{host}")
             self.trainers[host] = self.cluster.spawn(host, cmd, env=zygote.recipe_env(e), log=log, cwd=ROOT)
-
-    def forked_engines(self) -> list[str]:
-        """``--ray-runtime-env`` that has the rollout hosts' engines forked by an engine server of their environment
-        (tests/zygote.py), on their hosts; none where the fork servers are off."""
-        runtime_env = zygote.engine_runtime_env(self.env(), wait=True)
-        return [] if runtime_env is None else ["--ray-runtime-env", json.dumps(runtime_env)]
 
     def wait_trainers(self, timeout: float) -> dict[str, int | None]:
         """Exit codes of both trainers (None for one still running at the deadline)."""

@@ -10,7 +10,6 @@ namespaces, hosts files and bridge. It always runs (context manager, ``atexit``)
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import pwd
 import re
@@ -226,10 +225,9 @@ class SlurmCluster:
         return proc
 
     def forked_engines(self, **env: str) -> list[str]:
-        """The job's ``--ray-runtime-env`` that has its Ray cluster's engines forked by an engine server of the job's
-        environment (tests/zygote.py) on their nodes; none where the fork servers are off."""
-        runtime_env = zygote.engine_runtime_env(self.env(**{"TMPDIR": tempfile.gettempdir(), **env}), wait=True)
-        return [] if runtime_env is None else ["--ray-runtime-env", json.dumps(runtime_env)]
+        """The job's ``--ray-runtime-env`` (:func:`zygote.runtime_env_flag`) for the environment :meth:`sbatch`
+        gives the job."""
+        return zygote.runtime_env_flag(self.env(**{"TMPDIR": tempfile.gettempdir(), **env}))
 
     def sbatch(self, *args: str, cwd: Path, **env: str) -> int:
         """``sbatch --parsable ARGS`` from ``cwd``; returns the job id."""
