@@ -118,6 +118,25 @@ def pytest_runtest_setup(item: pytest.Item):
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Each test ends with the process environment it started with. Libraries write ``os.environ`` in-process as a
+    side effect: ``ray.init`` sets ``PYTHONBREAKPOINT``, vLLM's CPU platform ``LD_PRELOAD`` and
+    ``NUMEXPR_MAX_THREADS`` when an engine is configured, the engine module vLLM's own variables, torch's inductor
+    a data-pointer variable. Kept, they reached every later launch, whose environment then depended on the tests
+    that ran before it (a trainer launched after a vLLM test ran with tcmalloc preloaded), and each such
+    environment cost a fork server of its own and a plain first launch (tests/zygote.py; a full run started 20
+    servers, 13 with this). Megatron's model builder sets ``NVTE_*_ATTN`` too. Restored key by key, never
+    cleared: the launch threads read the environment meanwhile."""
+    before = dict(os.environ)
+    yield
+    for name in [n for n in os.environ if n not in before]:
+        os.environ.pop(name, None)
+    for name, value in before.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     """After the last test that uses the shared virtual cluster (tests/cluster/cluster_fixtures.py), its rollout
     hosts begin their graceful stop in the background."""
