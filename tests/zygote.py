@@ -19,9 +19,10 @@ subprocess. Servers start without ``PYTHONPATH``; a launch's ``PYTHONPATH`` may 
 ``sitecustomize.py`` (tests/no_fleet_stack): they are put on ``sys.path`` where the interpreter puts them and the
 ``sitecustomize`` is run, as at start-up; a folder with anything else makes the launch a plain subprocess.
 
-torchrun (``-m torch.distributed.run``) is served too, with ``PYTHON_EXEC`` set to this server's client
-(:func:`client_path`, a small stdlib script run by the base interpreter with ``-I -S``): the ranks it starts are
-forked by the server as well, and the client relays signals to its rank and exits with the rank's status.
+A served launch gets ``PYTHON_EXEC`` set to this server's client (:func:`client_path`, a small stdlib script run by
+the base interpreter with ``-I -S``): what it starts through that variable is forked by the server as well (torchrun's
+ranks, and a tool's local ranks, megatron_pacs/utils/launch.py), and the client relays signals to its child and
+exits with the child's status.
 
 What differs from a real interpreter, knowingly:
 
@@ -457,8 +458,8 @@ def popen(
     if server is None:
         return plain()
     served = {**env, **_launch_engines(env)} if _starts_engines(command) else dict(env)
-    if command.get("module") == "torch.distributed.run":  # its ranks forked by the same server (module docstring)
-        served.update(PYTHON_EXEC=client_path(), **{_SOCKET_ENV: server[0]})
+    # what it starts through PYTHON_EXEC (torchrun's ranks, a tool's local ranks) is forked by the same server
+    served.update(PYTHON_EXEC=client_path(), **{_SOCKET_ENV: server[0]})
     request = {
         "command": command,
         "env": served,

@@ -35,10 +35,11 @@ def ensure_world(world_size: int, argv: list[str] | None = None) -> int | None:
     """Start ``world_size`` local ranks of this script when needed.
 
     If ``world_size > 1`` and the process was not started by torchrun (no ``RANK`` in the environment), runs
-    ``python <script> <args>`` ``world_size`` times with the rendezvous variables torchrun would set, waits,
-    and returns the first non-zero exit code (0 if all succeed); the caller then exits with it. Otherwise
-    returns None and the caller carries on in this process. (torchrun's own CLI is not used: its option parser
-    claims abbreviations such as ``--num`` even after the script name.)
+    ``python <script> <args>`` ``world_size`` times with the rendezvous variables torchrun would set, waits, and
+    returns the first non-zero exit code (0 if all succeed); the caller then exits with it. Otherwise returns None
+    and the caller carries on in this process. ``python`` is ``$PYTHON_EXEC`` where set, as for torchrun's workers,
+    else this interpreter. (torchrun's own CLI is not used: its option parser claims abbreviations such as
+    ``--num`` even after the script name.)
     """
     if world_size <= 1 or "RANK" in os.environ:
         return None
@@ -51,8 +52,9 @@ def ensure_world(world_size: int, argv: list[str] | None = None) -> int | None:
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
+    python = os.environ.get("PYTHON_EXEC") or sys.executable
     procs = [
-        subprocess.Popen([sys.executable, sys.argv[0], *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+        subprocess.Popen([python, sys.argv[0], *args], env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
         for r in range(world_size)
     ]
     try:
