@@ -67,7 +67,8 @@ class RolloutConfig:
     --colocate (the trainer stays on the GPU while the engines generate). Set on one GPU without --colocate: one
     engine shares the trainer's GPU, both resident."""
     kv_cache_gb: float = option(1.0, group=_ENGINES)
-    """CPU only: KV cache per engine, GiB."""
+    """CPU only: KV cache per engine, GiB (fractions too: vLLM's ``kv_cache_memory_bytes``; vLLM's own
+    VLLM_CPU_KVCACHE_SPACE, whole GiB, wins where set)."""
     weight_sync: str = option("auto", choices=WEIGHT_SYNC, group=_SYNC)
     """How new weights reach the engines: object_store, broadcast (NCCL side group) or ipc (CUDA IPC, colocated);
     auto: object_store on CPU, ipc when colocated, else broadcast."""

@@ -47,7 +47,8 @@ TINY_TRAIN_FLAGS = [
     "--lr",
     "1e-3",
 ]
-TINY_RUN_FLAGS = [*TINY_TRAIN_FLAGS, "--reward-workers", "1"]
+#: ``--kv-cache-gb 0.25``: a tiny model's engine needs a few MiB; each engine's start zeroes its whole cache.
+TINY_RUN_FLAGS = [*TINY_TRAIN_FLAGS, "--reward-workers", "1", "--kv-cache-gb", "0.25"]
 
 
 #: A PYTHONPATH entry under which Ray, vLLM and math-verify are absent (tests/no_fleet_stack/sitecustomize.py).

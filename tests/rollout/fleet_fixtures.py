@@ -62,7 +62,7 @@ def fleet(models, tmp_path_factory):
     shm_before = set(os.listdir("/dev/shm"))
     run_dir = tmp_path_factory.mktemp("fleet_run")
     f = RolloutFleet(
-        RolloutConfig(weight_sync_bucket_mb=1),
+        RolloutConfig(weight_sync_bucket_mb=1, kv_cache_gb=0.25),
         model=models[0]["a"],
         dtype="float32",
         max_model_len=256,

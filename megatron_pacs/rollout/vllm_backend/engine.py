@@ -143,7 +143,6 @@ class VLLMEngine:
         if self.on_cpu and (why := half_engine_refusal(dtype)):  # vLLM would abort the process at its first forward
             raise ValueError(why)
         if self.on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
@@ -164,6 +163,10 @@ class VLLMEngine:
             enable_prefix_caching=True,
         )
         if self.on_cpu:
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's own variable (whole GiB) wins where set
+                # In bytes: the variable took whole GiB, and a --kv-cache-gb of 0.25 was rounded up to 1 (each
+                # engine's start zeroes its whole cache, ~0.4 CPU-s a GiB).
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
             kwargs["enforce_eager"] = True  # compiling adds about a minute per start on CPU
             # A seeded request whose prefill is split across engine steps makes vLLM's CPU runner rewind its
             # generator, which a CPU generator cannot ("CPU Generator does not use offset"); every request here is
