@@ -178,7 +178,9 @@ def launch_queue(request, tmp_path_factory):
     request.config.stash[_QUEUE] = queue
     for module in request.config.stash.get(_LAUNCHING, []):
         root = tmp_path_factory.mktemp(module.__name__.rsplit(".", 1)[-1])
-        queue.plan(module.__name__, module.prepare, module.LAUNCHES, root)
+        queue.plan(
+            module.__name__, module.prepare, module.LAUNCHES, root, getattr(module, "LIGHT_LAUNCHES", frozenset())
+        )
     yield queue
     queue.close()
 

@@ -14,7 +14,9 @@ A module declares, at module level:
   functions and ``PreTrainedModel.tie_weights`` for no-ops process-wide (``transformers.initialization``'s
   ``no_init_weights`` and ``no_tie_weights``), so a tiny model built in a worker thread while a test loaded another
   in the main thread was saved untied or uninitialised (CI: test_distributed's ``qwen2_tied`` 2.8 off HF's logits);
-- ``LAUNCHES: dict[str, Callable[[Any], Any]]``: each launch, by name, from ``prepare``'s result.
+- ``LAUNCHES: dict[str, Callable[[Any], Any]]``: each launch, by name, from ``prepare``'s result;
+- optionally ``LIGHT_LAUNCHES: frozenset[str]``: those of its launches that mostly wait (out a fixed timeout): they
+  start at once, beside the slots, instead of holding one while the CPU idles.
 
 Its tests take the ``launched`` fixture of the module (``launch_queue.futures(__name__)``) and read their own
 launches' futures: a failed launch fails the tests that read it, with the launch's output.
@@ -50,9 +52,10 @@ __all__ = ["LaunchQueue", "run_launch"]
 #: starved that much let Ray's node start-up time out ("The current node timed out during startup", 44 s).
 BACKGROUND_NICE = 10
 
-#: Launches at once in the background. Two: with one, a fifth to a third of the CPU stayed idle while the cluster
-#: tests ran (vmstat, 2026-11-29: 65-84% busy), their processes mostly waiting on one another.
-BACKGROUND_SLOTS = 2
+#: Launches at once in the background. Three: with one, a fifth to a third of the CPU stayed idle while the cluster
+#: tests ran (vmstat, 2026-11-29: 65-84% busy), their processes mostly waiting on one another; with two, 72-94% in
+#: the minutes of the tests marked ``waits``.
+BACKGROUND_SLOTS = 3
 
 _LOCAL = threading.local()  # .queue: the LaunchQueue whose worker thread this is (unset elsewhere)
 
@@ -146,7 +149,10 @@ class LaunchQueue:
     """
 
     def __init__(self, workers: int = 2) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="launch")
+        # a thread per slot, in the background or the foreground: a launch waits in the pool's queue (in order)
+        # until a thread is free, then at most one waits at the gate for a slot
+        self._pool = ThreadPoolExecutor(max_workers=max(workers, BACKGROUND_SLOTS), thread_name_prefix="launch")
+        self._light = ThreadPoolExecutor(max_workers=2, thread_name_prefix="launch-light")
         self._workers = workers
         self._slots, self._nice, self._running = workers, 0, 0
         self._gate = threading.Condition()
@@ -159,19 +165,28 @@ class LaunchQueue:
         self._seconds: dict[str, dict[str, float]] = {}
         self._prepared: dict[str, _Prepared] = {}
 
-    def plan(self, module: str, prepare: Callable[[Path], Any], launches: dict[str, Callable[[Any], Any]], root: Path):
+    def plan(
+        self,
+        module: str,
+        prepare: Callable[[Path], Any],
+        launches: dict[str, Callable[[Any], Any]],
+        root: Path,
+        light: frozenset[str] = frozenset(),
+    ):
         """Run ``module``'s ``prepare`` here, in the calling thread, then queue every launch of the module (after all
-        that were queued before)."""
+        that were queued before). ``light``: launches that mostly wait (out a timeout, for a signal): they start at
+        once, outside the slots, where their waiting costs no slot."""
         prepared = _Prepared(prepare, root)
         self._roots[module], self._prepared[module] = root, prepared
         seconds = self._seconds.setdefault(module, {})
 
         def run(name: str, launch: Callable[[Any], Any]) -> Any:
+            slot = name not in light
             with self._gate:
-                self._gate.wait_for(lambda: self._running < self._slots or self._closed)
+                self._gate.wait_for(lambda: not slot or self._running < self._slots or self._closed)
                 if self._closed:
                     raise RuntimeError("the launch queue closed before this launch started")
-                self._running += 1
+                self._running += slot
             _LOCAL.queue = self
             try:
                 value = prepared.get()
@@ -183,10 +198,16 @@ class LaunchQueue:
             finally:
                 _LOCAL.queue = None
                 with self._gate:
-                    self._running -= 1
+                    self._running -= slot
                     self._gate.notify_all()
 
-        self._futures[module] = {name: self._pool.submit(run, name, launch) for name, launch in launches.items()}
+        unknown = set(light) - set(launches)
+        if unknown:
+            raise ValueError(f"{module}: light launches {sorted(unknown)} are not among its launches")
+        self._futures[module] = {
+            name: (self._light if name in light else self._pool).submit(run, name, launch)
+            for name, launch in launches.items()
+        }
 
     def futures(self, module: str) -> dict[str, Future]:
         """``module``'s launches by name (queued when the session's first launching module started)."""
@@ -248,7 +269,9 @@ class LaunchQueue:
             self._closed = True
             live = list(self._live)
             self._gate.notify_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._light):
+            pool.shutdown(wait=False, cancel_futures=True)
         for proc in live:
             _kill_tree(proc)
-        self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._light):
+            pool.shutdown(wait=True)

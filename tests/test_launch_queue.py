@@ -20,10 +20,10 @@ def _nice(line: str) -> int:
     return int(line.rsplit(" ", 1)[1])
 
 
-def _queue(tmp_path: Path, launches: dict, background: bool) -> LaunchQueue:
+def _queue(tmp_path: Path, launches: dict, background: bool, light: frozenset[str] = frozenset()) -> LaunchQueue:
     queue = LaunchQueue(workers=2)
     queue.background(background)
-    queue.plan("m", lambda root: root, launches, tmp_path)
+    queue.plan("m", lambda root: root, launches, tmp_path, light)
     return queue
 
 
@@ -38,26 +38,45 @@ def _most_at_once(spans: list[tuple[float, float, str]]) -> int:
 
 
 def test_background_runs_its_slots_at_a_low_priority_foreground_two_at_normal(tmp_path):
-    launches = {name: _timed for name in "abc"}
+    launches = {name: _timed for name in "abcdefgh"[: BACKGROUND_SLOTS + 1]}
     queue = _queue(tmp_path, launches, background=True)
     try:
         spans = [f.result(timeout=60) for f in queue.futures("m").values()]
     finally:
         queue.close()
     assert {_nice(out) for _, _, out in spans} == {BACKGROUND_NICE}, spans
-    assert _most_at_once(spans) == BACKGROUND_SLOTS, spans  # three launches, two slots: never three at once
+    assert _most_at_once(spans) == BACKGROUND_SLOTS, spans  # one launch more than the slots: never all at once
     # pytest's own group is untouched (each launch has its own session); it reads empty where pytest runs in the
     # root group (no session of its own, as under CI's runner)
     own = AUTOGROUP.read_text()
     assert not own or _nice(own) == 0, own
 
-    queue = _queue(tmp_path, {"a": _timed, "b": _timed}, background=False)
+    queue = _queue(tmp_path, {"a": _timed, "b": _timed, "c": _timed}, background=False)
     try:
-        (a0, a1, a), (b0, b1, b) = (f.result(timeout=60) for f in queue.futures("m").values())
+        (a0, a1, a), (b0, b1, b), (c0, _, _) = (f.result(timeout=60) for f in queue.futures("m").values())
     finally:
         queue.close()
     assert _nice(a) == _nice(b) == 0, (a, b)
     assert b0 < a1 and a0 < b1, "the foreground ran its two launches one after the other"
+    assert c0 >= min(a1, b1), "a third launch started in the foreground's two slots"
+
+
+def test_a_light_launch_starts_at_once_beside_full_slots_and_a_name_not_launched_is_refused(tmp_path):
+    """``LIGHT_LAUNCHES`` (a launch that waits out a timeout) takes no slot: queued after the slots are full, it
+    runs beside them."""
+    launches = {"a": _timed, "b": _timed, "wait": _timed}
+    queue = _queue(tmp_path, launches, background=False, light=frozenset({"wait"}))
+    try:
+        spans = [f.result(timeout=60) for f in queue.futures("m").values()]
+    finally:
+        queue.close()
+    assert _most_at_once(spans) == 3, spans
+    queue = LaunchQueue(workers=2)
+    try:
+        with pytest.raises(ValueError, match=r"light launches \['nope'\]"):
+            queue.plan("m", lambda root: root, launches, tmp_path, frozenset({"nope"}))
+    finally:
+        queue.close()
 
 
 def _alive(pid: int) -> bool:

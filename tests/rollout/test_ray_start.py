@@ -70,6 +70,8 @@ def _unregistered(root: Path) -> subprocess.CompletedProcess:
 
 
 LAUNCHES = {"unregistered": _unregistered}
+#: it waits out Ray's 30 s registration wait: started with the session, outside the launch slots
+LIGHT_LAUNCHES = frozenset(LAUNCHES)
 
 
 @pytest.mark.slow
