@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The cluster tests (and those marked ``waits``) run first and the modules that declare trainer launches last
     (the longest launches first); the launch queue starts with the session: those modules' tests mostly wait for
     launches, which run beside every other module's tests (which ran after them before, with the launch workers
-    idle). While the early tests run, the queue is in the background, two launches at a low CPU priority
+    idle). While the early tests run, the queue is in the background, three launches at a low CPU priority
     (tests/launch_queue.py): the heartbeat and Slurm timings are measured on a machine whose idle CPU goes to those
     launches."""
     launching = sorted((i for i in items if _launches(i)), key=lambda i: _LONGEST_FIRST.get(i.path.stem, 0))
@@ -163,6 +163,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if modules:
         # the fixture's closure read by pytest's setup (Function.fixturenames), extended after collection
         session.items[0].fixturenames.insert(0, "launch_queue")  # type: ignore[attr-defined]
+    cluster = [i for i in session.items if i.path.parent.name == "cluster"]
+    if any("jobs" in getattr(i, "fixturenames", ()) for i in cluster):
+        # The Slurm tests' five jobs (tests/cluster/cluster_fixtures.py) start with the first cluster test and run
+        # while the other cluster tests do: the Slurm tests, run after those, mostly read finished jobs (they waited
+        # ~110 s for them at the end of the cluster tests).
+        cluster[0].fixturenames.insert(0, "jobs")  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")
@@ -249,7 +255,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     timings = queue.timings() if queue is not None else {}
     if not timings:
         return
-    tr.write_sep("=", "trainer launches (wall seconds, two at a time)")
+    tr.write_sep("=", "trainer launches (wall seconds, two at a time; three in the background)")
     for module, seconds in timings.items():
         for name, s in seconds.items():
             tr.write_line(f"{s:8.1f}s  {module}::{name}")

@@ -35,6 +35,8 @@ own fleets with vLLM imported: Ray runs each worker as ``py_executable default_w
 ``py_executable`` is this module's client.
 
 ``MEGATRON_PACS_ZYGOTE=0`` turns it off (every launch a plain subprocess, every engine the real interpreter).
+``ZYGOTE_KEEP_LOGS=1`` keeps the servers' folder in /tmp: each server's log (why another server, what it forked)
+and ``plain.log`` (why a launch it could have served ran as a plain subprocess).
 """
 
 from __future__ import annotations
@@ -437,7 +439,10 @@ def popen(
     otherwise. ``nice``: the child's autogroup nice (it is in a session of its own either way)."""
     env = dict(os.environ if env is None else env)
 
-    def plain() -> subprocess.Popen:
+    def plain(why: str) -> subprocess.Popen:
+        if os.environ.get("ZYGOTE_KEEP_LOGS", "0") != "0":  # kept with the servers' logs: why a launch ran plain
+            with _LOCK, open(Path(_root()) / "plain.log", "a") as log:
+                log.write(f"{why}: {' '.join(map(str, cmd))[:300]}\n")
         return subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text, env=env, cwd=cwd, start_new_session=True
         )
@@ -454,9 +459,11 @@ def popen(
             start_new_session=True,
             **kwargs,
         )
-    server = _server_for(env, at_request=2) if _extra_path(env) is not None else None
+    if _extra_path(env) is None:
+        return plain("a PYTHONPATH folder with more than a sitecustomize.py")
+    server = _server_for(env, at_request=2)
     if server is None:
-        return plain()
+        return plain("no server for its environment (yet)")
     served = {**env, **_launch_engines(env)} if _starts_engines(command) else dict(env)
     # what it starts through PYTHON_EXEC (torchrun's ranks, a tool's local ranks) is forked by the same server
     served.update(PYTHON_EXEC=client_path(), **{_SOCKET_ENV: server[0]})
@@ -471,7 +478,7 @@ def popen(
     try:
         return ZygotePopen(cmd, server[0], request, text=text)
     except _Refused:  # a plain one has the caller's environment, not the client's for torchrun's ranks
-        return plain()
+        return plain("refused by its server")
 
 
 def run(

@@ -10,16 +10,26 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from deploy import HOSTS, ROLLOUT_HOSTS, TRAIN_HOSTS, Deployment
 from netns import VirtualCluster, namespaces_unavailable
 
-__all__ = ["Run", "cluster_setup", "continuous", "deployment", "netns_ok", "shared_cluster", "wait_engines_gone"]
+__all__ = [
+    "Run",
+    "cluster_setup",
+    "continuous",
+    "deployment",
+    "jobs",
+    "netns_ok",
+    "shared_cluster",
+    "slurm",
+    "wait_engines_gone",
+]
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +56,39 @@ def cluster_setup(tmp_path_factory) -> Path:
     if "setup" not in _SESSION:
         _SESSION["setup"] = make_rl_setup(tmp_path_factory.mktemp("cluster_setup"), tied=False, num_problems=32)
     return cast(Path, _SESSION["setup"])
+
+
+def _once(name: str, start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """A session fixture's value made once per session (each importing module has a fixture of its own): the first
+    to ask starts ``start()``'s generator and finishes it at its own tear-down; the others get the same value."""
+    if name in _SESSION:
+        yield _SESSION[name]
+        return
+    made = start()
+    _SESSION[name] = next(made)
+    try:
+        yield _SESSION[name]
+    finally:
+        del _SESSION[name]
+        with contextlib.suppress(StopIteration):
+            next(made)
+
+
+@pytest.fixture(scope="session")
+def slurm(netns_ok, tmp_path_factory):
+    """tests/cluster/test_slurm.py's Slurm cluster (``slurm_cluster``), for the session: its jobs start with the
+    session's first cluster test (tests/conftest.py), while the other cluster tests run."""
+    import test_slurm  # collected already: the fixture is asked for only where its tests are selected
+
+    yield from _once("slurm", lambda: test_slurm.slurm_cluster(tmp_path_factory))
+
+
+@pytest.fixture(scope="session")
+def jobs(slurm, cluster_setup, tmp_path_factory):
+    """tests/cluster/test_slurm.py's five Slurm jobs (``slurm_jobs``), submitted once per session."""
+    import test_slurm
+
+    yield from _once("jobs", lambda: test_slurm.slurm_jobs(slurm, cluster_setup, tmp_path_factory))
 
 
 class _Terminated(Exception):

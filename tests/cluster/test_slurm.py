@@ -7,7 +7,8 @@ the tiny recipe on one node per group (het-group 0 trains, het-group 1 runs the 
 CPU), runs twice: uninterrupted, and preempted with ``scancel --signal=TERM`` (its Ray cluster stops with the
 ranks' signal), saving, requeueing itself, resuming on a new Ray cluster and completing equal to the uninterrupted
 one. The five runs are submitted at once and run side by side (Slurm schedules them on 9 nodes), each followed by a
-thread, which saves minutes of suite time over one after the other. Each fault's times are printed (``-s`` shows
+thread, which saves minutes of suite time over one after the other; they start with the session's first cluster
+test (tests/conftest.py), so they run while the other cluster tests do. Each fault's times are printed (``-s`` shows
 them).
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 
 import pytest
 import torch
-from cluster_fixtures import cluster_setup, netns_ok  # noqa: F401 - fixtures
+from cluster_fixtures import *  # noqa: F403 - the fixtures (the Slurm ones too: see slurm_cluster)
 from helpers.cpu import PINNED_CPU_ENV
 from slurm import SlurmCluster, slurm_unavailable
 
@@ -50,10 +51,10 @@ NODES = [f"node{i}" for i in range(9)]
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
-@pytest.fixture(scope="module")
-def slurm(netns_ok, tmp_path_factory) -> Iterator[SlurmCluster]:  # noqa: F811
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """Slurm on a controller and 9 node hosts (the plain, preempted and time-limited jobs and the two hetjobs at
-    once: 2 + 2 + 1 + 2 + 2); skipped where it cannot run (a failure under ``CI=true``)."""
+    once: 2 + 2 + 1 + 2 + 2); skipped where it cannot run (a failure under ``CI=true``). The session's ``slurm``
+    fixture (tests/cluster/cluster_fixtures.py)."""
     why = slurm_unavailable()
     if why is not None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
@@ -308,11 +309,11 @@ class Jobs:
         return self.futures[name].result(timeout=600)
 
 
-@pytest.fixture(scope="module")
-def jobs(slurm, cluster_setup, tmp_path_factory) -> Iterator[Jobs]:  # noqa: F811
+def slurm_jobs(slurm: SlurmCluster, cluster_setup: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jobs]:
     """The plain run (and its direct launch), the preempted run, the time-limited run and the two hetjobs, submitted
     at once: Slurm runs them side by side on the 9 nodes (2 + 2 + 1 + 2 + 2), each followed by its own thread; the
-    tests check them. The hetjobs' Ray nodes keep their sockets in short temporary folders, removed at the end."""
+    tests check them. The hetjobs' Ray nodes keep their sockets in short temporary folders, removed at the end. The
+    session's ``jobs`` fixture (tests/cluster/cluster_fixtures.py), started with the first cluster test."""
     root = tmp_path_factory.mktemp("jobs")
     ray_tmp = Path(tempfile.mkdtemp(prefix="mph", dir="/tmp"))
     _STOP.clear()
@@ -394,7 +395,7 @@ def test_signal_term_before_the_time_limit_saves_and_requeues(slurm, jobs):
 
 def test_a_signal_margin_shorter_than_the_grace_period_is_refused_before_any_node_works(
     slurm,
-    cluster_setup,  # noqa: F811
+    cluster_setup,
     tmp_path,
 ):
     run = tmp_path / "short"
