@@ -11,6 +11,11 @@ from launch_queue import LaunchQueue
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
+# One OpenMP thread per process unless the caller set a count: the suite runs several processes per core, and the
+# launches it starts inherit this. Without it numpy's OpenBLAS starts a thread per core at its import, and a fork
+# server with a second thread serves nothing (tests/zygote.py): each such launch ran as a plain subprocess.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:

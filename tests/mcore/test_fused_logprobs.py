@@ -10,12 +10,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import zygote
+from launch_queue import run_launch
 
 from megatron_pacs.mcore import fused_logprobs
 from megatron_pacs.mcore.logprobs import vocab_parallel_logprobs
@@ -76,20 +78,20 @@ def test_fused_request_is_refused_where_it_cannot_run():
         vocab_parallel_logprobs(x, labels, impl="bogus")  # type: ignore[arg-type]
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_fused_kernels_under_the_triton_interpreter_match_float64_at_tp1_and_tp2(tmp_path):
-    """fp32 and bf16 logits, one and several vocabulary tiles (ragged last tile), temperature 0.7, with the entropy
-    and its gradient; the TP=2 run combines per-rank statistics with the same all-reduces as the chunked path.
-    The interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest), so the bf16 gradient bound is one
-    bf16 unit of the largest entry here and half of it in the GPU test."""
+def prepare(root: Path) -> Path:
+    return root
+
+
+def _interpreted(root: Path) -> tuple[subprocess.CompletedProcess[str], Path] | None:
+    """``fused_checks.py`` on 2 ranks under the interpreter (~20 s): a launch (tests/launch_queue.py), off the
+    in-process tests' path; None where Triton is not installed."""
     path = _triton_path()
     if path is None:
-        pytest.skip(f"Triton is not installed (`make install` puts it in {INTERPRETER_TRITON} for this test)")
+        return None
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     if path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
-    out = tmp_path / "fused.json"
+    out = root / "fused.json"
     cmd = [
         sys.executable,
         "-m",
@@ -100,7 +102,24 @@ def test_fused_kernels_under_the_triton_interpreter_match_float64_at_tp1_and_tp2
         "--out",
         str(out),
     ]
-    proc = zygote.run(cmd, timeout=600, env=env)
+    return run_launch(cmd, timeout=600, env=env), out
+
+
+#: queued for the session (tests/launch_queue.py)
+LAUNCHES = {"interpreted": _interpreted}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fused_kernels_under_the_triton_interpreter_match_float64_at_tp1_and_tp2(launched):
+    """fp32 and bf16 logits, one and several vocabulary tiles (ragged last tile), temperature 0.7, with the entropy
+    and its gradient; the TP=2 run combines per-rank statistics with the same all-reduces as the chunked path.
+    The interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest), so the bf16 gradient bound is one
+    bf16 unit of the largest entry here and half of it in the GPU test."""
+    ran = launched["interpreted"].result()
+    if ran is None:
+        pytest.skip(f"Triton is not installed (`make install` puts it in {INTERPRETER_TRITON} for this test)")
+    proc, out = ran
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = json.loads(out.read_text())
     assert any(k.startswith("tp2/V9000") for k in results) and any(k.startswith("tp1/V9000") for k in results)
