@@ -16,7 +16,7 @@ A module declares, at module level:
   in the main thread was saved untied or uninitialised (CI: test_distributed's ``qwen2_tied`` 2.8 off HF's logits);
 - ``LAUNCHES: dict[str, Callable[[Any], Any]]``: each launch, by name, from ``prepare``'s result;
 - optionally ``LIGHT_LAUNCHES: frozenset[str]``: those of its launches that mostly wait (out a fixed timeout): they
-  start at once, beside the slots, instead of holding one while the CPU idles.
+  start beside the slots once the queue is in the foreground, instead of holding a slot while the CPU idles.
 
 Its tests take the ``launched`` fixture of the module (``launch_queue.futures(__name__)``) and read their own
 launches' futures: a failed launch fails the tests that read it, with the launch's output.
@@ -174,8 +174,9 @@ class LaunchQueue:
         light: frozenset[str] = frozenset(),
     ):
         """Run ``module``'s ``prepare`` here, in the calling thread, then queue every launch of the module (after all
-        that were queued before). ``light``: launches that mostly wait (out a timeout, for a signal): they start at
-        once, outside the slots, where their waiting costs no slot."""
+        that were queued before). ``light``: launches that mostly wait (out a timeout, for a signal): they start
+        outside the slots, where their waiting costs no slot, once the queue is in the foreground (a wait that
+        measures a start, as Ray's registration time does, is not measured beside the background's load)."""
         prepared = _Prepared(prepare, root)
         self._roots[module], self._prepared[module] = root, prepared
         seconds = self._seconds.setdefault(module, {})
@@ -183,7 +184,7 @@ class LaunchQueue:
         def run(name: str, launch: Callable[[Any], Any]) -> Any:
             slot = name not in light
             with self._gate:
-                self._gate.wait_for(lambda: not slot or self._running < self._slots or self._closed)
+                self._gate.wait_for(lambda: (self._running < self._slots if slot else self._nice == 0) or self._closed)
                 if self._closed:
                     raise RuntimeError("the launch queue closed before this launch started")
                 self._running += slot

@@ -61,10 +61,20 @@ def test_background_runs_its_slots_at_a_low_priority_foreground_two_at_normal(tm
     assert c0 >= min(a1, b1), "a third launch started in the foreground's two slots"
 
 
-def test_a_light_launch_starts_at_once_beside_full_slots_and_a_name_not_launched_is_refused(tmp_path):
+def test_a_light_launch_waits_for_the_foreground_then_runs_beside_full_slots(tmp_path):
     """``LIGHT_LAUNCHES`` (a launch that waits out a timeout) takes no slot: queued after the slots are full, it
-    runs beside them."""
+    runs beside them; in the background it waits for the foreground. A name not among the launches is refused."""
     launches = {"a": _timed, "b": _timed, "wait": _timed}
+    queue = _queue(tmp_path, launches, background=True, light=frozenset({"wait"}))
+    try:
+        time.sleep(2)  # the background's slots ran a and b; the light one waited
+        assert not queue.futures("m")["wait"].done()
+        queue.background(False)
+        spans = {name: f.result(timeout=60) for name, f in queue.futures("m").items()}
+    finally:
+        queue.close()
+    assert spans["wait"][0] >= max(spans["a"][0], spans["b"][0]), spans
+    assert _nice(spans["wait"][2]) == 0, spans
     queue = _queue(tmp_path, launches, background=False, light=frozenset({"wait"}))
     try:
         spans = [f.result(timeout=60) for f in queue.futures("m").values()]

@@ -70,7 +70,9 @@ def _unregistered(root: Path) -> subprocess.CompletedProcess:
 
 
 LAUNCHES = {"unregistered": _unregistered}
-#: it waits out Ray's 30 s registration wait: started with the session, outside the launch slots
+#: it waits out Ray's 30 s registration wait, outside the launch slots, once the queue is in the foreground: at the
+#: session's start, beside the cluster tests, Slurm's jobs and three background launches, the second, unstopped
+#: raylet missed the 30 s too (a clean-clone run, 2026-11-29: attempt 3 of 3 started)
 LIGHT_LAUNCHES = frozenset(LAUNCHES)
 
 
